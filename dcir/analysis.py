@@ -1,0 +1,90 @@
+"""Analyses: functions of a function or module that return plain data.
+
+Passes read these and do not re-derive them.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from dcir import ops as registry
+from dcir.ir import Function, Op, Value
+
+#: The use of a value by ``return`` is recorded with this in place of an op.
+RETURN = None
+
+
+def uses(func: Function) -> dict[Value, list[tuple[Op | None, int]]]:
+    """Every value's uses: (op, operand index), or (RETURN, index) for the return."""
+    out: dict[Value, list[tuple[Op | None, int]]] = {v: [] for v in func.values()}
+    for op in func.ops:
+        for i, v in enumerate(op.operands):
+            out.setdefault(v, []).append((op, i))
+    for i, v in enumerate(func.returns):
+        out.setdefault(v, []).append((RETURN, i))
+    return out
+
+
+def dependency_graph(func: Function) -> nx.DiGraph:
+    """The ops of ``func`` as a DAG, nodes numbered by schedule position.
+
+    Edges carry ``kind``: ``"data"`` (a result feeds an operand), ``"state"`` (reads and
+    writes of the same symbol keep their order), ``"collective"`` (collectives keep
+    their order on every rank) and ``"free"`` (a ``mem.free`` follows every reader of
+    what it frees). Any topological order of this graph is a valid schedule.
+    """
+    g = nx.DiGraph()
+    g.add_nodes_from(range(len(func.ops)))
+    where: dict[Value, int] = {}
+    readers: dict[Value, list[int]] = {}
+    last_write: dict[str, int] = {}
+    reads_since_write: dict[str, list[int]] = {}
+    last_collective = None
+    for i, op in enumerate(func.ops):
+        d = registry.lookup(op.name)
+        for v in op.operands:
+            if v in where:
+                g.add_edge(where[v], i, kind="data")
+            readers.setdefault(v, []).append(i)
+        if d is not None and d.has(registry.FREES):
+            for v in op.operands:
+                for r in readers.get(v, ()):
+                    if r != i:
+                        g.add_edge(r, i, kind="free")
+        if op.symbol is not None and d is not None:
+            if d.has(registry.WRITES_STATE):
+                for r in reads_since_write.pop(op.symbol, ()):
+                    g.add_edge(r, i, kind="state")
+                if op.symbol in last_write:
+                    g.add_edge(last_write[op.symbol], i, kind="state")
+                last_write[op.symbol] = i
+            elif d.has(registry.READS_STATE):
+                if op.symbol in last_write:
+                    g.add_edge(last_write[op.symbol], i, kind="state")
+                reads_since_write.setdefault(op.symbol, []).append(i)
+        if d is not None and d.has(registry.COLLECTIVE):
+            if last_collective is not None:
+                g.add_edge(last_collective, i, kind="collective")
+            last_collective = i
+        for r in op.results:
+            where[r] = i
+    return g
+
+
+def live_ops(func: Function) -> set[int]:
+    """Positions of the ops whose effect is observable: side effects, what the function
+    returns, and everything they depend on through data. A ``mem.free`` is live only
+    while something it frees is."""
+    g = dependency_graph(func)
+    data = nx.DiGraph((a, b) for a, b, kind in g.edges(data="kind") if kind == "data")
+    data.add_nodes_from(g)
+    roots = set()
+    for i, op in enumerate(func.ops):
+        d = registry.lookup(op.name)
+        if d is None or (d.has(registry.SIDE_EFFECT) and not d.has(registry.FREES)):
+            roots.add(i)
+    where = {r: i for i, op in enumerate(func.ops) for r in op.results}
+    roots.update(where[v] for v in func.returns if v in where)
+    sink = len(func.ops)  # one node below every root, so one search finds all that they need
+    data.add_edges_from((r, sink) for r in roots)
+    return nx.ancestors(data, sink)

@@ -1,0 +1,178 @@
+"""What DCIR knows about ``aten`` ops: their schemas, and how an op's operands and
+attributes map onto a schema's arguments.
+
+The table is read from the installed torch once and cached as JSON per torch version
+(importing torch costs seconds; reading the cache costs milliseconds), so ``dcir-opt``
+can verify aten ops without importing torch.
+
+Argument mapping (the convention the whole project uses, see docs/language.md):
+
+* tensor arguments (``Tensor``, ``Tensor?``, ``Tensor[]``) are operands, in schema order;
+* every other argument is an attribute named like the schema argument (``{dim = 1}``);
+  an optional tensor that is absent is written as an attribute with value ``none``;
+* arguments that keep their schema default may be left out;
+* a single ``Tensor[]`` argument takes all operands not taken by the plain tensor
+  arguments (``aten.cat.default(%a, %b) {dim = 1}``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class Arg:
+    name: str
+    type: str  # torch's spelling: "Tensor", "Optional[Tensor]", "List[Tensor]", "List[int]", "number", ...
+    has_default: bool
+    kwarg_only: bool
+    alias_set: str | None  # "a" for Tensor(a) / Tensor(a!)
+    mutable: bool
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.type in ("Tensor", "Optional[Tensor]")
+
+    @property
+    def is_tensor_list(self) -> bool:
+        return self.type in ("List[Tensor]", "List[Optional[Tensor]]")
+
+
+@dataclass(frozen=True, slots=True)
+class Schema:
+    name: str  # "aten.addmm.default"
+    args: tuple[Arg, ...]
+    returns: tuple[Arg, ...]
+
+    @property
+    def mutates(self) -> bool:
+        return any(a.mutable for a in self.args)
+
+    @property
+    def variadic_results(self) -> bool:
+        return len(self.returns) == 1 and self.returns[0].is_tensor_list
+
+    def aliased_operand(self, result_index: int) -> str | None:
+        """The argument a result aliases (a view of its storage), or None."""
+        if self.variadic_results:
+            result_index = 0
+        if result_index >= len(self.returns):
+            return None
+        alias = self.returns[result_index].alias_set
+        if alias is None:
+            return None
+        return next((a.name for a in self.args if a.alias_set == alias), None)
+
+
+def _cache_path(version: str) -> Path:
+    root = Path(os.environ.get("DCIR_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dcir")
+    return root / f"aten-schemas-torch-{version}.json"
+
+
+def _arg_record(a) -> list:
+    info = a.alias_info
+    alias = sorted(info.before_set)[0] if info is not None and info.before_set else None
+    return [a.name, str(a.type), bool(a.has_default_value()), bool(a.kwarg_only), alias,
+            bool(info is not None and info.is_write)]
+
+
+def _read_from_torch() -> dict[str, list]:
+    import torch  # noqa: F401  (registers the aten schemas)
+    from torch._C import _jit_get_all_schemas
+
+    table = {}
+    for s in _jit_get_all_schemas():
+        if not s.name.startswith("aten::"):
+            continue
+        key = f"aten.{s.name[len('aten::'):]}.{s.overload_name or 'default'}"
+        table[key] = [[_arg_record(a) for a in s.arguments], [_arg_record(r) for r in s.returns]]
+    return table
+
+
+@lru_cache(maxsize=1)
+def _table() -> dict[str, list]:
+    version = metadata.version("torch")
+    path = _cache_path(version)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    table = _read_from_torch()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only home only costs the next run the torch import
+    return table
+
+
+@lru_cache(maxsize=None)
+def schema(op_name: str) -> Schema | None:
+    """The schema of ``aten.<name>.<overload>``; ``aten.<name>`` means the default overload."""
+    parts = op_name.split(".")
+    if len(parts) == 2:
+        op_name += ".default"
+    record = _table().get(op_name)
+    if record is None:
+        return None
+    args, rets = record
+    return Schema(op_name, tuple(Arg(*a) for a in args), tuple(Arg(*r) for r in rets))
+
+
+def overloads(base: str) -> list[str]:
+    """Known overloads of ``aten.<name>`` (for 'did you mean' notes)."""
+    prefix = base + "."
+    return sorted(k for k in _table() if k.startswith(prefix))
+
+
+class MappingError(ValueError):
+    """Operands and attributes that do not fit the schema; the message says how."""
+
+
+def bind(sch: Schema, n_operands: int, attrs: dict) -> list[tuple[Arg, object]]:
+    """Map an op's operands (by index) and attributes onto ``sch``'s arguments.
+
+    Returns ``(arg, source)`` for each argument the op supplies, where source is
+    ``("operand", i)``, ``("operands", start, stop)`` for a tensor list, or
+    ``("attr", key)``. Raises ``MappingError`` when they do not fit.
+    """
+    names = {a.name for a in sch.args}
+    unknown = [k for k in attrs if "." not in k and k not in names]
+    if unknown:
+        valid = ", ".join(a.name for a in sch.args if not a.is_tensor and not a.is_tensor_list) or "none"
+        raise MappingError(f"unknown attribute '{unknown[0]}' for {sch.name}; its attributes are: {valid}")
+    lists = [a for a in sch.args if a.is_tensor_list and a.name not in attrs]
+    if len(lists) > 1:
+        raise MappingError(f"{sch.name} takes several tensor lists; DCIR cannot map operands to it")
+    singles = [a for a in sch.args if a.is_tensor and a.name not in attrs]
+    bound: list[tuple[Arg, object]] = []
+    next_operand = 0
+    list_len = max(0, n_operands - len(singles)) if lists else 0
+    for a in sch.args:
+        if a.name in attrs:
+            if a.is_tensor and attrs[a.name] is not None:
+                raise MappingError(f"tensor argument '{a.name}' of {sch.name} must be an operand; "
+                                   f"only an absent optional tensor is an attribute: {{{a.name} = none}}")
+            bound.append((a, ("attr", a.name)))
+            continue
+        if a.is_tensor_list and lists:
+            bound.append((a, ("operands", next_operand, next_operand + list_len)))
+            next_operand += list_len
+            continue
+        if a.is_tensor and next_operand < n_operands:
+            bound.append((a, ("operand", next_operand)))
+            next_operand += 1
+            continue
+        if not a.has_default:
+            what = "operand" if a.is_tensor or a.is_tensor_list else "attribute"
+            raise MappingError(f"{sch.name} needs its argument '{a.name}' ({a.type}) as an {what}")
+    if next_operand < n_operands:
+        raise MappingError(f"{sch.name} takes at most {next_operand} tensor operands, got {n_operands}")
+    return bound

@@ -1,0 +1,284 @@
+"""The op registry: every op family declared as data.
+
+An ``OpDef`` says how many operands and results an op takes, which attributes it
+accepts, its traits, and a type rule (operand types -> result types). The verifier and
+the passes read these declarations; nothing else in DCIR lists op names. ``aten.*`` is
+one open family whose members come from torch's own schemas (``dcir.aten``).
+
+Traits:
+
+=============  =====================================================================
+``pure``        no side effect: removable when its results are unused
+``compute``     computes on full tensors (never shards, pending or host values)
+``async``       starts work and yields pending values, joined by a ``waits`` op
+``waits``       joins pending values
+``collective``  every rank must issue it, in the same order
+``reduces``     combines its operands across ranks (sum, avg, ...)
+``frees``       releases the storage of its operands
+``allocates``   its results occupy new memory
+``side_effect`` must run even when nothing reads its results
+``reads_state`` reads a module-level symbol's storage
+``writes_state`` writes a module-level symbol's storage
+=============  =====================================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from dcir import aten
+from dcir.ir import HostType, Op, PendingType, ShardType, TensorType, Type
+
+PURE, COMPUTE, ASYNC, WAITS, COLLECTIVE, REDUCES = "pure", "compute", "async", "waits", "collective", "reduces"
+FREES, ALLOCATES, SIDE_EFFECT, READS_STATE, WRITES_STATE = "frees", "allocates", "side_effect", "reads_state", "writes_state"
+
+REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+class TypeRuleError(ValueError):
+    """An operand or declared type that an op's type rule rejects; the message says why."""
+
+    def __init__(self, message: str, operand: int | None = None):
+        super().__init__(message)
+        self.operand = operand  # index of the offending operand, for the caret
+
+
+@dataclass(frozen=True)
+class AttrSpec:
+    kind: str  # "int", "str", "unit", "enum", "int_list"
+    required: bool = False
+    choices: tuple[str, ...] = ()
+
+    def check(self, value: object) -> str | None:
+        """None when ``value`` fits, else what was expected."""
+        ok = {
+            "int": isinstance(value, int) and not isinstance(value, bool),
+            "str": isinstance(value, str),
+            "enum": isinstance(value, str) and value in self.choices,
+            "int_list": isinstance(value, tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value),
+        }.get(self.kind, True)
+        if ok:
+            return None
+        if self.kind == "enum":
+            return "one of " + ", ".join(f'"{c}"' for c in self.choices)
+        return {"int": "an integer", "str": "a string", "int_list": "a list of integers"}.get(self.kind, self.kind)
+
+
+# A type rule gets the op, its operand types and the module; it returns the result
+# types the op must declare, or raises TypeRuleError.
+TypeRule = Callable[[Op, list[Type], object], list[Type]]
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    summary: str
+    operands: tuple[int, int | None]  # (min, max); max None = variadic
+    results: tuple[int, int | None] | str  # or "per_operand": one result per operand
+    traits: frozenset[str]
+    type_rule: TypeRule
+    attrs: dict[str, AttrSpec] = field(default_factory=dict)
+    symbol: bool = False  # takes a module-level symbol: ``param.get @w``
+    example: str = ""
+
+    def has(self, trait: str) -> bool:
+        return trait in self.traits
+
+
+# ---- type rules ----------------------------------------------------------------------
+
+def _full_or_shard(t: Type, what: str, i: int = 0) -> Type:
+    if not isinstance(t, (TensorType, ShardType)):
+        raise TypeRuleError(f"{what} must be a device tensor or shard, got {t}", i)
+    return t
+
+
+def _world(module, op: Op) -> int:
+    parts = op.attrs.get("parts", module.world_size)
+    if not isinstance(parts, int) or parts < 1:
+        raise TypeRuleError(f"{op.name} needs the number of shards: give the module a world_size "
+                            "attribute or the op a 'parts' attribute")
+    return parts
+
+
+def _rule_param_get(op, types, module):
+    return [module.decls[op.symbol].type]
+
+
+def _rule_param_set(op, types, module):
+    decl = module.decls[op.symbol]
+    if types[0] != decl.type:
+        raise TypeRuleError(f"@{op.symbol} holds {decl.type}, but the value written is {types[0]}", 0)
+    return []
+
+
+def _rule_grad_set(op, types, module):
+    decl = module.decls[op.symbol]
+    allowed = {decl.type, decl.full_type, ShardType(decl.full_type, module.world_size or 1)}
+    if types[0] not in allowed:
+        raise TypeRuleError(f"gradient of @{op.symbol} must be {decl.type}"
+                            + (f" or its shard" if decl.type == decl.full_type else "") + f", got {types[0]}", 0)
+    return []
+
+
+def _rule_all_gather(op, types, module):
+    out = []
+    for i, t in enumerate(types):
+        if not isinstance(t, ShardType):
+            raise TypeRuleError(f"{op.name} gathers shards; operand #{i} is {t}", i)
+        out.append(PendingType(t.full))
+    return out
+
+
+def _rule_reduce_scatter(op, types, module):
+    parts = _world(module, op)
+    out = []
+    for i, t in enumerate(types):
+        if not isinstance(t, TensorType):
+            raise TypeRuleError(f"{op.name} reduces full tensors; operand #{i} is {t}", i)
+        out.append(PendingType(ShardType(t, parts)))
+    return out
+
+
+def _rule_all_reduce(op, types, module):
+    for i, t in enumerate(types):
+        _full_or_shard(t, f"operand #{i} of {op.name}", i)
+    return [PendingType(t) for t in types]
+
+
+def _rule_wait(op, types, module):
+    out = []
+    for i, t in enumerate(types):
+        if not isinstance(t, PendingType):
+            raise TypeRuleError(f"comm.wait joins pending values; operand #{i} is {t}", i)
+        out.append(t.inner)
+    return out
+
+
+def _rule_free(op, types, module):
+    for i, t in enumerate(types):
+        if isinstance(t, PendingType):
+            raise TypeRuleError(f"cannot free a pending value (operand #{i}); wait for it first", i)
+    return []
+
+
+def _rule_offload(op, types, module):
+    t = _full_or_shard(types[0], "the offloaded value")
+    return [PendingType(HostType(t))]
+
+
+def _rule_reload(op, types, module):
+    if not isinstance(types[0], HostType):
+        raise TypeRuleError(f"mem.reload brings a host value back; the operand is {types[0]}", 0)
+    return [PendingType(types[0].inner)]
+
+
+def _rule_aten(op, types, module):
+    """aten result types come from capture (FX metadata); the arity is checked here."""
+    sch = aten.schema(op.name)
+    n = len(op.results)
+    if not sch.variadic_results and n != len(sch.returns):
+        raise TypeRuleError(f"{op.name} returns {len(sch.returns)} values, but {n} are defined")
+    return [r.type for r in op.results]
+
+
+# ---- the registry --------------------------------------------------------------------
+
+_GROUP = {"group": AttrSpec("str")}
+_REDUCE = {"op": AttrSpec("enum", required=True, choices=REDUCE_OPS), "group": AttrSpec("str"), "parts": AttrSpec("int")}
+
+OPS: dict[str, OpDef] = {d.name: d for d in [
+    OpDef("param.get", "Read this rank's storage of a parameter or buffer (its declared type).",
+          (0, 0), (1, 1), frozenset({READS_STATE}), _rule_param_get, symbol=True,
+          example="%w = param.get @fc1.weight : shard<f32[16, 8], 2>"),
+    OpDef("param.set", "Overwrite a parameter's or buffer's storage (BatchNorm running stats, optimizer updates).",
+          (1, 1), (0, 0), frozenset({WRITES_STATE, SIDE_EFFECT}), _rule_param_set, symbol=True,
+          example="param.set @bn.running_mean(%new_mean)"),
+    OpDef("grad.set", "Hand the (reduced) gradient of a trainable parameter to the optimizer.",
+          (1, 1), (0, 0), frozenset({SIDE_EFFECT}), _rule_grad_set, symbol=True,
+          example="grad.set @fc1.weight(%grad_shard)"),
+    OpDef("comm.all_gather", "Start gathering a shard from every rank into the full tensor.",
+          (1, 1), (1, 1), frozenset({ASYNC, COLLECTIVE, ALLOCATES}), _rule_all_gather, _GROUP,
+          example="%p = comm.all_gather(%w) : pending<f32[16, 8]>"),
+    OpDef("comm.all_gather_coalesced", "Start one all_gather for several shards.",
+          (1, None), "per_operand", frozenset({ASYNC, COLLECTIVE, ALLOCATES}), _rule_all_gather, _GROUP,
+          example="%p, %q = comm.all_gather_coalesced(%w, %b) : pending<f32[16, 8]>, pending<f32[16]>"),
+    OpDef("comm.reduce_scatter", "Start reducing a full tensor across ranks; each rank gets its shard.",
+          (1, 1), (1, 1), frozenset({ASYNC, COLLECTIVE, REDUCES, ALLOCATES}), _rule_reduce_scatter, _REDUCE,
+          example='%p = comm.reduce_scatter(%g) {op = "avg"} : pending<shard<f32[16, 8], 2>>'),
+    OpDef("comm.reduce_scatter_coalesced", "Start one reduce_scatter for several tensors.",
+          (1, None), "per_operand", frozenset({ASYNC, COLLECTIVE, REDUCES, ALLOCATES}), _rule_reduce_scatter, _REDUCE,
+          example='%p, %q = comm.reduce_scatter_coalesced(%g, %h) {op = "avg"} : pending<shard<f32[16, 8], 2>>, pending<shard<f32[16], 2>>'),
+    OpDef("comm.all_reduce", "Start reducing a tensor across ranks; every rank gets the result.",
+          (1, 1), (1, 1), frozenset({ASYNC, COLLECTIVE, REDUCES, ALLOCATES}), _rule_all_reduce,
+          {k: v for k, v in _REDUCE.items() if k != "parts"},
+          example='%p = comm.all_reduce(%g) {op = "sum"} : pending<f32[16]>'),
+    OpDef("comm.all_reduce_coalesced", "Start one all_reduce for several tensors.",
+          (1, None), "per_operand", frozenset({ASYNC, COLLECTIVE, REDUCES, ALLOCATES}), _rule_all_reduce,
+          {k: v for k, v in _REDUCE.items() if k != "parts"},
+          example='%p, %q = comm.all_reduce_coalesced(%g, %h) {op = "sum"} : pending<f32[16]>, pending<f32[4]>'),
+    OpDef("comm.wait", "Join pending values (collectives, offloads, reloads); results are usable values.",
+          (1, None), "per_operand", frozenset({WAITS}), _rule_wait,
+          example="%w_full = comm.wait(%p) : f32[16, 8]"),
+    OpDef("mem.free", "Release the storage of values (and of every view of them) after their last use.",
+          (1, None), (0, 0), frozenset({FREES, SIDE_EFFECT}), _rule_free,
+          example="mem.free(%w_full, %t)"),
+    OpDef("mem.offload", "Start copying a device value to host memory.",
+          (1, 1), (1, 1), frozenset({ASYNC, ALLOCATES}), _rule_offload,
+          example="%h = mem.offload(%exp_avg) : pending<host<shard<f32[16, 8], 2>>>"),
+    OpDef("mem.reload", "Start copying a host value back to the device.",
+          (1, 1), (1, 1), frozenset({ASYNC, ALLOCATES}), _rule_reload,
+          example="%d = mem.reload(%h) : pending<shard<f32[16, 8], 2>>"),
+]}
+
+ATEN = OpDef("aten.*", "Compute: one-to-one with a torch.ops.aten overload (operands are its tensor arguments, "
+             "attributes its other arguments).", (0, None), (0, None), frozenset({PURE, COMPUTE, ALLOCATES}), _rule_aten,
+             example="%addmm = aten.addmm.default(%b, %x, %t) : f32[4, 16]")
+
+_MUTATING_ATEN = OpDef("aten.*", ATEN.summary, (0, None), (0, None), frozenset({COMPUTE, SIDE_EFFECT, ALLOCATES}),
+                       _rule_aten, example=ATEN.example)
+
+FAMILIES = ("aten", "comm", "grad", "mem", "param")
+
+#: Attributes every op may carry. Keys with a dot (``prof.time_us``) are free-form too.
+COMMON_ATTRS = {"ranks": AttrSpec("int_list")}
+
+
+def lookup(name: str) -> OpDef | None:
+    """The definition of op ``name``, or None if DCIR does not know it."""
+    d = OPS.get(name)
+    if d is not None:
+        return d
+    if not name.startswith("aten."):
+        return None
+    sch = aten.schema(name)
+    if sch is None:
+        return None
+    return _MUTATING_ATEN if sch.mutates else ATEN
+
+
+def has_trait(op: Op, trait: str) -> bool:
+    d = lookup(op.name)
+    return d is not None and trait in d.traits
+
+
+def views(op: Op) -> dict[int, int]:
+    """For each result that is a view of an operand's storage, the operand's index."""
+    if not op.name.startswith("aten."):
+        return {}
+    sch = aten.schema(op.name)
+    if sch is None:
+        return {}
+    try:
+        bound = aten.bind(sch, len(op.operands), op.attrs)
+    except aten.MappingError:
+        return {}
+    where = {a.name: src[1] for a, src in bound if src[0] == "operand"}
+    out = {}
+    for i in range(len(op.results)):
+        arg = sch.aliased_operand(i)
+        if arg in where:
+            out[i] = where[arg]
+    return out
+

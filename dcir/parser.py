@@ -1,0 +1,528 @@
+"""Text -> ``Module``: the Lark grammar in ``grammar.lark`` defines the language.
+
+Lark parses everything, but a real module is large (an 80-layer model's training
+step has ~100k ops) and Lark's pure-Python lexer costs ~10 us a token. Op lines of a
+module repeat the same few hundred shapes with different value names, so the parser
+parses each distinct *shape* once:
+
+1. In a function body, a line that holds exactly one complete op (brackets balanced,
+   no string literal) is a candidate. Its value names are replaced by a placeholder,
+   and that template is parsed with the grammar's ``op`` rule once per distinct
+   template; the line's own names are put back in.
+2. Candidate lines are blanked (newlines kept, so positions stay right) and the rest,
+   the skeleton, is parsed with the full grammar; it still accepts any op, on any
+   number of lines.
+
+A candidate whose template does not parse is left in the skeleton, so every error is
+reported by the full grammar in context. ``parse(text, fast=False)`` parses with the
+full grammar alone; tests check that both give the same module.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from lark import Lark, Token, Transformer, UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, v_args
+
+from dcir.diagnostics import DcirError, Diagnostic, Note
+from dcir.ir import (NONE, UNIT, Decl, DType, Function, HostType, Module, Op, PendingType, ShardType, Source,
+                     SymbolRef, TensorType, Value)
+
+GRAMMAR = Path(__file__).with_name("grammar.lark")
+
+
+@lru_cache(maxsize=1)
+def _lark() -> Lark:
+    return Lark(GRAMMAR.read_text(), parser="lalr", lexer="contextual", strict=True,
+                start=["start", "op"], propagate_positions=True, maybe_placeholders=True, cache=True)
+
+
+# ---- tree -> raw structures ----------------------------------------------------------
+
+@dataclass(slots=True)
+class RawOp:
+    results: list[Token]
+    name: str
+    symbol: str | None
+    operands: list[Token] | None  # None: written without parentheses
+    attrs: dict
+    types: list
+    line: int
+    col: int
+
+
+@dataclass(slots=True)
+class RawFunc:
+    name: str
+    args: list
+    result_types: list
+    attrs: dict
+    ops: list[RawOp]
+    ret: list[Token]
+    line: int
+    col: int
+    end_line: int
+    ret_loc: tuple[int, int]
+
+
+def unquote_symbol(tok: str) -> str:
+    body = tok[1:]
+    return json.loads(body) if body.startswith('"') else body
+
+
+_DIMS = re.compile(r"\d+")
+
+
+@lru_cache(maxsize=4096)
+def tensor_type(text: str) -> TensorType:
+    dtype, dims = text.split("[", 1)
+    return TensorType(dtype, tuple(int(d) for d in _DIMS.findall(dims)))
+
+
+class _ToRaw(Transformer):
+    """Turns the parse tree into raw structures; value names stay tokens (with positions)."""
+
+    # types
+    def tensor_type(self, c):
+        return tensor_type(str(c[0]))
+
+    def shard_type(self, c):
+        inner, parts = c
+        if not isinstance(inner, TensorType):
+            raise _SemanticError(f"a shard is a shard of a tensor type, not of {inner}", parts)
+        if int(parts) < 1:
+            raise _SemanticError("a shard splits a tensor across at least 1 rank", parts)
+        return ShardType(inner, int(parts))
+
+    def pending_type(self, c):
+        return PendingType(c[0])
+
+    def host_type(self, c):
+        if not isinstance(c[0], (TensorType, ShardType)):
+            raise _SemanticError(f"host<...> holds a tensor or a shard, not {c[0]}", None)
+        return HostType(c[0])
+
+    def none_type(self, c):
+        return NONE
+
+    # attributes
+    def int_attr(self, c):
+        return int(c[0])
+
+    def float_attr(self, c):
+        return float(c[0])
+
+    def str_attr(self, c):
+        return json.loads(c[0])
+
+    def true_attr(self, c):
+        return True
+
+    def false_attr(self, c):
+        return False
+
+    def none_attr(self, c):
+        return _NONE_ATTR
+
+    def symbol_attr(self, c):
+        return SymbolRef(unquote_symbol(c[0]))
+
+    def dtype_attr(self, c):
+        return DType(str(c[0]))
+
+    def list_attr(self, c):
+        if c == [None]:
+            return ()
+        return tuple(None if v is _NONE_ATTR else v for v in c)
+
+    def attr(self, c):
+        key, value = c
+        name = json.loads(key) if key.type == "STRING" else str(key)
+        if value is None:  # written without '= value'
+            value = UNIT
+        elif value is _NONE_ATTR:
+            value = None
+        return name, key, value
+
+    def attr_dict(self, c):
+        out = {}
+        for item in c:
+            if item is None:
+                continue
+            key, tok, value = item
+            if key in out:
+                raise _SemanticError(f"attribute '{key}' given twice", tok)
+            out[key] = value
+        return out
+
+    def attributes(self, c):
+        return c[0]
+
+    # lists
+    def value_list(self, c):
+        return list(c)
+
+    def type_list(self, c):
+        return list(c)
+
+    def operands(self, c):
+        return c[0] or []
+
+    @v_args(meta=True)
+    def op(self, meta, c):
+        results, name, symbol, operands, attrs, types = c
+        return RawOp(results or [], str(name), unquote_symbol(symbol) if symbol else None, operands,
+                     attrs or {}, types or [], meta.line, meta.column)
+
+    def arg(self, c):
+        return c[0], c[1]
+
+    def func_args(self, c):
+        return list(c)
+
+    def func_results(self, c):
+        return c[0] or []
+
+    def ret(self, c):
+        return c[1] or [], (c[0].line, c[0].column)
+
+    @v_args(meta=True)
+    def func(self, meta, c):
+        name, args, result_types, attrs, *body = c
+        ret, ret_loc = body.pop()
+        return RawFunc(str(name), args or [], result_types or [], attrs or {}, body, ret, meta.line, meta.column,
+                       meta.end_line, ret_loc)
+
+    @v_args(meta=True)
+    def decl(self, meta, c):
+        kind, name, typ, attrs = c
+        return Decl(str(kind), unquote_symbol(name), typ, attrs or {}, (meta.line, meta.column)), name
+
+    @v_args(meta=True)
+    def module(self, meta, c):
+        name, attrs, *items = c
+        return name, attrs or {}, items, (meta.line, meta.column)
+
+    def start(self, c):
+        return c[0]
+
+
+class _SemanticError(Exception):
+    def __init__(self, message: str, token):
+        super().__init__(message)
+        self.token = token
+
+
+# ``none`` as an attribute value, told apart from an absent value (a unit attribute)
+# until _ToRaw.attr has seen both.
+_NONE_ATTR = object()
+
+
+# ---- the fast path: op-line templates ------------------------------------------------
+
+_VALUE = re.compile(r"%[\w.$-]+")
+_OP_LINE = re.compile(r"[ \t]*(?:%[\w.$-]+[ \t]*(?:,[ \t]*%[\w.$-]+[ \t]*)*=[ \t]*)?[A-Za-z_]\w*(?:\.\w+)+")
+_FUNC_HEADER = re.compile(r"[ \t]*func[ \t]")
+_STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')
+_PLACEHOLDER = "%_"
+
+
+def _net_depth(code: str) -> tuple[int, int]:
+    opens = code.count("(") + code.count("[") + code.count("{")
+    closes = code.count(")") + code.count("]") + code.count("}")
+    return opens, closes
+
+
+def _code(line: str) -> str:
+    """The line without string literals and comments, for bracket counting."""
+    if '"' in line:
+        line = _STRING.sub('""', line)
+    cut = line.find("//")
+    return line if cut < 0 else line[:cut]
+
+
+class _Templates:
+    def __init__(self):
+        self.cache: dict[str, RawOp | None] = {}
+        self.raw = _ToRaw()
+
+    def get(self, template: str) -> RawOp | None:
+        try:
+            return self.cache[template]
+        except KeyError:
+            pass
+        try:
+            tree = _lark().parse(template, start="op")
+            op = self.raw.transform(tree)
+        except (UnexpectedInput, _SemanticError):
+            op = None
+        self.cache[template] = op
+        return op
+
+
+_TEMPLATES = _Templates()
+
+
+def _split_candidates(lines: list[str]) -> dict[int, RawOp]:
+    """Op lines parsed from templates, by 0-based line index (see the module docstring)."""
+    found: dict[int, RawOp] = {}
+    in_body = False
+    depth = 0
+    get = _TEMPLATES.get
+    for i, line in enumerate(lines):
+        if not in_body:
+            if _FUNC_HEADER.match(line):
+                o, c = _net_depth(_code(line))
+                if o - c == 1 and _code(line).rstrip().endswith("{"):
+                    in_body, depth = True, 0
+            continue
+        code = _code(line)
+        o, c = _net_depth(code)
+        if depth == 0 and o == c and '"' not in line:
+            m = _OP_LINE.match(code)
+            if m is not None:
+                names = _VALUE.findall(code)
+                tpl = get(_VALUE.sub(_PLACEHOLDER, code))
+                if tpl is not None and len(names) == len(tpl.results) + len(tpl.operands or ()):
+                    found[i] = _instantiate(tpl, names, i + 1, len(code) - len(code.lstrip()) + 1)
+                    continue
+        depth += o - c
+        if depth < 0:
+            in_body = False
+    return found
+
+
+def _instantiate(tpl: RawOp, names: list[str], line: int, col: int) -> RawOp:
+    n = len(tpl.results)
+    return RawOp(names[:n], tpl.name, tpl.symbol, None if tpl.operands is None else names[n:],
+                 tpl.attrs, tpl.types, line, col)
+
+
+# ---- building the module -------------------------------------------------------------
+
+def parse(text: str, name: str = "<string>", *, fast: bool = True, line_offset: int = 0) -> Module:
+    """Parse DCIR text into a ``Module``. Raises ``DcirError`` with a located diagnostic.
+
+    ``line_offset`` shifts reported line numbers (a chunk of a ``--split-input-file``).
+    """
+    source = Source(name, text, line_offset)
+    lines = text.split("\n")
+    fast_ops = _split_candidates(lines) if fast else {}
+    skeleton = text
+    if fast_ops:
+        skeleton = "\n".join("" if i in fast_ops else line for i, line in enumerate(lines))
+    try:
+        tree = _lark().parse(skeleton, start="start")
+        mod_name, attrs, items, loc = _ToRaw().transform(tree)
+    except UnexpectedInput as e:
+        raise DcirError(_syntax_diagnostic(e, source, skeleton)) from None
+    except _SemanticError as e:
+        raise DcirError(_token_diag(source, e.token, str(e))) from None
+    except Exception as e:  # Lark wraps errors raised in transformer callbacks
+        inner = getattr(e, "orig_exc", None)
+        if isinstance(inner, _SemanticError):
+            raise DcirError(_token_diag(source, inner.token, str(inner))) from None
+        raise
+    module = Module(unquote_symbol(mod_name), attrs=attrs, loc=_shift(loc, line_offset), source=source)
+    diags: list[Diagnostic] = []
+    funcs = [x for x in items if isinstance(x, RawFunc)]
+    by_line = _assign(funcs, fast_ops)
+    for item in items:
+        if isinstance(item, tuple):
+            decl, tok = item
+            decl.loc = _shift(decl.loc, line_offset)
+            if decl.name in module.decls:
+                diags.append(Diagnostic(f"redefinition of symbol @{decl.name}", source, decl.loc, len(tok),
+                                        (Note(module.decls[decl.name].loc, "previous definition here"),)))
+                continue
+            module.decls[decl.name] = decl
+    for raw, ops in zip(funcs, by_line):
+        func = _build_function(raw, ops, source)
+        if func.name in module.functions:
+            diags.append(Diagnostic(f"redefinition of function @{func.name}", source, func.loc, 4,
+                                    (Note(module.functions[func.name].loc, "previous definition here"),)))
+            continue
+        module.functions[func.name] = func
+    if diags:
+        raise DcirError(diags)
+    return module
+
+
+def _shift(loc, offset):
+    return None if loc is None else (loc[0] + offset, loc[1])
+
+
+def _assign(funcs: list[RawFunc], fast_ops: dict[int, RawOp]) -> list[list[RawOp]]:
+    """Each function's ops (from the skeleton and the fast path), in text order."""
+    per_func = [list(f.ops) for f in funcs]
+    if fast_ops:
+        bounds = [(f.line, f.end_line) for f in funcs]
+        k = 0
+        for idx in sorted(fast_ops):
+            lineno = idx + 1
+            while k < len(bounds) and bounds[k][1] < lineno:
+                k += 1
+            if k == len(bounds) or not bounds[k][0] < lineno < bounds[k][1]:
+                raise AssertionError(f"op line {lineno} lies outside every function")  # parser bug, not user error
+            per_func[k].append(fast_ops[idx])
+        for ops in per_func:
+            ops.sort(key=lambda o: (o.line, o.col))
+    return per_func
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _build_function(raw: RawFunc, raw_ops: list[RawOp], source: Source) -> Function:
+    off = source.line_offset
+    # All definitions first, so a use before its definition resolves to it (the
+    # verifier reports the order); a name never defined gets an ownerless value.
+    later: dict[str, Value] = {}
+    args = [Value(str(tok)[1:], typ) for tok, typ in raw.args]
+    ops = []
+    for r in raw_ops:
+        if len(r.types) != len(r.results):
+            raise DcirError(Diagnostic(
+                f"{r.name} defines {_count(len(r.results), 'result')} but declares {_count(len(r.types), 'type')}",
+                source, (r.line + off, r.col), len(r.name) if not r.results else len(r.results[0])))
+        results = [Value(str(n)[1:], t) for n, t in zip(r.results, r.types)]
+        op = Op(r.name, [], results, dict(r.attrs), r.symbol, (r.line + off, r.col), r.operands is not None)
+        op.operands = r.operands  # names for now
+        ops.append(op)
+        for v in results:
+            later.setdefault(v.name, v)
+    func = Function(unquote_symbol(raw.name), args, raw.result_types, ops, [], raw.attrs,
+                    (raw.line + off, raw.col), (raw.ret_loc[0] + off, raw.ret_loc[1]))
+    current: dict[str, Value] = {}
+    for a in args:
+        current.setdefault(a.name, a)
+        later.setdefault(a.name, a)
+    undefined: dict[str, Value] = {}
+
+    def resolve(name: str) -> Value:
+        v = current.get(name) or later.get(name) or undefined.get(name)
+        if v is None:
+            v = undefined[name] = Value(name, None)
+        return v
+
+    for op in ops:
+        op.operands = [resolve(str(n)[1:]) for n in (op.operands or ())]
+        for v in op.results:
+            current[v.name] = v
+    func.returns = [resolve(str(n)[1:]) for n in raw.ret]
+    return func
+
+
+# ---- syntax diagnostics --------------------------------------------------------------
+
+_TERMINAL_NAMES = {
+    "VALUE": "a value (%name)", "SYMBOL": "a symbol (@name)", "OP_NAME": "an op name (family.op)",
+    "TENSOR_TYPE": "a tensor type (f32[8, 16])", "ATTR_KEY": "an attribute name", "INT": "an integer",
+    "FLOAT": "a number", "STRING": "a string", "DTYPE": "an element type", "DECL_KIND": "'param' or 'buffer'",
+    "RETURN": "'return'", "LBRACE": "'{'", "RBRACE": "'}'", "LPAR": "'('", "RPAR": "')'", "LSQB": "'['",
+    "RSQB": "']'", "COMMA": "','", "COLON": "':'", "EQUAL": "'='", "LESSTHAN": "'<'", "MORETHAN": "'>'",
+    "__ANON_0": "'->'", "MODULE": "'module'", "FUNC": "'func'", "ATTRIBUTES": "'attributes'",
+    "SHARD": "'shard'", "PENDING": "'pending'", "HOST": "'host'", "NONE": "'none'", "TRUE": "'true'",
+    "FALSE": "'false'", "$END": "the end of the file",
+}
+
+# Common mistakes, as Lark ``match_examples`` tables: an error whose parser state
+# matches an example's gets that example's message.
+_EXAMPLES = {
+    "a function body must end with 'return' (even one that returns nothing)": [
+        "module @m { func @f() { } }",
+        "module @m { func @f() { %a = aten.relu.default(%b) : f32[2] } }",
+    ],
+    "'return' must be the last op of its function": [
+        "module @m { func @f() { return %a %b = aten.relu.default(%a) : f32[2] } }",
+        "module @m { func @f() { return %a aten.relu.default(%a) } }",
+    ],
+    "operands are separated by ','": [
+        "module @m { func @f() { %a = aten.add.Tensor(%b %c) : f32[2] return } }",
+    ],
+    "result types follow ':' after the operands, e.g. `%y = aten.relu.default(%x) : f32[4]`": [
+        "module @m { func @f() { %a = aten.relu.default(%b) f32[2] return } }",
+        "module @m { func @f() { %a = aten.relu.default(%b) shard<f32[2], 2> return } }",
+    ],
+    "attributes are written {name = value, ...}": [
+        "module @m { func @f() { aten.relu.default(%b) {dim 1} return } }",
+        "module @m { param @w : f32[2] {dim 1} }",
+    ],
+    "a module starts with `module @name {`": [
+        "func @f() { return }",
+        "param @w : f32[2]",
+    ],
+    "a declaration is `param @name : type` or `buffer @name : type`": [
+        "module @m { param @w f32[2] }",
+        "module @m { param w : f32[2] }",
+    ],
+    "declarations (param, buffer) come before the functions": [
+        "module @m { func @f() { return } param @w : f32[2] }",
+    ],
+}
+
+
+def _expected(names) -> str:
+    shown = sorted({_TERMINAL_NAMES.get(n, n) for n in names})
+    return ", ".join(shown)
+
+
+def _token_diag(source: Source, tok, message: str) -> Diagnostic:
+    if tok is None or getattr(tok, "line", None) is None:
+        return Diagnostic(message, source, None)
+    return Diagnostic(message, source, (tok.line + source.line_offset, tok.column), max(1, len(str(tok))))
+
+
+_TYPE_LIKE = re.compile(r"[A-Za-z_]\w*(\[[^\]\n]*\]|<)")
+_NAME_LIKE = re.compile(r"[A-Za-z_][\w.$-]*")
+
+
+def _syntax_diagnostic(e: UnexpectedInput, source: Source, skeleton: str) -> Diagnostic:
+    line, col = e.line + source.line_offset, e.column
+    if isinstance(e, UnexpectedCharacters):
+        return Diagnostic(_characters_message(e, skeleton), source, (line, col), _word_len(skeleton, e.pos_in_stream))
+    if isinstance(e, UnexpectedEOF) or (isinstance(e, UnexpectedToken) and e.token.type == "$END"):
+        lines = skeleton.rstrip("\n").split("\n")
+        last = (len(lines) + source.line_offset, len(lines[-1]) + 1)
+        missing = "a '}' is missing" if "RBRACE" in getattr(e, "expected", ()) else "the module is incomplete"
+        return Diagnostic(f"unexpected end of file: {missing}", source, last, 1)
+    message = e.match_examples(lambda s: _lark().parse(s, start="start"), _EXAMPLES, use_accepts=True)
+    tok = e.token
+    if message is None:
+        message = f"unexpected {_describe(tok)}; expected {_expected(e.accepts or e.expected)}"
+    return Diagnostic(message, source, (line, col), max(1, len(str(tok))))
+
+
+def _describe(tok: Token) -> str:
+    if tok.type in ("VALUE", "SYMBOL", "OP_NAME", "TENSOR_TYPE", "ATTR_KEY", "INT", "FLOAT", "STRING", "DTYPE"):
+        return f"{_TERMINAL_NAMES[tok.type].split(' (')[0]} '{tok}'"
+    return f"'{tok}'"
+
+
+def _word_len(text: str, pos: int) -> int:
+    m = re.compile(r"[^\s(){}\[\],:=<>]+").match(text, pos)
+    return len(m.group()) if m else 1
+
+
+def _characters_message(e: UnexpectedCharacters, text: str) -> str:
+    allowed = set(e.allowed or ())
+    rest = text[e.pos_in_stream:]
+    word = rest[:_word_len(text, e.pos_in_stream)]
+    if "TENSOR_TYPE" in allowed and _TYPE_LIKE.match(rest):
+        from dcir.ir import DTYPE_BYTES
+        return (f"unknown type '{word}'; tensor types are written like f32[8, 16] "
+                f"(element types: {', '.join(DTYPE_BYTES)}), or shard<...>, pending<...>, host<...>, none")
+    if "VALUE" in allowed and _NAME_LIKE.match(rest):
+        if "OP_NAME" in allowed and "." not in word:
+            return f"unexpected '{word}': value names start with '%', and op names are written family.op (e.g. aten.relu.default)"
+        return f"value names start with '%': write %{word}"
+    if "SYMBOL" in allowed and _NAME_LIKE.match(rest):
+        return f"symbol names start with '@': write @{word}"
+    if rest.startswith('"'):
+        return "unterminated string (strings are on one line, escapes as in JSON)"
+    return f"unexpected character {rest[:1]!r}; expected {_expected(allowed)}"

@@ -1,0 +1,53 @@
+"""Dead code elimination: remove ops whose results nothing observable needs.
+
+An op is live when it has a side effect (``grad.set``, ``param.set``, a mutating aten
+op), when the function returns one of its results, or when a live op reads its
+results. Everything else goes, collectives included (the pass sees the same IR on
+every rank, so every rank drops the same ones). A ``mem.free`` loses the operands
+that are gone and disappears when none is left.
+
+Before -> after::
+
+    %a = aten.relu.default(%x) : f32[4]        // unused
+    %p = comm.all_gather(%w) : pending<f32[8]>
+    %w_full = comm.wait(%p) : f32[8]            // only freed
+    mem.free(%w_full)
+    return %x
+  ->
+    return %x
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from dcir import ops as registry
+from dcir.analysis import live_ops
+from dcir.ir import Module
+from dcir.passes import Pass
+
+
+@dataclass(frozen=True)
+class DeadCodeElimination(Pass):
+    name = "dce"
+
+    def run(self, module: Module, stats: Counter) -> None:
+        for func in module.functions.values():
+            live = live_ops(func)
+            kept_values = {v for i, op in enumerate(func.ops) if i in live for v in op.results}
+            kept_values.update(func.args)
+            new_ops = []
+            for i, op in enumerate(func.ops):
+                if registry.has_trait(op, registry.FREES):
+                    alive = [v for v in op.operands if v in kept_values]
+                    if not alive:
+                        stats["ops removed"] += 1
+                        continue
+                    op.operands = alive
+                    new_ops.append(op)
+                elif i in live:
+                    new_ops.append(op)
+                else:
+                    stats["ops removed"] += 1
+            func.ops = new_ops

@@ -1,0 +1,134 @@
+"""``Module`` -> text. Deterministic: the same module prints to the same bytes.
+
+Layout: two-space indentation, one declaration or op per line, attributes in the
+order they were given, floats in Python's shortest round-trip form.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+from dcir.ir import UNIT, DType, Function, Module, Op, SymbolRef
+
+_BARE_SYMBOL = re.compile(r"[A-Za-z_$][\w.$-]*\Z")
+_BARE_KEY = re.compile(r"[A-Za-z_][\w.]*\Z")
+_KEYWORDS = {"true", "false", "none", "param", "buffer", "func", "module", "return", "attributes",
+             "shard", "pending", "host", "bool", "u8", "i8", "i16", "i32", "i64", "f16", "bf16", "f32", "f64",
+             "c64", "c128"}
+
+
+def symbol(name: str) -> str:
+    return "@" + (name if _BARE_SYMBOL.match(name) else json.dumps(name))
+
+
+def _float(v: float) -> str:
+    if math.isnan(v):
+        return "nan"
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    text = repr(v)
+    return text if ("." in text or "e" in text or "n" in text) else text + ".0"
+
+
+def attr_value(v: object) -> str:
+    if v is True:
+        return "true"
+    if v is False:
+        return "false"
+    if v is None:
+        return "none"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return _float(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, SymbolRef):
+        return symbol(v.name)
+    if isinstance(v, DType):
+        return v.name
+    if isinstance(v, tuple):
+        return "[" + ", ".join(attr_value(x) for x in v) + "]"
+    raise TypeError(f"cannot print attribute value {v!r} of type {type(v).__name__}")
+
+
+def attr_dict(attrs: dict) -> str:
+    parts = []
+    for k, v in attrs.items():
+        key = k if _BARE_KEY.match(k) and k not in _KEYWORDS else json.dumps(k)
+        parts.append(key if v is UNIT else f"{key} = {attr_value(v)}")
+    return "{" + ", ".join(parts) + "}"
+
+
+def print_op(op: Op) -> str:
+    parts = []
+    if op.results:
+        parts.append(", ".join("%" + r.name for r in op.results) + " = ")
+    parts.append(op.name)
+    if op.symbol is not None:
+        parts.append(" " + symbol(op.symbol))
+    if op.parens or op.operands:
+        parts.append("(" + ", ".join("%" + v.name for v in op.operands) + ")")
+    if op.attrs:
+        parts.append(" " + attr_dict(op.attrs))
+    if op.results:
+        parts.append(" : " + ", ".join(str(r.type) for r in op.results))
+    return "".join(parts)
+
+
+def _print_function(f: Function, out: list[str]) -> None:
+    args = ", ".join(f"%{a.name}: {a.type}" for a in f.args)
+    head = f"  func {symbol(f.name)}({args})"
+    if f.result_types:
+        head += " -> (" + ", ".join(map(str, f.result_types)) + ")"
+    if f.attrs:
+        head += " attributes " + attr_dict(f.attrs)
+    out.append(head + " {")
+    out.extend("    " + print_op(op) for op in f.ops)
+    out.append("    return" + ("" if not f.returns else " " + ", ".join("%" + v.name for v in f.returns)))
+    out.append("  }")
+
+
+def print_module(m: Module) -> str:
+    """The module as DCIR text, ending with a newline."""
+    out = ["module " + symbol(m.name) + (" attributes " + attr_dict(m.attrs) if m.attrs else "") + " {"]
+    for d in m.decls.values():
+        out.append(f"  {d.kind} {symbol(d.name)} : {d.type}" + (" " + attr_dict(d.attrs) if d.attrs else ""))
+    for i, f in enumerate(m.functions.values()):
+        if i or m.decls:
+            out.append("")
+        _print_function(f, out)
+    out.append("}")
+    return "\n".join(out) + "\n"
+
+
+def locate(m: Module) -> str:
+    """Print ``m`` and record each op's position in that text (for diagnostics on
+    modules built in memory). Returns the text."""
+    text = print_module(m)
+    lines = text.split("\n")
+    lineno = 1
+    for i, line in enumerate(lines):
+        if line.startswith("  func "):
+            lineno = i + 1
+            break
+    for f in m.functions.values():
+        while not lines[lineno - 1].startswith("  func "):
+            lineno += 1
+        f.loc = (lineno, 3)
+        for op in f.ops:
+            lineno += 1
+            op.loc = (lineno, 5)
+        lineno += 1
+        f.return_loc = (lineno, 5)
+        lineno += 1
+    for i, line in enumerate(lines):
+        stripped = line.lstrip()
+        if stripped.startswith(("param ", "buffer ")):
+            name = stripped.split()[1]
+            for d in m.decls.values():
+                if symbol(d.name) == name:
+                    d.loc = (i + 1, 3)
+    return text
