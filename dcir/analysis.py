@@ -86,5 +86,6 @@ def live_ops(func: Function) -> set[int]:
     where = {r: i for i, op in enumerate(func.ops) for r in op.results}
     roots.update(where[v] for v in func.returns if v in where)
     sink = len(func.ops)  # one node below every root, so one search finds all that they need
+    data.add_node(sink)
     data.add_edges_from((r, sink) for r in roots)
     return nx.ancestors(data, sink)

@@ -1,7 +1,8 @@
 """``dcir-opt``: parse, verify, run passes, print.
 
 Exit status: 0 on success, 1 for bad input (a located diagnostic is printed, never a
-traceback), 2 for bad usage (unknown option, unknown pass, unreadable file).
+traceback), 2 for bad usage (unknown option, unknown pass, unreadable file), 3 for an
+internal error (a bug in DCIR).
 """
 
 from __future__ import annotations
@@ -211,8 +212,18 @@ def _check_expected(source: Source, produced: list[Diagnostic]) -> list[Diagnost
 
 
 def opt_main() -> None:
-    """Console entry point."""
-    sys.exit(main())
+    """Console entry point. A Python exception that escapes is a bug in DCIR, not the
+    input's fault: it is reported as such (exit 3), with the traceback for the report."""
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        code = 130
+    except Exception:
+        import traceback
+        sys.stderr.write("dcir-opt: internal error, a bug in DCIR (please report it with the input):\n")
+        traceback.print_exc()
+        code = 3
+    sys.exit(code)
 
 
 if __name__ == "__main__":

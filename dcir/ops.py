@@ -14,6 +14,7 @@ Traits:
 ``waits``       joins pending values
 ``collective``  every rank must issue it, in the same order
 ``reduces``     combines its operands across ranks (sum, avg, ...)
+``gradient``    hands a parameter's gradient to the optimizer
 ``frees``       releases the storage of its operands
 ``allocates``   its results occupy new memory
 ``side_effect`` must run even when nothing reads its results
@@ -32,6 +33,7 @@ from dcir.ir import HostType, Op, PendingType, ShardType, TensorType, Type
 
 PURE, COMPUTE, ASYNC, WAITS, COLLECTIVE, REDUCES = "pure", "compute", "async", "waits", "collective", "reduces"
 FREES, ALLOCATES, SIDE_EFFECT, READS_STATE, WRITES_STATE = "frees", "allocates", "side_effect", "reads_state", "writes_state"
+GRADIENT = "gradient"
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
@@ -157,10 +159,7 @@ def _rule_wait(op, types, module):
 
 
 def _rule_free(op, types, module):
-    for i, t in enumerate(types):
-        if isinstance(t, PendingType):
-            raise TypeRuleError(f"cannot free a pending value (operand #{i}); wait for it first", i)
-    return []
+    return []  # any storage can be freed; pending operands are the verifier's async rule
 
 
 def _rule_offload(op, types, module):
@@ -196,7 +195,7 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
           (1, 1), (0, 0), frozenset({WRITES_STATE, SIDE_EFFECT}), _rule_param_set, symbol=True,
           example="param.set @bn.running_mean(%new_mean)"),
     OpDef("grad.set", "Hand the (reduced) gradient of a trainable parameter to the optimizer.",
-          (1, 1), (0, 0), frozenset({SIDE_EFFECT}), _rule_grad_set, symbol=True,
+          (1, 1), (0, 0), frozenset({SIDE_EFFECT, GRADIENT}), _rule_grad_set, symbol=True,
           example="grad.set @fc1.weight(%grad_shard)"),
     OpDef("comm.all_gather", "Start gathering a shard from every rank into the full tensor.",
           (1, 1), (1, 1), frozenset({ASYNC, COLLECTIVE, ALLOCATES}), _rule_all_gather, _GROUP,

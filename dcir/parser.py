@@ -27,6 +27,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from lark import Lark, Token, Transformer, UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, v_args
+from lark.exceptions import VisitError
 
 from dcir.diagnostics import DcirError, Diagnostic, Note
 from dcir.ir import (NONE, UNIT, Decl, DType, Function, HostType, Module, Op, PendingType, ShardType, Source,
@@ -101,9 +102,10 @@ class _ToRaw(Transformer):
     def pending_type(self, c):
         return PendingType(c[0])
 
-    def host_type(self, c):
+    @v_args(meta=True)
+    def host_type(self, meta, c):
         if not isinstance(c[0], (TensorType, ShardType)):
-            raise _SemanticError(f"host<...> holds a tensor or a shard, not {c[0]}", None)
+            raise _SemanticError(f"host<...> holds a tensor or a shard, not {c[0]}", _Span(meta))
         return HostType(c[0])
 
     def none_type(self, c):
@@ -214,7 +216,16 @@ class _ToRaw(Transformer):
 class _SemanticError(Exception):
     def __init__(self, message: str, token):
         super().__init__(message)
-        self.token = token
+        self.token = token  # a Token or a _Span: where to point
+
+
+class _Span(str):
+    """Where a tree node lies, shaped like a Token for the diagnostic (line, column, length)."""
+
+    def __new__(cls, meta):
+        span = super().__new__(cls, " " * max(1, meta.end_pos - meta.start_pos))
+        span.line, span.column = meta.line, meta.column
+        return span
 
 
 # ``none`` as an attribute value, told apart from an absent value (a unit attribute)
@@ -258,8 +269,8 @@ class _Templates:
         try:
             tree = _lark().parse(template, start="op")
             op = self.raw.transform(tree)
-        except (UnexpectedInput, _SemanticError):
-            op = None
+        except (UnexpectedInput, _SemanticError, VisitError):
+            op = None  # left to the full grammar, which reports it in context
         self.cache[template] = op
         return op
 
@@ -322,15 +333,16 @@ def parse(text: str, name: str = "<string>", *, fast: bool = True, line_offset: 
         raise DcirError(_syntax_diagnostic(e, source, skeleton)) from None
     except _SemanticError as e:
         raise DcirError(_token_diag(source, e.token, str(e))) from None
-    except Exception as e:  # Lark wraps errors raised in transformer callbacks
-        inner = getattr(e, "orig_exc", None)
-        if isinstance(inner, _SemanticError):
-            raise DcirError(_token_diag(source, inner.token, str(inner))) from None
+    except VisitError as e:  # Lark wraps errors raised in transformer callbacks
+        if isinstance(e.orig_exc, _SemanticError):
+            raise DcirError(_token_diag(source, e.orig_exc.token, str(e.orig_exc))) from None
         raise
-    module = Module(unquote_symbol(mod_name), attrs=attrs, loc=_shift(loc, line_offset), source=source)
-    diags: list[Diagnostic] = []
     funcs = [x for x in items if isinstance(x, RawFunc)]
     by_line = _assign(funcs, fast_ops)
+    if by_line is None:  # the fast path's view of the text was wrong: let the full grammar judge it
+        return parse(text, name, fast=False, line_offset=line_offset)
+    module = Module(unquote_symbol(mod_name), attrs=attrs, loc=_shift(loc, line_offset), source=source)
+    diags: list[Diagnostic] = []
     for item in items:
         if isinstance(item, tuple):
             decl, tok = item
@@ -356,8 +368,9 @@ def _shift(loc, offset):
     return None if loc is None else (loc[0] + offset, loc[1])
 
 
-def _assign(funcs: list[RawFunc], fast_ops: dict[int, RawOp]) -> list[list[RawOp]]:
-    """Each function's ops (from the skeleton and the fast path), in text order."""
+def _assign(funcs: list[RawFunc], fast_ops: dict[int, RawOp]) -> list[list[RawOp]] | None:
+    """Each function's ops (from the skeleton and the fast path), in text order; None
+    when a fast-path op is not between its function's header and its return."""
     per_func = [list(f.ops) for f in funcs]
     if fast_ops:
         bounds = [(f.line, f.end_line) for f in funcs]
@@ -366,8 +379,8 @@ def _assign(funcs: list[RawFunc], fast_ops: dict[int, RawOp]) -> list[list[RawOp
             lineno = idx + 1
             while k < len(bounds) and bounds[k][1] < lineno:
                 k += 1
-            if k == len(bounds) or not bounds[k][0] < lineno < bounds[k][1]:
-                raise AssertionError(f"op line {lineno} lies outside every function")  # parser bug, not user error
+            if k == len(bounds) or not bounds[k][0] < lineno < funcs[k].ret_loc[0]:
+                return None
             per_func[k].append(fast_ops[idx])
         for ops in per_func:
             ops.sort(key=lambda o: (o.line, o.col))
@@ -431,40 +444,35 @@ _TERMINAL_NAMES = {
     "FALSE": "'false'", "$END": "the end of the file",
 }
 
-# Common mistakes, as Lark ``match_examples`` tables: an error whose parser state
-# matches an example's gets that example's message.
-_EXAMPLES = {
-    "a function body must end with 'return' (even one that returns nothing)": [
-        "module @m { func @f() { } }",
-        "module @m { func @f() { %a = aten.relu.default(%b) : f32[2] } }",
-    ],
-    "'return' must be the last op of its function": [
-        "module @m { func @f() { return %a %b = aten.relu.default(%a) : f32[2] } }",
-        "module @m { func @f() { return %a aten.relu.default(%a) } }",
-    ],
-    "operands are separated by ','": [
-        "module @m { func @f() { %a = aten.add.Tensor(%b %c) : f32[2] return } }",
-    ],
-    "result types follow ':' after the operands, e.g. `%y = aten.relu.default(%x) : f32[4]`": [
-        "module @m { func @f() { %a = aten.relu.default(%b) f32[2] return } }",
-        "module @m { func @f() { %a = aten.relu.default(%b) shard<f32[2], 2> return } }",
-    ],
-    "attributes are written {name = value, ...}": [
-        "module @m { func @f() { aten.relu.default(%b) {dim 1} return } }",
-        "module @m { param @w : f32[2] {dim 1} }",
-    ],
-    "a module starts with `module @name {`": [
-        "func @f() { return }",
-        "param @w : f32[2]",
-    ],
-    "a declaration is `param @name : type` or `buffer @name : type`": [
-        "module @m { param @w f32[2] }",
-        "module @m { param w : f32[2] }",
-    ],
-    "declarations (param, buffer) come before the functions": [
-        "module @m { func @f() { return } param @w : f32[2] }",
-    ],
-}
+# Common mistakes, as rows of (when, message). ``when`` sees the offending token's type,
+# the set of terminals the parser expected there, and the source line. Lark's
+# ``match_examples`` matches on exact LALR states, and this grammar's optional parts
+# give the same mistake different states (a function with arguments or without), so
+# the rows test the expected terminals instead, which are the same in all of them.
+_TYPE_START = {"TENSOR_TYPE", "SHARD", "PENDING", "HOST", "NONE"}
+# A keyword out of place is lexed as a bare word (ATTR_KEY); this names it again.
+_KEYWORD_TYPES = {"param": "DECL_KIND", "buffer": "DECL_KIND", "func": "FUNC", "return": "RETURN", "module": "MODULE"}
+_MISTAKES = [
+    (lambda tok, exp, line: "COLON" in exp and line.lstrip().startswith(("param ", "buffer ")),
+     "a declaration is `param @name : type` or `buffer @name : type`"),
+    (lambda tok, exp, line: tok == "RBRACE" and "RETURN" in exp,
+     "a function body must end with 'return' (even one that returns nothing)"),
+    (lambda tok, exp, line: tok in ("EQUAL", "OP_NAME", "VALUE") and exp <= {"COMMA", "RBRACE", "VALUE"}
+     and line.lstrip().startswith(("return", "%", "}")) and "RBRACE" in exp,
+     "'return' must be the last op of its function"),
+    (lambda tok, exp, line: exp == {"COLON"},
+     "function arguments are written %name: type"),
+    (lambda tok, exp, line: tok == "VALUE" and {"COMMA", "RPAR"} <= exp,
+     "operands are separated by ','"),
+    (lambda tok, exp, line: tok in _TYPE_START and "COLON" in exp,
+     "result types follow ':' after the operands, e.g. `%y = aten.relu.default(%x) : f32[4]`"),
+    (lambda tok, exp, line: "EQUAL" in exp and "RBRACE" in exp and tok != "EQUAL",
+     "attributes are written {name = value, ...}"),
+    (lambda tok, exp, line: exp == {"MODULE"},
+     "a module starts with `module @name {`"),
+    (lambda tok, exp, line: tok == "DECL_KIND" and "FUNC" in exp,
+     "declarations (param, buffer) come before the functions"),
+]
 
 
 def _expected(names) -> str:
@@ -478,7 +486,7 @@ def _token_diag(source: Source, tok, message: str) -> Diagnostic:
     return Diagnostic(message, source, (tok.line + source.line_offset, tok.column), max(1, len(str(tok))))
 
 
-_TYPE_LIKE = re.compile(r"[A-Za-z_]\w*(\[[^\]\n]*\]|<)")
+_TYPE_LIKE = re.compile(r"[A-Za-z_]\w*(\[[^\]\n]*\]|<)")  # float32[4], tensor<
 _NAME_LIKE = re.compile(r"[A-Za-z_][\w.$-]*")
 
 
@@ -491,10 +499,16 @@ def _syntax_diagnostic(e: UnexpectedInput, source: Source, skeleton: str) -> Dia
         last = (len(lines) + source.line_offset, len(lines[-1]) + 1)
         missing = "a '}' is missing" if "RBRACE" in getattr(e, "expected", ()) else "the module is incomplete"
         return Diagnostic(f"unexpected end of file: {missing}", source, last, 1)
-    message = e.match_examples(lambda s: _lark().parse(s, start="start"), _EXAMPLES, use_accepts=True)
     tok = e.token
+    expected = set(e.accepts or e.expected)
+    text = source.line(line)
+    kind = _KEYWORD_TYPES.get(str(tok), tok.type) if tok.type == "ATTR_KEY" else tok.type
+    message = next((msg for when, msg in _MISTAKES if when(kind, expected, text)), None)
+    if message is None and tok.type == "ATTR_KEY":  # a bare word where the parser wanted something else
+        message, length = _word_message(str(tok), expected, skeleton[tok.start_pos:])
+        return Diagnostic(message, source, (line, col), length)
     if message is None:
-        message = f"unexpected {_describe(tok)}; expected {_expected(e.accepts or e.expected)}"
+        message = f"unexpected {_describe(tok)}; expected {_expected(expected)}"
     return Diagnostic(message, source, (line, col), max(1, len(str(tok))))
 
 
@@ -512,17 +526,28 @@ def _word_len(text: str, pos: int) -> int:
 def _characters_message(e: UnexpectedCharacters, text: str) -> str:
     allowed = set(e.allowed or ())
     rest = text[e.pos_in_stream:]
-    word = rest[:_word_len(text, e.pos_in_stream)]
-    if "TENSOR_TYPE" in allowed and _TYPE_LIKE.match(rest):
-        from dcir.ir import DTYPE_BYTES
-        return (f"unknown type '{word}'; tensor types are written like f32[8, 16] "
-                f"(element types: {', '.join(DTYPE_BYTES)}), or shard<...>, pending<...>, host<...>, none")
-    if "VALUE" in allowed and _NAME_LIKE.match(rest):
-        if "OP_NAME" in allowed and "." not in word:
-            return f"unexpected '{word}': value names start with '%', and op names are written family.op (e.g. aten.relu.default)"
-        return f"value names start with '%': write %{word}"
-    if "SYMBOL" in allowed and _NAME_LIKE.match(rest):
-        return f"symbol names start with '@': write @{word}"
+    if _NAME_LIKE.match(rest):
+        return _word_message(rest[:_word_len(text, e.pos_in_stream)], allowed, rest)[0]
     if rest.startswith('"'):
         return "unterminated string (strings are on one line, escapes as in JSON)"
     return f"unexpected character {rest[:1]!r}; expected {_expected(allowed)}"
+
+
+def _word_message(word: str, allowed: set, rest: str) -> tuple[str, int]:
+    """What to say about a bare word where the parser expected ``allowed``, and how
+    many characters to underline."""
+    typ = _TYPE_LIKE.match(rest)
+    if "TENSOR_TYPE" in allowed and typ:
+        from dcir.ir import DTYPE_BYTES
+        word = typ.group().rstrip("<")
+        return (f"unknown type '{word}'; tensor types are written like f32[8, 16] "
+                f"(element types: {', '.join(DTYPE_BYTES)}), or shard<...>, pending<...>, host<...>, none"), len(word)
+    if "OP_NAME" in allowed and "." not in word:
+        message = f"unexpected '{word}': value names start with '%', and op names are written family.op (e.g. aten.relu.default)"
+    elif "VALUE" in allowed:
+        message = f"value names start with '%': write %{word}"
+    elif "SYMBOL" in allowed:
+        message = f"symbol names start with '@': write @{word}"
+    else:
+        message = f"unexpected '{word}'; expected {_expected(allowed)}"
+    return message, len(word)

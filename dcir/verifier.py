@@ -193,8 +193,7 @@ class _Verifier:
             ok = self._check_operands(op, i, d, position, storage, freed, waited, restricted)
             if d is not None:
                 ok = self._check_shape_of(op, d) and ok
-                if ok:
-                    self._check_types(op, d)
+                ok = ok and self._check_types(op, d)
             for r in op.results:
                 first = names.get(r.name)
                 if first is not None and first is not r:
@@ -202,8 +201,14 @@ class _Verifier:
                                (self._def_note(first, "previous definition here"),))
                 else:
                     names[r.name] = r
-            if d is None:
-                continue
+            if d is not None and d.has(registry.WAITS):  # even a malformed wait shows what it meant to join
+                for v in op.operands:
+                    if isinstance(v.type, PendingType):
+                        waited.setdefault(v, op)
+            if d is not None and d.has(registry.GRADIENT) and op.symbol in self.m.decls:
+                self.grad_sets.setdefault(op.symbol, []).append(op)
+            if d is None or not ok:
+                continue  # its effects are unknown; tracking them would only add follow-on errors
             self._track(op, d, storage, freed, waited, pendings, restricted, reductions, inflight)
 
         self._check_return(f, position, storage, freed, waited)
@@ -252,7 +257,7 @@ class _Verifier:
         n = len(op.operands)
         if n < lo or (hi is not None and n > hi):
             want = f"{lo}" if lo == hi else (f"at least {lo}" if hi is None else f"{lo} to {hi}")
-            self.op_error(op, f"{op.name} takes {want} operand{'s' if want != '1' else ''}, got {n}")
+            self.op_error(op, f"{op.name} takes {want} operand{'' if (hi or lo) == 1 else 's'}, got {n}")
             ok = False
         if d.results == "per_operand":
             if len(op.results) != n:
@@ -355,7 +360,8 @@ class _Verifier:
             ok = False
         return ok
 
-    def _check_types(self, op: Op, d: OpDef) -> None:
+    def _check_types(self, op: Op, d: OpDef) -> bool:
+        """Run the op's type rule. False when it rejects the operands."""
         types = [v.type for v in op.operands]
         try:
             expected = d.type_rule(op, types, self.m)
@@ -364,7 +370,7 @@ class _Verifier:
                 self.operand_error(op, e.operand, str(e))
             else:
                 self.op_error(op, str(e))
-            return
+            return False
         for k, (want, r) in enumerate(zip(expected, op.results)):
             if r.type != want:
                 loc, length = self._result_span(op, r)
@@ -378,12 +384,9 @@ class _Verifier:
                 loc, length = self._result_span(op, r)
                 self.error(f"%{r.name} is split into {inner.parts} shards, but the module runs on world_size = {ws} ranks",
                            loc, length)
+        return True
 
     def _track(self, op, d, storage, freed, waited, pendings, restricted, reductions, inflight) -> None:
-        if d.has(registry.WAITS):
-            for v in op.operands:
-                if isinstance(v.type, PendingType):
-                    waited.setdefault(v, op)
         if d.has(registry.FREES):
             for k, v in enumerate(op.operands):
                 owner = storage.get(v, v)
@@ -410,7 +413,7 @@ class _Verifier:
             if isinstance(r.type, PendingType):
                 pendings.append(r)
         ranks = op.attrs.get("ranks")
-        if ranks is not None:
+        if isinstance(ranks, tuple):
             for r in op.results:
                 restricted[r] = tuple(ranks)
         # gradient reductions: a reduce collective adds one; everything else keeps the most of its inputs
@@ -423,18 +426,15 @@ class _Verifier:
         elif count:
             for r in op.results:
                 reductions[r] = count
-        if op.name == "grad.set":
-            self._record_grad(op, reductions.get(op.operands[0], 0) if op.operands else 0)
+        if d.has(registry.GRADIENT):
+            self._check_gradient(op, reductions.get(op.operands[0], 0))
 
-    def _record_grad(self, op: Op, reduced: int) -> None:
-        decl = self.m.decls.get(op.symbol)
-        if decl is None:
-            return
+    def _check_gradient(self, op: Op, reduced: int) -> None:
+        decl = self.m.decls[op.symbol]
         if not decl.trainable:
             what = "a buffer" if decl.kind == "buffer" else "a frozen parameter (no 'trainable')"
             self.op_error(op, f"grad.set of @{decl.name}, which is {what}; only trainable parameters have gradients")
             return
-        self.grad_sets.setdefault(op.symbol, []).append(op)
         ws = self.m.world_size or 1
         if reduced > 1:
             self.op_error(op, f"the gradient of @{decl.name} is reduced across ranks {reduced} times; it must be reduced "
@@ -466,9 +466,9 @@ class _Verifier:
         if "backward" not in self.m.functions:
             return
         for decl in self.m.decls.values():
+            sets = self.grad_sets.get(decl.name, [])
             if not decl.trainable:
                 continue
-            sets = self.grad_sets.get(decl.name, [])
             if not sets:
                 self.error(f"trainable parameter @{decl.name} never gets a gradient: @backward must grad.set it "
                            "exactly once (or drop 'trainable' to freeze it)", decl.loc, len(decl.kind))
