@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify-diagnostics", action="store_true",
                    help="check that the diagnostics match the '// expected-error {{...}}' comments in the input")
     p.add_argument("--disable-verify", action="store_true", help="do not verify the input or the output of each pass")
+    p.add_argument("--verify-shapes", action="store_true",
+                   help="also check every aten op's result types with torch's meta kernels (imports torch)")
     p.add_argument("--split-input-file", action="store_true",
                    help="treat each '// -----' separated chunk as its own module")
     p.add_argument("--reproducer", metavar="PATH", type=Path,
@@ -142,7 +144,7 @@ def _process(name, text, offset, passes, args, stderr, timings) -> tuple[str, li
         timings.append(("parse", time.perf_counter() - start))
         if not args.disable_verify:
             start = time.perf_counter()
-            diags = diagnostics(module)
+            diags = diagnostics(module, shapes=args.verify_shapes)
             timings.append(("verify", time.perf_counter() - start))
             if diags:
                 return "", diags

@@ -33,15 +33,18 @@ from dcir.ops import COMMON_ATTRS, OpDef, TypeRuleError
 from dcir.printer import locate
 
 
-def verify(module: Module) -> None:
-    """Raise ``DcirError`` listing every violation found; return None if the module is valid."""
-    diags = diagnostics(module)
+def verify(module: Module, *, shapes: bool = False) -> None:
+    """Raise ``DcirError`` listing every violation found; return None if the module is valid.
+
+    ``shapes=True`` also runs every aten op through torch's meta kernels and checks its
+    declared result types (see ``dcir.shapes``)."""
+    diags = diagnostics(module, shapes=shapes)
     if diags:
         raise DcirError(diags)
 
 
-def diagnostics(module: Module) -> list[Diagnostic]:
-    return _Verifier(module).run()
+def diagnostics(module: Module, *, shapes: bool = False) -> list[Diagnostic]:
+    return _Verifier(module, shapes).run()
 
 
 @lru_cache(maxsize=None)
@@ -56,8 +59,9 @@ def _plural(n: int, noun: str) -> str:
 
 
 class _Verifier:
-    def __init__(self, module: Module):
+    def __init__(self, module: Module, shapes: bool = False):
         self.m = module
+        self.shapes = shapes
         self.diags: list[Diagnostic] = []
         self.grad_sets: dict[str, list[Op]] = {}
 
@@ -371,6 +375,8 @@ class _Verifier:
             else:
                 self.op_error(op, str(e))
             return False
+        if self.shapes and d.name == "aten.*":
+            return self._check_aten_shapes(op, types)
         for k, (want, r) in enumerate(zip(expected, op.results)):
             if r.type != want:
                 loc, length = self._result_span(op, r)
@@ -384,6 +390,20 @@ class _Verifier:
                 loc, length = self._result_span(op, r)
                 self.error(f"%{r.name} is split into {inner.parts} shards, but the module runs on world_size = {ws} ranks",
                            loc, length)
+        return True
+
+    def _check_aten_shapes(self, op: Op, types) -> bool:
+        from dcir import shapes
+        try:
+            inferred = shapes.infer(op.name, types, op.attrs)
+        except shapes.ShapeError as e:
+            self.op_error(op, f"torch rejects {op.name} on these operands: {e}")
+            return False
+        for want, r in zip(inferred, op.results):
+            if r.type != want:
+                loc, length = self._result_span(op, r)
+                self.error(f"%{r.name} should have type {want} (torch's meta kernel for {op.name} says so), "
+                           f"but is declared {r.type}", loc, length)
         return True
 
     def _track(self, op, d, storage, freed, waited, pendings, restricted, reductions, inflight) -> None:

@@ -1,0 +1,103 @@
+"""Shape inference for ``aten.*`` ops by running torch's meta kernels.
+
+The verifier's structural checks trust the result types recorded at capture. With
+``verify(module, shapes=True)`` (``dcir-opt --verify-shapes``) each aten op is also run
+on meta tensors (no data, no compute) and its declared result types are compared with
+what torch says. Results are cached per (op, operand types, attributes), so a model's
+repeated layers cost one call per distinct op shape. Importing torch costs seconds,
+which is why this is a choice and not the default.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from dcir import aten
+from dcir.ir import NONE, DType, TensorType, Type, attr_key
+
+_DTYPES = {
+    "bool": "bool", "u8": "uint8", "i8": "int8", "i16": "int16", "i32": "int32", "i64": "int64",
+    "f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64", "c64": "complex64",
+    "c128": "complex128",
+}
+
+
+def torch_dtype(name: str):
+    import torch
+    return getattr(torch, _DTYPES[name])
+
+
+def dcir_dtype(dtype) -> str:
+    text = str(dtype).removeprefix("torch.")
+    for short, long in _DTYPES.items():
+        if long == text:
+            return short
+    raise ValueError(f"DCIR has no element type for {dtype}")
+
+
+def _attr_to_torch(value):
+    if isinstance(value, DType):
+        return torch_dtype(value.name)
+    if isinstance(value, tuple):
+        return [_attr_to_torch(v) for v in value]
+    return value
+
+
+def call_arguments(op_name: str, operands: list, attrs: dict) -> tuple[list, dict]:
+    """Positional and keyword arguments for ``torch.ops.<op_name>`` from an op's operand
+    values (any objects, e.g. tensors) and attributes, by the mapping in ``dcir.aten``."""
+    sch = aten.schema(op_name)
+    plain = {k: v for k, v in attrs.items() if "." not in k and k != "ranks"}
+    args, kwargs = [], {}
+    for arg, src in aten.bind(sch, len(operands), plain):
+        if src[0] == "operand":
+            value = operands[src[1]]
+        elif src[0] == "operands":
+            value = list(operands[src[1]:src[2]])
+        else:
+            value = _attr_to_torch(plain[src[1]])
+        if arg.kwarg_only:
+            kwargs[arg.name] = value
+        else:
+            args.append(value)
+    return args, kwargs
+
+
+def _resolve(op_name: str):
+    import torch
+    _, name, overload = op_name.split(".", 2) if op_name.count(".") >= 2 else (*op_name.split("."), "default")
+    return getattr(getattr(torch.ops.aten, name), overload)
+
+
+@lru_cache(maxsize=None)
+def _infer_cached(op_name: str, operand_types: tuple, attrs_key: tuple, attrs_items: tuple) -> tuple[Type, ...]:
+    import torch
+
+    operands = []
+    for t in operand_types:
+        if t == NONE:
+            operands.append(None)
+        else:
+            operands.append(torch.empty(t.shape, dtype=torch_dtype(t.dtype), device="meta"))
+    args, kwargs = call_arguments(op_name, operands, dict(attrs_items))
+    out = _resolve(op_name)(*args, **kwargs)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return tuple(NONE if o is None else TensorType(dcir_dtype(o.dtype), tuple(int(d) for d in o.shape)) for o in outs)
+
+
+class ShapeError(ValueError):
+    """torch's meta kernel rejected the op; the message is torch's, shortened."""
+
+
+def infer(op_name: str, operand_types: list[Type], attrs: dict) -> list[Type]:
+    """The result types torch computes for this aten op. Raises ShapeError."""
+    if any(not isinstance(t, TensorType) and t != NONE for t in operand_types):
+        raise ShapeError("shape inference needs full tensor operands")
+    items = tuple(attrs.items())
+    try:
+        return list(_infer_cached(op_name, tuple(operand_types), tuple((k, attr_key(v)) for k, v in items), items))
+    except aten.MappingError:
+        raise
+    except Exception as e:  # torch raises many kinds; the user needs its words, not its type
+        first = str(e).strip().split("\n", 1)[0]
+        raise ShapeError(first[:300]) from None
