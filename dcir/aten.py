@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import metadata
@@ -69,9 +70,15 @@ class Schema:
         return next((a.name for a in self.args if a.alias_set == alias), None)
 
 
+_FORMAT = 3  # bump when the cached record changes shape or meaning
+
+
 def _cache_path(version: str) -> Path:
     root = Path(os.environ.get("DCIR_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dcir")
-    return root / f"aten-schemas-torch-{version}.json"
+    return root / f"aten-schemas-v{_FORMAT}-torch-{version}.json"
+
+
+_LIST_ALIAS = re.compile(r"Tensor\((\w+)\)\[\]")
 
 
 def _arg_record(a) -> list:
@@ -90,7 +97,13 @@ def _read_from_torch() -> dict[str, list]:
         if not s.name.startswith("aten::"):
             continue
         key = f"aten.{s.name[len('aten::'):]}.{s.overload_name or 'default'}"
-        table[key] = [[_arg_record(a) for a in s.arguments], [_arg_record(r) for r in s.returns]]
+        rets = [_arg_record(r) for r in s.returns]
+        # Tensor(a)[] (split, unbind): the alias set sits on the list's elements, which
+        # torch's Python bindings do not expose; the schema's text shows it.
+        m = _LIST_ALIAS.fullmatch(str(s).rsplit(" -> ", 1)[1].strip())
+        if m and len(rets) == 1:
+            rets[0][4] = m.group(1)
+        table[key] = [[_arg_record(a) for a in s.arguments], rets]
     return table
 
 
@@ -136,12 +149,13 @@ class MappingError(ValueError):
     """Operands and attributes that do not fit the schema; the message says how."""
 
 
-def bind(sch: Schema, n_operands: int, attrs: dict) -> list[tuple[Arg, object]]:
+def bind(sch: Schema, n_operands: int, attrs: dict, *, check_values: bool = True) -> list[tuple[Arg, object]]:
     """Map an op's operands (by index) and attributes onto ``sch``'s arguments.
 
     Returns ``(arg, source)`` for each argument the op supplies, where source is
     ``("operand", i)``, ``("operands", start, stop)`` for a tensor list, or
-    ``("attr", key)``. Raises ``MappingError`` when they do not fit.
+    ``("attr", key)``. Raises ``MappingError`` when they do not fit. With
+    ``check_values=False`` only the attribute names matter, not their values.
     """
     names = {a.name for a in sch.args}
     unknown = [k for k in attrs if "." not in k and k not in names]
@@ -157,9 +171,20 @@ def bind(sch: Schema, n_operands: int, attrs: dict) -> list[tuple[Arg, object]]:
     list_len = max(0, n_operands - len(singles)) if lists else 0
     for a in sch.args:
         if a.name in attrs:
-            if a.is_tensor and attrs[a.name] is not None:
+            value = attrs[a.name]
+            if not check_values:
+                bound.append((a, ("attr", a.name)))
+                continue
+            if a.is_tensor_list:
+                raise MappingError(f"tensor list argument '{a.name}' of {sch.name} is given as operands, not as an attribute")
+            if a.is_tensor and value is not None:
                 raise MappingError(f"tensor argument '{a.name}' of {sch.name} must be an operand; "
                                    f"only an absent optional tensor is an attribute: {{{a.name} = none}}")
+            if a.type == "Tensor":
+                raise MappingError(f"'{a.name}' of {sch.name} is a required tensor; it cannot be none")
+            expected = _value_fits(a.type, value)
+            if expected is not None:
+                raise MappingError(f"attribute '{a.name}' of {sch.name} must be {expected} (schema type {a.type})")
             bound.append((a, ("attr", a.name)))
             continue
         if a.is_tensor_list and lists:
@@ -176,3 +201,45 @@ def bind(sch: Schema, n_operands: int, attrs: dict) -> list[tuple[Arg, object]]:
     if next_operand < n_operands:
         raise MappingError(f"{sch.name} takes at most {next_operand} tensor operands, got {n_operands}")
     return bound
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# What an attribute value may be for a schema type; unlisted types are not checked.
+# int-typed arguments also take an element type (dtype = f32: ScalarType is an int in
+# the schema) and a name (memory_format = "contiguous_format": enums are ints too).
+_KINDS = {
+    "int": ("an integer", lambda v: _is_int(v) or type(v).__name__ == "DType" or isinstance(v, str)),
+    "SymInt": ("an integer", _is_int),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "float": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    "number": ("a number", lambda v: isinstance(v, (int, float))),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "Device": ("a device string", lambda v: isinstance(v, str)),
+}
+
+
+_LIST_ITEMS = {"int": _is_int, "SymInt": _is_int, "bool": lambda v: isinstance(v, bool),
+               "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _value_fits(typ: str, value) -> str | None:
+    """None when ``value`` fits schema type ``typ``, else what was expected."""
+    if typ.startswith("Optional[") and typ.endswith("]"):
+        if value is None:
+            return None
+        typ = typ[len("Optional["):-1]
+    if typ.startswith("List[") and typ.endswith("]"):
+        inner = typ[len("List["):-1]
+        ok = _LIST_ITEMS.get(inner)
+        if ok is None or (isinstance(value, tuple) and all(map(ok, value))):
+            return None
+        if inner in ("int", "SymInt") and _is_int(value):
+            return None  # int[2] stride=1 means [1, 1]
+        return f"a list of {inner}"
+    if typ not in _KINDS:
+        return None
+    what, ok = _KINDS[typ]
+    return None if ok(value) else what

@@ -148,7 +148,7 @@ def _process(name, text, offset, passes, args, stderr, timings) -> tuple[str, li
             timings.append(("verify", time.perf_counter() - start))
             if diags:
                 return "", diags
-        pm = PassManager(passes, verify_each=not args.disable_verify,
+        pm = PassManager(passes, verify_each=not args.disable_verify, verify_shapes=args.verify_shapes,
                          print_ir_after_all=stderr if args.print_ir_after_all else None, reproducer=args.reproducer)
         pm.run(module)
         timings.extend(pm.timings)

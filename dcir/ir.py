@@ -287,7 +287,7 @@ class Module:
     @property
     def world_size(self) -> int | None:
         ws = self.attrs.get("world_size")
-        return ws if isinstance(ws, int) and not isinstance(ws, bool) else None
+        return ws if isinstance(ws, int) and not isinstance(ws, bool) and ws >= 1 else None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Module):

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dcir import aten
-from dcir.ir import HostType, Op, PendingType, ShardType, TensorType, Type
+from dcir.ir import NONE, HostType, Op, PendingType, ShardType, TensorType, Type
 
 PURE, COMPUTE, ASYNC, WAITS, COLLECTIVE, REDUCES = "pure", "compute", "async", "waits", "collective", "reduces"
 FREES, ALLOCATES, SIDE_EFFECT, READS_STATE, WRITES_STATE = "frees", "allocates", "side_effect", "reads_state", "writes_state"
@@ -174,11 +174,15 @@ def _rule_reload(op, types, module):
 
 
 def _rule_aten(op, types, module):
-    """aten result types come from capture (FX metadata); the arity is checked here."""
+    """aten result types come from capture (FX metadata); arity and kind are checked here."""
     sch = aten.schema(op.name)
     n = len(op.results)
     if not sch.variadic_results and n != len(sch.returns):
-        raise TypeRuleError(f"{op.name} returns {len(sch.returns)} values, but {n} are defined")
+        k = len(sch.returns)
+        raise TypeRuleError(f"{op.name} returns {k} value{'' if k == 1 else 's'}, but {n} are defined")
+    for r in op.results:
+        if not isinstance(r.type, TensorType) and r.type != NONE:
+            raise TypeRuleError(f"compute results are device tensors (or none); %{r.name} is declared {r.type}")
     return [r.type for r in op.results]
 
 
@@ -270,7 +274,7 @@ def views(op: Op) -> dict[int, int]:
     if sch is None:
         return {}
     try:
-        bound = aten.bind(sch, len(op.operands), op.attrs)
+        bound = aten.bind(sch, len(op.operands), op.attrs, check_values=False)
     except aten.MappingError:
         return {}
     where = {a.name: src[1] for a, src in bound if src[0] == "operand"}

@@ -235,10 +235,19 @@ _NONE_ATTR = object()
 
 # ---- the fast path: op-line templates ------------------------------------------------
 
-_VALUE = re.compile(r"%[\w.$-]+")
-_OP_LINE = re.compile(r"[ \t]*(?:%[\w.$-]+[ \t]*(?:,[ \t]*%[\w.$-]+[ \t]*)*=[ \t]*)?[A-Za-z_]\w*(?:\.\w+)+")
+@lru_cache(maxsize=1)
+def _fast_patterns() -> tuple[re.Pattern, re.Pattern]:
+    """The value-name and op-line patterns, built from the grammar's own terminals so
+    the fast path can never accept a name the grammar rejects."""
+    terms = {t.name: t.pattern.to_regexp() for t in _lark().terminals}
+    value, op = terms["VALUE"], terms["OP_NAME"]
+    op_line = rf"[ \t]*(?:{value}[ \t]*(?:,[ \t]*{value}[ \t]*)*=[ \t]*)?{op}"
+    return re.compile(value), re.compile(op_line)
+
+
+
 _FUNC_HEADER = re.compile(r"[ \t]*func[ \t]")
-_STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')
+_STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')  # only to blank strings out when counting brackets
 _PLACEHOLDER = "%_"
 
 
@@ -284,23 +293,28 @@ def _split_candidates(lines: list[str]) -> dict[int, RawOp]:
     in_body = False
     depth = 0
     get = _TEMPLATES.get
+    value_re, op_line_re = _fast_patterns()
+    previous = ""  # the last line of code before this one, stripped
     for i, line in enumerate(lines):
         if not in_body:
             if _FUNC_HEADER.match(line):
                 o, c = _net_depth(_code(line))
                 if o - c == 1 and _code(line).rstrip().endswith("{"):
-                    in_body, depth = True, 0
+                    in_body, depth, previous = True, 0, "{"
             continue
         code = _code(line)
         o, c = _net_depth(code)
-        if depth == 0 and o == c and '"' not in line:
-            m = _OP_LINE.match(code)
+        if depth == 0 and o == c and '"' not in line and not previous.endswith((",", "=")):
+            m = op_line_re.match(code)
             if m is not None:
-                names = _VALUE.findall(code)
-                tpl = get(_VALUE.sub(_PLACEHOLDER, code))
+                names = value_re.findall(code)
+                tpl = get(value_re.sub(_PLACEHOLDER, code))
                 if tpl is not None and len(names) == len(tpl.results) + len(tpl.operands or ()):
                     found[i] = _instantiate(tpl, names, i + 1, len(code) - len(code.lstrip()) + 1)
+                    previous = code.strip()
                     continue
+        if code.strip():
+            previous = code.strip()
         depth += o - c
         if depth < 0:
             in_body = False
@@ -323,20 +337,21 @@ def parse(text: str, name: str = "<string>", *, fast: bool = True, line_offset: 
     source = Source(name, text, line_offset)
     lines = text.split("\n")
     fast_ops = _split_candidates(lines) if fast else {}
-    skeleton = text
-    if fast_ops:
-        skeleton = "\n".join("" if i in fast_ops else line for i, line in enumerate(lines))
-    try:
-        tree = _lark().parse(skeleton, start="start")
-        mod_name, attrs, items, loc = _ToRaw().transform(tree)
-    except UnexpectedInput as e:
-        raise DcirError(_syntax_diagnostic(e, source, skeleton)) from None
-    except _SemanticError as e:
-        raise DcirError(_token_diag(source, e.token, str(e))) from None
-    except VisitError as e:  # Lark wraps errors raised in transformer callbacks
-        if isinstance(e.orig_exc, _SemanticError):
-            raise DcirError(_token_diag(source, e.orig_exc.token, str(e.orig_exc))) from None
-        raise
+    while True:
+        skeleton = "\n".join("" if i in fast_ops else line for i, line in enumerate(lines)) if fast_ops else text
+        try:
+            tree = _lark().parse(skeleton, start="start")
+            mod_name, attrs, items, loc = _ToRaw().transform(tree)
+            break
+        except UnexpectedInput as e:
+            fast_line = _continued_fast_line(e, lines, fast_ops)
+            if fast_line is None:
+                raise DcirError(_syntax_diagnostic(e, source, skeleton)) from None
+            del fast_ops[fast_line]  # an op that goes on in the next line: give it back to the grammar
+        except VisitError as e:  # Lark wraps errors raised in transformer callbacks
+            if isinstance(e.orig_exc, _SemanticError):
+                raise DcirError(_token_diag(source, e.orig_exc.token, str(e.orig_exc))) from None
+            raise
     funcs = [x for x in items if isinstance(x, RawFunc)]
     by_line = _assign(funcs, fast_ops)
     if by_line is None:  # the fast path's view of the text was wrong: let the full grammar judge it
@@ -362,6 +377,20 @@ def parse(text: str, name: str = "<string>", *, fast: bool = True, line_offset: 
     if diags:
         raise DcirError(diags)
     return module
+
+
+def _continued_fast_line(e: UnexpectedInput, lines: list[str], fast_ops: dict) -> int | None:
+    """The fast-path line an error at the start of a line may belong to: a complete-looking
+    op line whose op goes on (``%a = aten.relu.default(%x)`` then ``: f32[4]``)."""
+    line = getattr(e, "line", None)
+    if not fast_ops or not isinstance(line, int) or line < 1:
+        return None
+    if lines[line - 1][:e.column - 1].strip():
+        return None  # the error is not where a line starts
+    i = line - 2
+    while i >= 0 and not lines[i].strip():
+        i -= 1
+    return i if i in fast_ops else None
 
 
 def _shift(loc, offset):
@@ -457,8 +486,8 @@ _MISTAKES = [
      "a declaration is `param @name : type` or `buffer @name : type`"),
     (lambda tok, exp, line: tok == "RBRACE" and "RETURN" in exp,
      "a function body must end with 'return' (even one that returns nothing)"),
-    (lambda tok, exp, line: tok in ("EQUAL", "OP_NAME", "VALUE") and exp <= {"COMMA", "RBRACE", "VALUE"}
-     and line.lstrip().startswith(("return", "%", "}")) and "RBRACE" in exp,
+    (lambda tok, exp, line: "RBRACE" in exp and exp <= {"COMMA", "RBRACE", "VALUE"}
+     and (tok in ("EQUAL", "OP_NAME") or (tok == "VALUE" and "=" in line)),
      "'return' must be the last op of its function"),
     (lambda tok, exp, line: exp == {"COLON"},
      "function arguments are written %name: type"),
@@ -514,7 +543,8 @@ def _syntax_diagnostic(e: UnexpectedInput, source: Source, skeleton: str) -> Dia
 
 def _describe(tok: Token) -> str:
     if tok.type in ("VALUE", "SYMBOL", "OP_NAME", "TENSOR_TYPE", "ATTR_KEY", "INT", "FLOAT", "STRING", "DTYPE"):
-        return f"{_TERMINAL_NAMES[tok.type].split(' (')[0]} '{tok}'"
+        kind = _TERMINAL_NAMES[tok.type].split(" (")[0].split(" ", 1)[1]  # "a value (%name)" -> "value"
+        return f"{kind} '{tok}'"
     return f"'{tok}'"
 
 
@@ -528,8 +558,12 @@ def _characters_message(e: UnexpectedCharacters, text: str) -> str:
     rest = text[e.pos_in_stream:]
     if _NAME_LIKE.match(rest):
         return _word_message(rest[:_word_len(text, e.pos_in_stream)], allowed, rest)[0]
-    if rest.startswith('"'):
-        return "unterminated string (strings are on one line, escapes as in JSON)"
+    if rest.startswith(("%", "@")) and not rest.startswith('@"'):
+        kind = "value" if rest[0] == "%" else "symbol"
+        return (f"malformed {kind} name: {rest[0]} is followed by a letter, digit, _ or $ "
+                f"(then also . and -), or for symbols by a JSON string")
+    if rest.startswith(('"', '@"')):
+        return "malformed string: strings are JSON strings on one line (escapes \\\" \\\\ \\n \\t \\uXXXX ...)"
     return f"unexpected character {rest[:1]!r}; expected {_expected(allowed)}"
 
 

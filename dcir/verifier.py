@@ -54,6 +54,12 @@ def _view_map(name: str, n_operands: int, keys: tuple[str, ...], n_results: int)
     return tuple(registry.views(op).items())
 
 
+def _ranks(op: Op) -> tuple | None:
+    """The ranks an op is restricted to, if its ``ranks`` attribute is well formed."""
+    ranks = op.attrs.get("ranks")
+    return ranks if isinstance(ranks, tuple) and ranks and all(isinstance(r, int) for r in ranks) else None
+
+
 def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
@@ -281,6 +287,14 @@ class _Verifier:
             if key in op.attrs and spec.check(op.attrs[key]) is not None:
                 self.op_error(op, f"attribute '{key}' of {op.name} must be {spec.check(op.attrs[key])}")
                 ok = False
+        ranks = op.attrs.get("ranks")
+        if isinstance(ranks, tuple) and ok:
+            ws = self.m.world_size
+            bad = [r for r in ranks if r < 0 or (ws is not None and r >= ws)]
+            if not ranks or bad or len(set(ranks)) != len(ranks):
+                limit = f"0 to {ws - 1}" if ws is not None else "0 or more"
+                self.op_error(op, f"'ranks' of {op.name} must list distinct ranks, each {limit}; got {list(ranks)}")
+                ok = False
         if d.name == "aten.*":
             sch = aten.schema(op.name)
             attrs = {k: v for k, v in op.attrs.items() if k not in COMMON_ATTRS}
@@ -313,7 +327,7 @@ class _Verifier:
         ok = True
         waits = d is not None and d.has(registry.WAITS)
         compute = d is not None and d.has(registry.COMPUTE)
-        op_ranks = op.attrs.get("ranks")
+        op_ranks = _ranks(op)
         for k, v in enumerate(op.operands):
             if v.owner is None:
                 self.operand_error(op, k, f"use of undefined value %{v.name}")
@@ -410,8 +424,11 @@ class _Verifier:
         if d.has(registry.FREES):
             for k, v in enumerate(op.operands):
                 owner = storage.get(v, v)
-                if owner in freed and freed[owner] is not op:
-                    continue  # already reported as a use after free
+                if owner in freed:
+                    if freed[owner] is op:
+                        what = "" if owner is v else f" (the storage of %{owner.name})"
+                        self.operand_error(op, k, f"%{v.name}{what} is freed twice by the same mem.free")
+                    continue  # a free in an earlier op is reported as a use after free
                 freed[owner] = op
                 for reader, pending in inflight.get(owner, ()):
                     if pending not in waited:
@@ -425,15 +442,16 @@ class _Verifier:
                 owner = storage.get(v, v)
                 inflight.setdefault(owner, []).append((op, op.results[k if per_operand else 0]))
         if op.name.startswith("aten."):
-            for res, src in _view_map(op.name, len(op.operands), tuple(op.attrs), len(op.results)):
+            keys = tuple(k for k in op.attrs if "." not in k and k not in COMMON_ATTRS)
+            for res, src in _view_map(op.name, len(op.operands), keys, len(op.results)):
                 if src < len(op.operands):
                     base = op.operands[src]
                     storage[op.results[res]] = storage.get(base, base)
         for r in op.results:
             if isinstance(r.type, PendingType):
                 pendings.append(r)
-        ranks = op.attrs.get("ranks")
-        if isinstance(ranks, tuple):
+        ranks = _ranks(op)
+        if ranks is not None:
             for r in op.results:
                 restricted[r] = tuple(ranks)
         # gradient reductions: a reduce collective adds one; everything else keeps the most of its inputs
@@ -483,13 +501,12 @@ class _Verifier:
                            (self._def_note(v),))
 
     def _check_gradients(self) -> None:
-        if "backward" not in self.m.functions:
-            return
+        training = "backward" in self.m.functions
         for decl in self.m.decls.values():
             sets = self.grad_sets.get(decl.name, [])
             if not decl.trainable:
                 continue
-            if not sets:
+            if training and not sets:
                 self.error(f"trainable parameter @{decl.name} never gets a gradient: @backward must grad.set it "
                            "exactly once (or drop 'trainable' to freeze it)", decl.loc, len(decl.kind))
             for extra in sets[1:]:

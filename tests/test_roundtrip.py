@@ -57,8 +57,10 @@ def modules(draw):
 
 
 def _spread(text: str) -> str:
-    """The same module with every attribute list and operand list broken over lines."""
-    return re.sub(r", (?=(%|[A-Za-z_\"]))", ",\n        ", text)
+    """The same module with its attribute and operand lists broken over lines (lines
+    holding a string are left alone: a string cannot span lines)."""
+    return "\n".join(line if '"' in line else re.sub(r", (?=(%|[A-Za-z_]))", ",\n        ", line)
+                     for line in text.split("\n"))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
+import re
 import sys
 import time
 from collections import Counter
@@ -94,6 +95,8 @@ def parse_pipeline(text: str) -> list[Pass]:
                 continue
             key, raw = opt.children
             f = fields.get(str(key))
+            if f is not None and f.name in kwargs:
+                _fail(source, (key.line, key.column), len(key), f"option '{key}' of pass '{cls.name}' is given twice")
             if f is None:
                 have = ", ".join(fields) or "none"
                 _fail(source, (key.line, key.column), len(key), f"unknown option '{key}' for pass '{cls.name}'; its options are: {have}")
@@ -101,7 +104,10 @@ def parse_pipeline(text: str) -> list[Pass]:
                 kwargs[f.name] = _convert(str(raw), f.type)
             except ValueError as err:
                 _fail(source, (raw.line, raw.column), len(raw), f"option '{key}' of pass '{cls.name}': {err}")
-        passes.append(cls(**kwargs))
+        try:
+            passes.append(cls(**kwargs))
+        except ValueError as err:  # a pass's __post_init__ rejects a combination of values
+            _fail(source, (name_tok.line, name_tok.column), len(name_tok), f"pass '{cls.name}': {err}")
     return passes
 
 
@@ -115,15 +121,13 @@ def _convert(raw: str, typ) -> object:
             raise ValueError(f"expected true or false, got '{raw}'")
         return raw == "true"
     if typ == "int":
-        try:
-            return int(raw)
-        except ValueError:
-            raise ValueError(f"expected an integer, got '{raw}'") from None
+        if not re.fullmatch(r"[-+]?\d+", raw):
+            raise ValueError(f"expected an integer, got '{raw}'")
+        return int(raw)
     if typ == "float":
-        try:
-            return float(raw)
-        except ValueError:
-            raise ValueError(f"expected a number, got '{raw}'") from None
+        if not re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", raw):
+            raise ValueError(f"expected a number, got '{raw}'")
+        return float(raw)
     return raw
 
 
@@ -139,6 +143,7 @@ class PassManager:
 
     passes: list[Pass]
     verify_each: bool = True
+    verify_shapes: bool = False  # also check aten result types with torch's meta kernels
     print_ir_after_all: TextIO | None = None
     reproducer: Path | None = None  # where a failing pass's input is written
     timings: list[tuple[str, float]] = field(default_factory=list)
@@ -162,7 +167,7 @@ class PassManager:
             if self.verify_each:
                 start = time.perf_counter()
                 module.source = None  # the text it was parsed from no longer describes it
-                diags = diagnostics(module)
+                diags = diagnostics(module, shapes=self.verify_shapes)
                 self.timings.append(("(verify)", time.perf_counter() - start))
                 if diags:
                     self._write_reproducer(before, p)

@@ -57,9 +57,10 @@ class Canonicalize(Pass):
     name = "canonicalize"
     max_iterations: int = 10
 
-    def run(self, module: Module, stats: Counter) -> None:
+    def __post_init__(self):
         if self.max_iterations < 1:
-            from dcir.diagnostics import DcirError, Diagnostic
-            raise DcirError(Diagnostic("canonicalize: max_iterations must be at least 1"))
+            raise ValueError("max_iterations must be at least 1")
+
+    def run(self, module: Module, stats: Counter) -> None:
         apply_rules(module, RULES, stats, self.max_iterations)
         DeadCodeElimination().run(module, stats)
