@@ -196,6 +196,9 @@ def bind(sch: Schema, n_operands: int, attrs: dict, *, check_values: bool = True
             next_operand += 1
             continue
         if not a.has_default:
+            if a.type == "Optional[Tensor]":
+                raise MappingError(f"{sch.name} needs its argument '{a.name}' ({a.type}): an operand, "
+                                   f"or {{{a.name} = none}} when there is none")
             what = "operand" if a.is_tensor or a.is_tensor_list else "attribute"
             raise MappingError(f"{sch.name} needs its argument '{a.name}' ({a.type}) as an {what}")
     if next_operand < n_operands:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Iterator, Union
 
 # ---- types -------------------------------------------------------------------------
@@ -297,7 +298,7 @@ class Module:
     __hash__ = None  # mutable
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Source:
     """The text a module was parsed from, kept so diagnostics can quote it."""
 
@@ -305,10 +306,13 @@ class Source:
     text: str
     line_offset: int = 0  # lines before this text in its file (for --split-input-file)
 
+    @cached_property
+    def lines(self) -> list[str]:
+        return self.text.split("\n")
+
     def line(self, lineno: int) -> str:
-        lines = self.text.split("\n")
         idx = lineno - 1 - self.line_offset
-        return lines[idx] if 0 <= idx < len(lines) else ""
+        return self.lines[idx] if 0 <= idx < len(self.lines) else ""
 
 
 def _attrs_key(attrs: dict[str, Attr]) -> tuple:

@@ -20,6 +20,7 @@ full grammar alone; tests check that both give the same module.
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 from dataclasses import dataclass
@@ -236,19 +237,22 @@ _NONE_ATTR = object()
 # ---- the fast path: op-line templates ------------------------------------------------
 
 @lru_cache(maxsize=1)
-def _fast_patterns() -> tuple[re.Pattern, re.Pattern]:
+def _fast_patterns() -> tuple[re.Pattern, re.Pattern, re.Pattern]:
     """The value-name and op-line patterns, built from the grammar's own terminals so
     the fast path can never accept a name the grammar rejects."""
     terms = {t.name: t.pattern.to_regexp() for t in _lark().terminals}
     value, op = terms["VALUE"], terms["OP_NAME"]
     op_line = rf"[ \t]*(?:{value}[ \t]*(?:,[ \t]*{value}[ \t]*)*=[ \t]*)?{op}"
-    return re.compile(value), re.compile(op_line)
+    bare_symbol = r"@[A-Za-z_$][\w.$-]*"  # quoted symbols (with '"') are left to the grammar
+    assert re.fullmatch(terms["SYMBOL"], "@a.b$-1"), "SYMBOL terminal changed: update bare_symbol"
+    return re.compile(value), re.compile(op_line), re.compile(bare_symbol)
 
 
 
 _FUNC_HEADER = re.compile(r"[ \t]*func[ \t]")
 _STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')  # only to blank strings out when counting brackets
 _PLACEHOLDER = "%_"
+_SYMBOL_PLACEHOLDER = "@_"
 
 
 def _net_depth(code: str) -> tuple[int, int]:
@@ -257,12 +261,18 @@ def _net_depth(code: str) -> tuple[int, int]:
     return opens, closes
 
 
-def _code(line: str) -> str:
-    """The line without string literals and comments, for bracket counting."""
-    if '"' in line:
-        line = _STRING.sub('""', line)
-    cut = line.find("//")
-    return line if cut < 0 else line[:cut]
+def _blank(m: re.Match) -> str:
+    return '"' + " " * (len(m.group()) - 2) + '"'
+
+
+def _code(line: str) -> tuple[str, str]:
+    """The line without its comment, and the same with string contents blanked (same
+    length, for bracket counting and finding the comment)."""
+    blanked = _STRING.sub(_blank, line) if '"' in line else line
+    cut = blanked.find("//")
+    if cut < 0:
+        return line, blanked
+    return line[:cut], blanked[:cut]
 
 
 class _Templates:
@@ -270,11 +280,15 @@ class _Templates:
         self.cache: dict[str, RawOp | None] = {}
         self.raw = _ToRaw()
 
+    LIMIT = 50_000  # distinct op shapes kept; a long-lived process starts over past this
+
     def get(self, template: str) -> RawOp | None:
         try:
             return self.cache[template]
         except KeyError:
             pass
+        if len(self.cache) >= self.LIMIT:
+            self.cache.clear()
         try:
             tree = _lark().parse(template, start="op")
             op = self.raw.transform(tree)
@@ -293,38 +307,48 @@ def _split_candidates(lines: list[str]) -> dict[int, RawOp]:
     in_body = False
     depth = 0
     get = _TEMPLATES.get
-    value_re, op_line_re = _fast_patterns()
+    value_re, op_line_re, symbol_re = _fast_patterns()
     previous = ""  # the last line of code before this one, stripped
     for i, line in enumerate(lines):
         if not in_body:
             if _FUNC_HEADER.match(line):
-                o, c = _net_depth(_code(line))
-                if o - c == 1 and _code(line).rstrip().endswith("{"):
+                _, blanked = _code(line)
+                o, c = _net_depth(blanked)
+                if o - c == 1 and blanked.rstrip().endswith("{"):
                     in_body, depth, previous = True, 0, "{"
             continue
-        code = _code(line)
-        o, c = _net_depth(code)
-        if depth == 0 and o == c and '"' not in line and not previous.endswith((",", "=")):
+        code, blanked = _code(line)
+        o, c = _net_depth(blanked)
+        if depth == 0 and o == c and not previous.endswith((",", "=")) and _plain_strings(code, blanked):
             m = op_line_re.match(code)
             if m is not None:
                 names = value_re.findall(code)
-                tpl = get(value_re.sub(_PLACEHOLDER, code))
-                if tpl is not None and len(names) == len(tpl.results) + len(tpl.operands or ()):
-                    found[i] = _instantiate(tpl, names, i + 1, len(code) - len(code.lstrip()) + 1)
-                    previous = code.strip()
+                symbols = symbol_re.findall(code)
+                tpl = get(symbol_re.sub(_SYMBOL_PLACEHOLDER, value_re.sub(_PLACEHOLDER, code)))
+                if (tpl is not None and len(names) == len(tpl.results) + len(tpl.operands or ())
+                        and (tpl.symbol == "_" if symbols else tpl.symbol is None) and len(symbols) <= 1):
+                    found[i] = _instantiate(tpl, names, symbols, i + 1, len(code) - len(code.lstrip()) + 1)
+                    previous = blanked.strip()
                     continue
-        if code.strip():
-            previous = code.strip()
+        if blanked.strip():
+            previous = blanked.strip()
         depth += o - c
         if depth < 0:
             in_body = False
     return found
 
 
-def _instantiate(tpl: RawOp, names: list[str], line: int, col: int) -> RawOp:
+def _plain_strings(code: str, blanked: str) -> bool:
+    """No string literal on the line holds text the templating would touch."""
+    if code is blanked or code == blanked:
+        return True
+    return not any(c in m for m in _STRING.findall(code) for c in "%@")
+
+
+def _instantiate(tpl: RawOp, names: list[str], symbols: list[str], line: int, col: int) -> RawOp:
     n = len(tpl.results)
-    return RawOp(names[:n], tpl.name, tpl.symbol, None if tpl.operands is None else names[n:],
-                 tpl.attrs, tpl.types, line, col)
+    return RawOp(names[:n], tpl.name, symbols[0][1:] if symbols else None,
+                 None if tpl.operands is None else names[n:], tpl.attrs, tpl.types, line, col)
 
 
 # ---- building the module -------------------------------------------------------------
@@ -334,6 +358,18 @@ def parse(text: str, name: str = "<string>", *, fast: bool = True, line_offset: 
 
     ``line_offset`` shifts reported line numbers (a chunk of a ``--split-input-file``).
     """
+    # Building a module allocates a few objects per op and frees none: the cyclic
+    # garbage collector would only rescan them, costing about a third of the time.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _parse(text, name, fast, line_offset)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _parse(text: str, name: str, fast: bool, line_offset: int) -> Module:
     source = Source(name, text, line_offset)
     lines = text.split("\n")
     fast_ops = _split_candidates(lines) if fast else {}
@@ -355,7 +391,7 @@ def parse(text: str, name: str = "<string>", *, fast: bool = True, line_offset: 
     funcs = [x for x in items if isinstance(x, RawFunc)]
     by_line = _assign(funcs, fast_ops)
     if by_line is None:  # the fast path's view of the text was wrong: let the full grammar judge it
-        return parse(text, name, fast=False, line_offset=line_offset)
+        return _parse(text, name, False, line_offset)
     module = Module(unquote_symbol(mod_name), attrs=attrs, loc=_shift(loc, line_offset), source=source)
     diags: list[Diagnostic] = []
     for item in items:

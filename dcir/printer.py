@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from functools import lru_cache
 
 from dcir.ir import UNIT, DType, Function, Module, Op, SymbolRef
 
@@ -62,6 +63,11 @@ def attr_dict(attrs: dict) -> str:
     return "{" + ", ".join(parts) + "}"
 
 
+@lru_cache(maxsize=65536)
+def type_text(t) -> str:
+    return str(t)
+
+
 def print_op(op: Op) -> str:
     parts = []
     if op.results:
@@ -74,7 +80,7 @@ def print_op(op: Op) -> str:
     if op.attrs:
         parts.append(" " + attr_dict(op.attrs))
     if op.results:
-        parts.append(" : " + ", ".join(str(r.type) for r in op.results))
+        parts.append(" : " + ", ".join(type_text(r.type) for r in op.results))
     return "".join(parts)
 
 

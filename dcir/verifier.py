@@ -24,11 +24,12 @@ its own golden test in tests/golden/verifier/). Rules:
 from __future__ import annotations
 
 import difflib
+import gc
 from functools import lru_cache
 
 from dcir import aten, ops as registry
 from dcir.diagnostics import DcirError, Diagnostic, Note
-from dcir.ir import UNIT, HostType, Module, Op, PendingType, ShardType, TensorType, Value
+from dcir.ir import UNIT, attr_key, HostType, Module, Op, PendingType, ShardType, TensorType, Value
 from dcir.ops import COMMON_ATTRS, OpDef, TypeRuleError
 from dcir.printer import locate
 
@@ -44,14 +45,35 @@ def verify(module: Module, *, shapes: bool = False) -> None:
 
 
 def diagnostics(module: Module, *, shapes: bool = False) -> list[Diagnostic]:
-    return _Verifier(module, shapes).run()
+    # The walk builds a few dicts per op and frees nothing: no point in the cyclic GC.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _Verifier(module, shapes).run()
+    finally:
+        if enabled:
+            gc.enable()
 
 
-@lru_cache(maxsize=None)
+@lru_cache(maxsize=65536)
 def _view_map(name: str, n_operands: int, keys: tuple[str, ...], n_results: int) -> tuple[tuple[int, int], ...]:
+    """(result, operand) pairs where an aten op's result is a view of the operand.
+    Only which schema arguments are given matters, not their values."""
+    keys = tuple(k for k in keys if "." not in k and k not in COMMON_ATTRS)
     op = Op(name, [Value("_", None)] * n_operands, [Value("_", None) for _ in range(n_results)],
             dict.fromkeys(keys))
     return tuple(registry.views(op).items())
+
+
+@lru_cache(maxsize=65536)
+def _aten_binding_problem(name: str, n_operands: int, key: tuple, items: tuple) -> str | None:
+    """Why an aten op's operands and attributes do not fit its schema (None if they do);
+    memoized on the attribute *key*, which tells 1, 1.0 and true apart."""
+    try:
+        aten.bind(aten.schema(name), n_operands, dict(items))
+    except aten.MappingError as e:
+        return str(e)
+    return None
 
 
 def _ranks(op: Op) -> tuple | None:
@@ -296,12 +318,10 @@ class _Verifier:
                 self.op_error(op, f"'ranks' of {op.name} must list distinct ranks, each {limit}; got {list(ranks)}")
                 ok = False
         if d.name == "aten.*":
-            sch = aten.schema(op.name)
-            attrs = {k: v for k, v in op.attrs.items() if k not in COMMON_ATTRS}
-            try:
-                aten.bind(sch, len(op.operands), attrs)
-            except aten.MappingError as e:
-                self.op_error(op, str(e))
+            items = tuple((k, v) for k, v in op.attrs.items() if k not in COMMON_ATTRS)
+            problem = _aten_binding_problem(op.name, len(op.operands), tuple((k, attr_key(v)) for k, v in items), items)
+            if problem is not None:
+                self.op_error(op, problem)
                 return False
             return ok
         for key, value in op.attrs.items():
@@ -421,51 +441,53 @@ class _Verifier:
         return True
 
     def _track(self, op, d, storage, freed, waited, pendings, restricted, reductions, inflight) -> None:
-        if d.has(registry.FREES):
-            for k, v in enumerate(op.operands):
-                owner = storage.get(v, v)
-                if owner in freed:
-                    if freed[owner] is op:
-                        what = "" if owner is v else f" (the storage of %{owner.name})"
-                        self.operand_error(op, k, f"%{v.name}{what} is freed twice by the same mem.free")
-                    continue  # a free in an earlier op is reported as a use after free
-                freed[owner] = op
-                for reader, pending in inflight.get(owner, ()):
-                    if pending not in waited:
-                        self.operand_error(op, k, f"%{v.name} is freed while {reader.name} still reads it; free it "
-                                                  f"after comm.wait(%{pending.name})",
-                                           (self._op_note(reader, "the async op starts here"),))
-                        break
-        if d.has(registry.ASYNC) and op.results:
+        traits = d.traits
+        if registry.FREES in traits:
+            self._track_free(op, storage, freed, waited, inflight)
+        if registry.ASYNC in traits and op.results:
             per_operand = len(op.results) == len(op.operands)
             for k, v in enumerate(op.operands):
                 owner = storage.get(v, v)
                 inflight.setdefault(owner, []).append((op, op.results[k if per_operand else 0]))
-        if op.name.startswith("aten."):
-            keys = tuple(k for k in op.attrs if "." not in k and k not in COMMON_ATTRS)
-            for res, src in _view_map(op.name, len(op.operands), keys, len(op.results)):
-                if src < len(op.operands):
-                    base = op.operands[src]
-                    storage[op.results[res]] = storage.get(base, base)
-        for r in op.results:
-            if isinstance(r.type, PendingType):
-                pendings.append(r)
-        ranks = _ranks(op)
-        if ranks is not None:
-            for r in op.results:
-                restricted[r] = tuple(ranks)
+            pendings.extend(r for r in op.results if isinstance(r.type, PendingType))
+        if registry.COMPUTE in traits:
+            for res, src in _view_map(op.name, len(op.operands), tuple(op.attrs), len(op.results)):
+                base = op.operands[src]
+                storage[op.results[res]] = storage.get(base, base)
+        if "ranks" in op.attrs:
+            ranks = _ranks(op)
+            if ranks is not None:
+                for r in op.results:
+                    restricted[r] = ranks
         # gradient reductions: a reduce collective adds one; everything else keeps the most of its inputs
-        count = max((reductions.get(v, 0) for v in op.operands), default=0)
-        if d.has(registry.REDUCES):
-            count += 1
-        if d.has(registry.WAITS):
-            for v, r in zip(op.operands, op.results):
-                reductions[r] = reductions.get(v, 0)
-        elif count:
-            for r in op.results:
-                reductions[r] = count
-        if d.has(registry.GRADIENT):
+        if reductions or registry.REDUCES in traits:
+            count = max((reductions.get(v, 0) for v in op.operands), default=0)
+            if registry.REDUCES in traits:
+                count += 1
+            if registry.WAITS in traits:
+                for v, r in zip(op.operands, op.results):
+                    reductions[r] = reductions.get(v, 0)
+            elif count:
+                for r in op.results:
+                    reductions[r] = count
+        if registry.GRADIENT in traits:
             self._check_gradient(op, reductions.get(op.operands[0], 0))
+
+    def _track_free(self, op, storage, freed, waited, inflight) -> None:
+        for k, v in enumerate(op.operands):
+            owner = storage.get(v, v)
+            if owner in freed:
+                if freed[owner] is op:
+                    what = "" if owner is v else f" (the storage of %{owner.name})"
+                    self.operand_error(op, k, f"%{v.name}{what} is freed twice by the same mem.free")
+                continue  # a free in an earlier op is reported as a use after free
+            freed[owner] = op
+            for reader, pending in inflight.get(owner, ()):
+                if pending not in waited:
+                    self.operand_error(op, k, f"%{v.name} is freed while {reader.name} still reads it; free it "
+                                              f"after comm.wait(%{pending.name})",
+                                       (self._op_note(reader, "the async op starts here"),))
+                    break
 
     def _check_gradient(self, op: Op, reduced: int) -> None:
         decl = self.m.decls[op.symbol]
