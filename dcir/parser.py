@@ -317,21 +317,22 @@ def _split_candidates(lines: list[str]) -> dict[int, RawOp]:
                 if o - c == 1 and blanked.rstrip().endswith("{"):
                     in_body, depth, previous = True, 0, "{"
             continue
-        code, blanked = _code(line)
+        code, blanked = _code(line) if ('"' in line or "//" in line) else (line, line)
+        # A line whose template parses as one whole op is balanced (the grammar pairs
+        # every bracket), so brackets are counted only on the other lines.
+        if depth == 0 and op_line_re.match(code) and not previous.endswith((",", "=")) and _plain_strings(code, blanked):
+            names = value_re.findall(code)
+            symbols = symbol_re.findall(code)
+            tpl = get(symbol_re.sub(_SYMBOL_PLACEHOLDER, value_re.sub(_PLACEHOLDER, code)))
+            if (tpl is not None and len(names) == len(tpl.results) + len(tpl.operands or ())
+                    and (tpl.symbol == "_" if symbols else tpl.symbol is None) and len(symbols) <= 1):
+                found[i] = _instantiate(tpl, names, symbols, i + 1, len(code) - len(code.lstrip()) + 1)
+                previous = ""  # a complete op: it ends neither with ',' nor with '='
+                continue
         o, c = _net_depth(blanked)
-        if depth == 0 and o == c and not previous.endswith((",", "=")) and _plain_strings(code, blanked):
-            m = op_line_re.match(code)
-            if m is not None:
-                names = value_re.findall(code)
-                symbols = symbol_re.findall(code)
-                tpl = get(symbol_re.sub(_SYMBOL_PLACEHOLDER, value_re.sub(_PLACEHOLDER, code)))
-                if (tpl is not None and len(names) == len(tpl.results) + len(tpl.operands or ())
-                        and (tpl.symbol == "_" if symbols else tpl.symbol is None) and len(symbols) <= 1):
-                    found[i] = _instantiate(tpl, names, symbols, i + 1, len(code) - len(code.lstrip()) + 1)
-                    previous = blanked.strip()
-                    continue
-        if blanked.strip():
-            previous = blanked.strip()
+        stripped = blanked.strip()
+        if stripped:
+            previous = stripped
         depth += o - c
         if depth < 0:
             in_body = False
@@ -340,7 +341,7 @@ def _split_candidates(lines: list[str]) -> dict[int, RawOp]:
 
 def _plain_strings(code: str, blanked: str) -> bool:
     """No string literal on the line holds text the templating would touch."""
-    if code is blanked or code == blanked:
+    if code is blanked:
         return True
     return not any(c in m for m in _STRING.findall(code) for c in "%@")
 
