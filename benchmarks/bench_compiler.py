@@ -66,6 +66,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import dcir  # noqa: E402
 from dcir import aten as _aten  # noqa: E402
+from dcir.ir import DType  # noqa: E402
+from dcir.printer import attr_value  # noqa: E402
 
 TARGET_S = 5.0
 I64_MAX = 9223372036854775807
@@ -77,25 +79,17 @@ class DT(str):
     """An element type used as an attribute value (printed bare: ``{dtype = bf16}``)."""
 
 
-def _attr_value(v) -> str:
-    if v is True:
-        return "true"
-    if v is False:
-        return "false"
-    if v is None:
-        return "none"
+def _dcir_value(v):
+    """The generator's shorthand (DT strings, lists) as DCIR attribute values."""
     if isinstance(v, DT):
-        return str(v)
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        text = repr(v)
-        return text if ("." in text or "e" in text or "n" in text) else text + ".0"
-    if isinstance(v, str):
-        return json.dumps(v)
+        return DType(str(v))
     if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_attr_value(x) for x in v) + "]"
-    raise TypeError(f"no DCIR spelling for attribute value {v!r}")
+        return tuple(_dcir_value(x) for x in v)
+    return v
+
+
+def _attr_value(v) -> str:
+    return attr_value(_dcir_value(v))
 
 
 def _attrs(attrs) -> str:
