@@ -226,7 +226,7 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
           example="%w_full = comm.wait(%p) : f32[16, 8]"),
     OpDef("mem.free", "Release the storage of values (and of every view of them) after their last use.",
           (1, None), (0, 0), frozenset({FREES, SIDE_EFFECT}), _rule_free,
-          example="mem.free(%w_full, %t)"),
+          example="mem.free(%w_full, %b_full)"),
     OpDef("mem.offload", "Start copying a device value to host memory.",
           (1, 1), (1, 1), frozenset({ASYNC, ALLOCATES}), _rule_offload,
           example="%h = mem.offload(%exp_avg) : pending<host<shard<f32[16, 8], 2>>>"),

@@ -336,7 +336,19 @@ def _split_candidates(lines: list[str]) -> dict[int, RawOp]:
         depth += o - c
         if depth < 0:
             in_body = False
-    return found
+    return {i: op for i, op in found.items() if not _continues(lines, i)}
+
+
+_CONTINUATION = (":", "{", "(", ",", "@", "=", "[", "<", "->")
+
+
+def _continues(lines: list[str], i: int) -> bool:
+    """Whether the code after line ``i`` goes on with the op on it (``: f32[4]`` on the
+    next line): then that line is not a whole op, and the grammar must see it."""
+    j = i + 1
+    while j < len(lines) and _no_code(lines[j]):
+        j += 1
+    return j < len(lines) and lines[j].lstrip().startswith(_CONTINUATION)
 
 
 def _plain_strings(code: str, blanked: str) -> bool:
@@ -425,9 +437,14 @@ def _continued_fast_line(e: UnexpectedInput, lines: list[str], fast_ops: dict) -
     if lines[line - 1][:e.column - 1].strip():
         return None  # the error is not where a line starts
     i = line - 2
-    while i >= 0 and not lines[i].strip():
+    while i >= 0 and _no_code(lines[i]):
         i -= 1
     return i if i in fast_ops else None
+
+
+def _no_code(line: str) -> bool:
+    stripped = line.strip()
+    return not stripped or stripped.startswith("//")
 
 
 def _shift(loc, offset):
@@ -507,7 +524,7 @@ _TERMINAL_NAMES = {
     "RSQB": "']'", "COMMA": "','", "COLON": "':'", "EQUAL": "'='", "LESSTHAN": "'<'", "MORETHAN": "'>'",
     "__ANON_0": "'->'", "MODULE": "'module'", "FUNC": "'func'", "ATTRIBUTES": "'attributes'",
     "SHARD": "'shard'", "PENDING": "'pending'", "HOST": "'host'", "NONE": "'none'", "TRUE": "'true'",
-    "FALSE": "'false'", "$END": "the end of the file",
+    "FALSE": "'false'", "$END": "the end of the file", "<END-OF-FILE>": "the end of the file",
 }
 
 # Common mistakes, as rows of (when, message). ``when`` sees the offending token's type,
@@ -561,7 +578,7 @@ def _syntax_diagnostic(e: UnexpectedInput, source: Source, skeleton: str) -> Dia
     if isinstance(e, UnexpectedCharacters):
         return Diagnostic(_characters_message(e, skeleton), source, (line, col), _word_len(skeleton, e.pos_in_stream))
     if isinstance(e, UnexpectedEOF) or (isinstance(e, UnexpectedToken) and e.token.type == "$END"):
-        lines = skeleton.rstrip("\n").split("\n")
+        lines = source.text.rstrip("\n").split("\n")  # the text, not the skeleton: its ops are blanked
         last = (len(lines) + source.line_offset, len(lines[-1]) + 1)
         missing = "a '}' is missing" if "RBRACE" in getattr(e, "expected", ()) else "the module is incomplete"
         return Diagnostic(f"unexpected end of file: {missing}", source, last, 1)
@@ -595,10 +612,10 @@ def _characters_message(e: UnexpectedCharacters, text: str) -> str:
     rest = text[e.pos_in_stream:]
     if _NAME_LIKE.match(rest):
         return _word_message(rest[:_word_len(text, e.pos_in_stream)], allowed, rest)[0]
-    if rest.startswith(("%", "@")) and not rest.startswith('@"'):
-        kind = "value" if rest[0] == "%" else "symbol"
-        return (f"malformed {kind} name: {rest[0]} is followed by a letter, digit, _ or $ "
-                f"(then also . and -), or for symbols by a JSON string")
+    if rest.startswith("%"):
+        return "malformed value name: % is followed by a letter, digit, _ or $ (then also . and -)"
+    if rest.startswith("@") and not rest.startswith('@"'):
+        return "malformed symbol name: @ is followed by a letter, _ or $ (then also digits, . and -), or by a JSON string"
     if rest.startswith(('"', '@"')):
         return "malformed string: strings are JSON strings on one line (escapes \\\" \\\\ \\n \\t \\uXXXX ...)"
     return f"unexpected character {rest[:1]!r}; expected {_expected(allowed)}"

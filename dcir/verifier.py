@@ -449,7 +449,9 @@ class _Verifier:
             for k, v in enumerate(op.operands):
                 owner = storage.get(v, v)
                 inflight.setdefault(owner, []).append((op, op.results[k if per_operand else 0]))
-            pendings.extend(r for r in op.results if isinstance(r.type, PendingType))
+        for r in op.results:  # any op's, not only an async one's: comm.wait of pending<pending<T>>
+            if isinstance(r.type, PendingType):
+                pendings.append(r)
         if registry.COMPUTE in traits:
             for res, src in _view_map(op.name, len(op.operands), tuple(op.attrs), len(op.results)):
                 base = op.operands[src]

@@ -88,3 +88,20 @@ def test_line_offset_shifts_locations():
     with pytest.raises(dcir.DcirError) as e:
         dcir.parse("module @m {\n  param @w f32[4]\n}\n", "f.dcir", line_offset=10)
     assert "f.dcir:12:" in str(e.value)
+
+
+@pytest.mark.parametrize("body", [
+    "    %a = aten.relu.default(%x)\n    // a comment inside the op\n        : f32[4]",
+    "    mem.free(%x,\n      %y)\n    %a = aten.relu.default(%z)\n        : f32[4]",
+    '    mem.free(%x,\n      %y)\n    mem.free(%z)\n      {note.which = "z"}',
+    "    %a = aten.relu.default(%x) : f32[4]\n    %b,\n      %c = aten.split.Tensor(%a) {split_size = 2} : f32[2], f32[2]",
+])
+def test_fast_path_steps_aside_for_ops_over_several_lines(body):
+    text = "module @m {\n  func @f(%x: f32[4], %y: f32[4], %z: f32[4]) {\n" + body + "\n    return\n  }\n}\n"
+    assert dcir.parse(text) == dcir.parse(text, fast=False)
+
+
+def test_end_of_file_inside_a_function_is_reported_at_the_end():
+    text = "module @m {\n  func @f(%x: f32[4]) {\n    %a = aten.relu.default(%x) : f32[4]\n"
+    with pytest.raises(dcir.DcirError, match=r"<string>:3:40: error: unexpected end of file"):
+        dcir.parse(text)

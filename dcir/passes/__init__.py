@@ -121,11 +121,11 @@ def _convert(raw: str, typ) -> object:
             raise ValueError(f"expected true or false, got '{raw}'")
         return raw == "true"
     if typ == "int":
-        if not re.fullmatch(r"[-+]?\d+", raw):
+        if not re.fullmatch(r"[-+]?[0-9]+", raw):
             raise ValueError(f"expected an integer, got '{raw}'")
         return int(raw)
     if typ == "float":
-        if not re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", raw):
+        if not re.fullmatch(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?", raw):
             raise ValueError(f"expected a number, got '{raw}'")
         return float(raw)
     return raw
