@@ -722,7 +722,7 @@ class _Llama:
         return f, returns, saved
 
     def backward(self, saved, fwd_types):
-        cd, B, S, H, V, M = self.cd, self.B, self.S, self.H, self.V, self.M
+        cd, H, V, M = self.cd, self.H, self.V, self.M
         f = _Func(self.ns, "backward")
         self.pending_grads, self.grad_parts = [], {}
         ids, cos, sin, mask, layer_inputs, head_saved = self._layout

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TextIO
 
 from dcir.diagnostics import DcirError, Diagnostic
-from dcir.ir import Module, Source
+from dcir.ir import Source
 
 SPLIT_MARKER = re.compile(r"^// -----\s*$", re.M)
 _EXPECTED = re.compile(r"//\s*expected-(error|note)\s*(@[+-]?\d+|@above|@below)?\s*\{\{(.*?)\}\}")

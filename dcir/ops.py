@@ -120,7 +120,7 @@ def _rule_grad_set(op, types, module):
     allowed = {decl.type, decl.full_type, ShardType(decl.full_type, module.world_size or 1)}
     if types[0] not in allowed:
         raise TypeRuleError(f"gradient of @{op.symbol} must be {decl.type}"
-                            + (f" or its shard" if decl.type == decl.full_type else "") + f", got {types[0]}", 0)
+                            + (" or its shard" if decl.type == decl.full_type else "") + f", got {types[0]}", 0)
     return []
 
 

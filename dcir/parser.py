@@ -76,7 +76,7 @@ def unquote_symbol(tok: str) -> str:
     return json.loads(body) if body.startswith('"') else body
 
 
-_DIMS = re.compile(r"\d+")
+_DIMS = re.compile(r"[0-9]+")
 
 
 @lru_cache(maxsize=4096)

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-import dcir
 from dcir import ops as registry
 from dcir.passes import registry as passes
 
