@@ -4,7 +4,9 @@ The public API is small:
 
 * ``dcir.parse(text, name)`` -> ``Module``; ``dcir.print(module)`` -> text;
 * ``dcir.verify(module)`` raises ``DcirError`` with located diagnostics;
-* ``dcir.run_passes(module, "dce,canonicalize")`` runs a pass pipeline in place.
+* ``dcir.run_passes(module, "dce,canonicalize")`` runs a pass pipeline in place;
+* ``dcir.compile_to_ir(model, example_inputs)`` captures a PyTorch model's training
+  step (forward and backward) as a module (``dcir_lowering.frontend``).
 
 Everything else is reached through these or through ``dcir-opt``.
 """
@@ -16,4 +18,12 @@ from dcir.passes import run_passes
 from dcir.printer import print_module as print  # noqa: A001  (dcir.print(module), like MLIR's print)
 from dcir.verifier import verify
 
-__all__ = ["DcirError", "Diagnostic", "Module", "parse", "print", "run_passes", "verify"]
+__all__ = ["DcirError", "Diagnostic", "Module", "compile_to_ir", "parse", "print", "run_passes", "verify"]
+
+
+def __getattr__(name: str):
+    # Capture needs torch, whose import costs seconds; dcir-opt never pays for it.
+    if name == "compile_to_ir":
+        from dcir_lowering.frontend import compile_to_ir
+        return compile_to_ir
+    raise AttributeError(f"module 'dcir' has no attribute {name!r}")

@@ -9,7 +9,9 @@ Argument mapping (the convention the whole project uses, see docs/language.md):
 
 * tensor arguments (``Tensor``, ``Tensor?``, ``Tensor[]``) are operands, in schema order;
 * every other argument is an attribute named like the schema argument (``{dim = 1}``);
-  an optional tensor that is absent is written as an attribute with value ``none``;
+  an optional tensor that is absent is written as an attribute with value ``none``,
+  and a number given for a tensor (``aten.add.Tensor(%x) {other = 1}``, which torch
+  wraps into a tensor) is an attribute too;
 * arguments that keep their schema default may be left out;
 * a single ``Tensor[]`` argument takes all operands not taken by the plain tensor
   arguments (``aten.cat.default(%a, %b) {dim = 1}``).
@@ -177,9 +179,12 @@ def bind(sch: Schema, n_operands: int, attrs: dict, *, check_values: bool = True
                 continue
             if a.is_tensor_list:
                 raise MappingError(f"tensor list argument '{a.name}' of {sch.name} is given as operands, not as an attribute")
+            if a.is_tensor and isinstance(value, (bool, int, float)):
+                bound.append((a, ("attr", a.name)))  # a number where torch takes a tensor: torch wraps it
+                continue
             if a.is_tensor and value is not None:
-                raise MappingError(f"tensor argument '{a.name}' of {sch.name} must be an operand; "
-                                   f"only an absent optional tensor is an attribute: {{{a.name} = none}}")
+                raise MappingError(f"tensor argument '{a.name}' of {sch.name} must be an operand; as an attribute "
+                                   f"it can only be a number (torch wraps it) or, if optional, absent: {{{a.name} = none}}")
             if a.type == "Tensor":
                 raise MappingError(f"'{a.name}' of {sch.name} is a required tensor; it cannot be none")
             expected = _value_fits(a.type, value)

@@ -1,0 +1,297 @@
+"""Capture: a PyTorch model's training step -> a DCIR module.
+
+``compile_to_ir(model, example_inputs)`` runs one step of a copy of the model under
+Dynamo (whole graph, static shapes) and AOTAutograd, which hand over the forward and
+backward graphs at aten level, and lowers them one op per FX node:
+
+* parameters and buffers become module-level symbols named by their fully-qualified
+  names (``param @fc1.weight : f32[16, 8] {trainable}``), read with ``param.get``; a
+  tied weight is one symbol; a frozen parameter has no ``trainable``;
+* ``@forward`` takes the model's tensor inputs and returns the loss followed by the
+  activations ``@backward`` needs (parameters it needs are read again there, not
+  passed, so a sharding pass can gather them where they are used);
+* a buffer the forward mutates (BatchNorm's running statistics) is written with
+  ``param.set``;
+* ``@backward`` takes those activations and the loss's tangent and hands each
+  parameter's gradient to the optimizer with ``grad.set``.
+
+The copy keeps the caller's model untouched (its gradients, its running statistics).
+A graph break or an op DCIR cannot express is an error that names it and the model's
+source line; nothing is captured partially.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from dcir.diagnostics import DcirError, Diagnostic
+from dcir.ir import NONE, UNIT, Decl, DType, Function, Module, Op, TensorType, Type, Value
+from dcir.shapes import dcir_dtype
+
+
+def compile_to_ir(model: torch.nn.Module, example_inputs, *, kwargs: dict | None = None, loss_fn=None,
+                  name: str | None = None) -> Module:
+    """Capture ``model``'s training step on ``example_inputs`` as a DCIR module.
+
+    The loss is ``loss_fn(output)`` when given; otherwise the model's output itself (a
+    scalar tensor), its ``.loss`` (Hugging Face models called with ``labels=``), its
+    ``["loss"]`` or its first element.
+    """
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    work = copy.deepcopy(model)
+    work.train(model.training)
+    captured = _Captured()
+
+    def step(*a, **kw):
+        out = work(*a, **kw)
+        return loss_fn(out) if loss_fn is not None else _loss_of(out)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=captured.backend, fullgraph=True, dynamic=False)
+    try:
+        loss = compiled(*args, **(kwargs or {}))
+    except torch._dynamo.exc.Unsupported as e:
+        raise DcirError(Diagnostic(f"cannot capture the model as one graph: {_first_line(e)}{_where(str(e))}")) from None
+    finally:
+        torch._dynamo.reset()
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        raise DcirError(Diagnostic("the step must produce a scalar loss that requires grad; pass loss_fn= to compute it "
+                                   "from the model's output"))
+    loss.backward()
+    return _Lowering(work, captured, name or type(model).__name__).module()
+
+
+def _loss_of(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    if getattr(out, "loss", None) is not None:
+        return out.loss
+    if isinstance(out, dict) and "loss" in out:
+        return out["loss"]
+    if isinstance(out, (tuple, list)) and out:
+        return out[0]
+    raise DcirError(Diagnostic(f"cannot find a loss in the model's output ({type(out).__name__}); pass loss_fn="))
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().split("\n", 1)[0]
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def _where(trace: str) -> str:
+    """' at file:line' for the innermost frame of a stack trace outside torch, if any."""
+    frames = [(f, n) for f, n in _FRAME.findall(trace or "") if "/torch/" not in f]
+    return f" (at {frames[-1][0]}:{frames[-1][1]})" if frames else ""
+
+
+@dataclass
+class _Captured:
+    inputs: list = field(default_factory=list)
+    forward: fx.GraphModule | None = None
+    backward: fx.GraphModule | None = None
+    meta: object = None
+
+    def backend(self, gm: fx.GraphModule, example_inputs):
+        from functorch.compile import make_boxed_func
+        from torch._functorch.aot_autograd import aot_module_simplified
+        from torch._guards import TracingContext
+
+        self.inputs = list(example_inputs)
+
+        def fw(g, _):
+            self.forward = g
+            self.meta = TracingContext.get().fw_metadata
+            return make_boxed_func(g.forward)
+
+        def bw(g, _):
+            self.backward = g
+            return make_boxed_func(g.forward)
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=fw, bw_compiler=bw)
+
+
+def _type(val) -> Type:
+    if val is None:
+        return NONE
+    if not isinstance(val, torch.Tensor):
+        raise DcirError(Diagnostic(f"DCIR values are tensors; the graph has a {type(val).__name__} value"))
+    return TensorType(dcir_dtype(val.dtype), tuple(int(d) for d in val.shape))
+
+
+def _attr(value):
+    """An FX argument that is not a tensor, as a DCIR attribute value."""
+    if isinstance(value, torch.dtype):
+        return DType(dcir_dtype(value))
+    if isinstance(value, (torch.device, torch.memory_format, torch.layout)):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, (list, tuple)):
+        return tuple(_attr(v) for v in value)
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    raise TypeError(type(value).__name__)
+
+
+class _Lowering:
+    def __init__(self, model: torch.nn.Module, captured: _Captured, name: str):
+        self.c = captured
+        self.m = Module(name)
+        params = {id(p): (n, p) for n, p in model.named_parameters()}
+        buffers = {id(b): n for n, b in model.named_buffers()}
+        meta = captured.meta
+        self.state: dict[int, str] = {}  # forward input index -> symbol
+        self.user_inputs: list[int] = []
+        grads = [n for n in captured.backward.graph.nodes if n.op == "output"][0].args[0]
+        for i, t in enumerate(captured.inputs):
+            if id(t) in params:
+                fqn, p = params[id(t)]
+                has_grad = i < len(grads) and grads[i] is not None
+                attrs = {"trainable": UNIT} if p.requires_grad and has_grad else {}
+                if p.requires_grad and not has_grad:
+                    attrs["capture.unused"] = UNIT  # requires grad but gets none: the optimizer skips it
+                self.m.decls[fqn] = Decl("param", fqn, _type(t), attrs)
+                self.state[i] = fqn
+            elif id(t) in buffers:
+                fqn = buffers[id(t)]
+                self.m.decls[fqn] = Decl("buffer", fqn, _type(t))
+                self.state[i] = fqn
+            else:
+                self.user_inputs.append(i)
+        self.mutated = [i for i, info in enumerate(meta.input_info) if info.mutates_data]
+        self.n_user_outputs = len(meta.output_info)
+
+    def module(self) -> Module:
+        fw, saved = self._forward()
+        self.m.functions["forward"] = fw
+        self.m.functions["backward"] = self._backward(saved)
+        return self.m
+
+    # ---- one FX graph -> one function ----
+    def _forward(self) -> tuple[Function, list[str]]:
+        g = self.c.forward.graph
+        f = Function("forward")
+        env: dict[fx.Node, Value] = {}
+        placeholders = [n for n in g.nodes if n.op == "placeholder"]
+        for i, node in enumerate(placeholders):
+            if i in self.state:
+                v = Value(node.name, _type(node.meta["val"]))
+                f.ops.append(Op("param.get", [], [v], symbol=self.state[i]))
+            else:
+                v = Value(node.name, _type(node.meta["val"]))
+                f.args.append(v)
+                v.owner, v.index = f, len(f.args) - 1
+            env[node] = v
+        self._ops(g, f, env)
+        outputs = [n for n in g.nodes if n.op == "output"][0].args[0]
+        for k, i in enumerate(self.mutated):  # mutated inputs come first
+            f.ops.append(Op("param.set", [env[outputs[k]]], symbol=self.state[i], parens=True))
+        rest = outputs[len(self.mutated):]
+        loss, saved = rest[0], rest[self.n_user_outputs:]
+        state_nodes = {placeholders[i] for i in self.state if i not in self.mutated}
+        passed = [n for n in saved if n not in state_nodes]
+        f.returns = [env[loss]] + [env[n] for n in passed]
+        f.result_types = [v.type for v in f.returns]
+        self.saved_state = {n.name: self.state[placeholders.index(n)] for n in saved if n in state_nodes}
+        return f, [n.name for n in passed]
+
+    def _backward(self, saved: list[str]) -> Function:
+        g = self.c.backward.graph
+        f = Function("backward")
+        env: dict[fx.Node, Value] = {}
+        for node in (n for n in g.nodes if n.op == "placeholder"):
+            v = Value(node.name, _type(node.meta["val"]))
+            if node.name in self.saved_state:
+                f.ops.append(Op("param.get", [], [v], symbol=self.saved_state[node.name]))
+            else:
+                f.args.append(v)
+                v.owner, v.index = f, len(f.args) - 1
+            env[node] = v
+        self._ops(g, f, env)
+        grads = [n for n in g.nodes if n.op == "output"][0].args[0]
+        for i, grad in enumerate(grads):
+            fqn = self.state.get(i)
+            if grad is None or fqn is None or "trainable" not in self.m.decls[fqn].attrs:
+                continue
+            f.ops.append(Op("grad.set", [env[grad]], symbol=fqn, parens=True))
+        return f
+
+    def _ops(self, g: fx.Graph, f: Function, env: dict) -> None:
+        used = {n.name for n in g.nodes}
+        for node in g.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target is operator.getitem:
+                continue  # a result of the op before it, named after the getitem
+            if not isinstance(node.target, torch._ops.OpOverload) or node.target.namespace != "aten":
+                raise self._unsupported(node, f"{node.target} is not an aten op")
+            f.ops.append(self._op(node, env, used))
+
+    def _op(self, node: fx.Node, env: dict, used: set) -> Op:
+        schema = node.target._schema
+        name = f"aten.{schema.name.split('::', 1)[1]}.{schema.overload_name or 'default'}"
+        given = dict(zip((a.name for a in schema.arguments), node.args))
+        given.update(node.kwargs)
+        tensor_args = [a for a in schema.arguments if _is_tensor(a.type)]
+        operands, attrs = [], {}
+        last_tensor = max((k for k, a in enumerate(tensor_args) if isinstance(given.get(a.name), (fx.Node, list, tuple))),
+                          default=-1)
+        for a in schema.arguments:
+            if a.name not in given:
+                continue
+            value = given[a.name]
+            if _is_tensor(a.type):
+                if isinstance(value, (list, tuple)):
+                    if any(v is None for v in value):
+                        raise self._unsupported(node, f"{name} with an absent tensor in a list")
+                    operands.extend(env[v] for v in value)
+                elif value is None:
+                    if tensor_args.index(a) < last_tensor or not a.has_default_value():
+                        attrs[a.name] = None
+                elif isinstance(value, fx.Node):
+                    operands.append(env[value])
+                else:
+                    attrs[a.name] = _attr(value)  # a number torch wraps into a tensor
+                continue
+            try:
+                attrs[a.name] = _attr(value)
+            except TypeError as e:
+                raise self._unsupported(node, f"argument '{a.name}' of {name} is a {e}") from None
+        return Op(name, operands, self._results(node, env, used), attrs, parens=True)
+
+    def _results(self, node: fx.Node, env: dict, used: set) -> list[Value]:
+        val = node.meta.get("val")
+        if not isinstance(val, (tuple, list)):
+            v = env[node] = Value(node.name, _type(val))
+            return [v]
+        by_index = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        results = []
+        for k, item in enumerate(val):
+            user = by_index.get(k)
+            label = user.name if user is not None else _fresh(f"{node.name}_{k}", used)
+            v = Value(label, _type(item))
+            if user is not None:
+                env[user] = v
+            results.append(v)
+        return results
+
+    def _unsupported(self, node: fx.Node, what: str) -> DcirError:
+        return DcirError(Diagnostic(f"cannot lower to DCIR: {what}{_where(node.meta.get('stack_trace', ''))}"))
+
+
+def _is_tensor(t) -> bool:
+    return str(t) in ("Tensor", "Optional[Tensor]", "List[Tensor]", "List[Optional[Tensor]]")
+
+
+def _fresh(base: str, used: set) -> str:
+    name, k = base, 1
+    while name in used:
+        name, k = f"{base}_{k}", k + 1
+    used.add(name)
+    return name

@@ -1,0 +1,103 @@
+"""Capture: a model's training step becomes a valid DCIR module, and the model is
+left as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dcir
+
+
+def _check(module: dcir.Module) -> str:
+    dcir.verify(module, shapes=True)
+    text = dcir.print(module)
+    assert dcir.print(dcir.parse(text)) == text  # dcir-opt accepts it unchanged
+    return text
+
+
+def _ops(module, func, name):
+    return [op for op in module.functions[func].ops if op.name == name]
+
+
+def test_mlp():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    m = dcir.compile_to_ir(model, (torch.randn(4, 8),), loss_fn=lambda out: out.pow(2).mean(), name="mlp")
+    _check(m)
+    assert list(m.decls) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert all(d.trainable for d in m.decls.values())
+    assert sorted(op.symbol for op in _ops(m, "backward", "grad.set")) == sorted(m.decls)
+    assert m.functions["forward"].result_types[0] == dcir.parse("module @m {\n  func @f(%x: f32[]) {\n    return\n  }\n}\n"
+                                                                ).functions["f"].args[0].type
+    assert all(p.grad is None for p in model.parameters())
+
+
+class ConvBN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.fc = torch.nn.Linear(4 * 6 * 6, 2)
+        self.bn.weight.requires_grad_(False)  # a frozen parameter
+
+    def forward(self, x, y):
+        h = torch.relu(self.bn(self.conv(x))).flatten(1)
+        return torch.nn.functional.cross_entropy(self.fc(h), y)
+
+
+def test_cnn_with_batchnorm_and_a_frozen_parameter():
+    torch.manual_seed(0)
+    model = ConvBN()
+    before = model.bn.running_mean.clone()
+    m = dcir.compile_to_ir(model, (torch.randn(2, 3, 8, 8), torch.tensor([0, 1])))
+    _check(m)
+    written = sorted(op.symbol for op in _ops(m, "forward", "param.set"))
+    assert written == ["bn.num_batches_tracked", "bn.running_mean", "bn.running_var"]
+    assert m.decls["bn.running_mean"].kind == "buffer"
+    assert not m.decls["bn.weight"].trainable
+    assert "bn.weight" not in {op.symbol for op in _ops(m, "backward", "grad.set")}
+    assert torch.equal(model.bn.running_mean, before)  # the caller's model is untouched
+
+
+class Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 8)
+        self.head = torch.nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+    def forward(self, ids):
+        return self.head(self.embed(ids)).logsumexp(-1).mean()
+
+
+def test_tied_weights_are_one_symbol_with_one_gradient():
+    m = dcir.compile_to_ir(Tied(), (torch.tensor([[1, 2, 3]]),))
+    _check(m)
+    assert list(m.decls) == ["embed.weight"]
+    assert [op.symbol for op in _ops(m, "backward", "grad.set")] == ["embed.weight"]
+
+
+class Breaks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        if y.sum() > 0:  # data-dependent control flow: a graph break
+            y = y * 2
+        return y.mean()
+
+
+def test_a_graph_break_is_a_located_error():
+    with pytest.raises(dcir.DcirError) as e:
+        dcir.compile_to_ir(Breaks(), (torch.randn(2, 4),))
+    message = e.value.render()
+    assert message.startswith("error: cannot capture the model as one graph:")
+    assert "test_frontend.py:" in message
+
+
+def test_a_step_without_a_loss_is_an_error():
+    with pytest.raises(dcir.DcirError, match="scalar loss"):
+        dcir.compile_to_ir(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
