@@ -6,7 +6,9 @@ The public API is small:
 * ``dcir.verify(module)`` raises ``DcirError`` with located diagnostics;
 * ``dcir.run_passes(module, "dce,canonicalize")`` runs a pass pipeline in place;
 * ``dcir.compile_to_ir(model, example_inputs)`` captures a PyTorch model's training
-  step (forward and backward) as a module (``dcir_lowering.frontend``).
+  step (forward and backward) as a module (``dcir_lowering.frontend``);
+* ``dcir.lower(module, state)`` makes a module runnable again, over the model's own
+  tensors (``dcir_lowering.backend``; ``state_of(model)`` gives them).
 
 Everything else is reached through these or through ``dcir-opt``.
 """
@@ -18,7 +20,7 @@ from dcir.passes import run_passes
 from dcir.printer import print_module as print  # noqa: A001  (dcir.print(module), like MLIR's print)
 from dcir.verifier import verify
 
-__all__ = ["DcirError", "Diagnostic", "Module", "compile_to_ir", "parse", "print", "run_passes", "verify"]
+__all__ = ["DcirError", "Diagnostic", "Module", "compile_to_ir", "lower", "parse", "print", "run_passes", "verify"]
 
 
 def __getattr__(name: str):
@@ -26,4 +28,7 @@ def __getattr__(name: str):
     if name == "compile_to_ir":
         from dcir_lowering.frontend import compile_to_ir
         return compile_to_ir
+    if name == "lower":
+        from dcir_lowering.backend import lower
+        return lower
     raise AttributeError(f"module 'dcir' has no attribute {name!r}")

@@ -36,7 +36,9 @@ def test_mlp():
 class ConvBN(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.conv = torch.nn.Conv2d(3, 4, 3)
+        # no bias before BatchNorm: it would have an exactly-zero gradient, which AdamW
+        # turns from rounding noise into a visible update
+        self.conv = torch.nn.Conv2d(3, 4, 3, bias=False)
         self.bn = torch.nn.BatchNorm2d(4)
         self.fc = torch.nn.Linear(4 * 6 * 6, 2)
         self.bn.weight.requires_grad_(False)  # a frozen parameter

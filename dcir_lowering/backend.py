@@ -1,0 +1,174 @@
+"""DCIR -> PyTorch: each function of a module becomes an FX graph, run eagerly or
+handed to Inductor.
+
+The graph calls exactly what the IR says, op by op: ``aten.*`` ops through
+``torch.ops.aten`` (operands and attributes mapped onto the schema as in
+``dcir.aten``), ``param.get`` / ``param.set`` read and write the program's state (the
+model's own parameter and buffer tensors), ``grad.set`` hands a gradient over, and
+``mem.free`` needs nothing in one process (a value's memory goes with its last use).
+Editing the text and lowering it again changes the program.
+
+Collectives (``comm.*``) and host offload (``mem.offload``/``mem.reload``) need the
+distributed runtime; a module that has them is rejected here with a located error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from dcir import aten
+from dcir.diagnostics import DcirError, Diagnostic
+from dcir.ir import Function, Module, Op
+from dcir.printer import locate
+from dcir.shapes import call_arguments, torch_dtype
+from dcir.verifier import verify
+
+
+def _state_get(state: dict, name: str) -> torch.Tensor:
+    return state[name]
+
+
+def _state_set(state: dict, name: str, value: torch.Tensor) -> None:
+    with torch.no_grad():
+        state[name].copy_(value)
+
+
+def _grad_set(grads: dict, name: str, value: torch.Tensor) -> None:
+    grads[name] = value
+
+
+def _to_torch(arg: aten.Arg, value):
+    """An attribute value as the torch object the schema argument wants."""
+    if isinstance(value, str) and arg.type in ("int", "Optional[int]"):
+        return getattr(torch, value)  # memory_format = "contiguous_format", layout = "strided"
+    if isinstance(value, str) and arg.type in ("Device", "Optional[Device]"):
+        return torch.device(value)
+    return value
+
+
+def lower_function(module: Module, name: str) -> fx.GraphModule:
+    """Function ``name`` of ``module`` as a GraphModule taking ``(state, grads, *args)``."""
+    func = module.functions[name]
+    g = fx.Graph()
+    state = g.placeholder("state")
+    grads = g.placeholder("grads")
+    env = {}
+    for a in func.args:
+        env[a] = g.placeholder(_py_name(a.name))
+    for op in func.ops:
+        _lower_op(module, func, op, g, env, state, grads)
+    results = tuple(env[v] for v in func.returns)
+    g.output(results)
+    return fx.GraphModule(torch.nn.Module(), g, class_name=f"dcir_{_py_name(name)}")
+
+
+def _py_name(name: str) -> str:
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in name) or "_"
+
+
+def _lower_op(module: Module, func: Function, op: Op, g: fx.Graph, env: dict, state, grads) -> None:
+    if op.name == "param.get":
+        env[op.results[0]] = g.call_function(_state_get, (state, op.symbol))
+    elif op.name == "param.set":
+        g.call_function(_state_set, (state, op.symbol, env[op.operands[0]]))
+    elif op.name == "grad.set":
+        g.call_function(_grad_set, (grads, op.symbol, env[op.operands[0]]))
+    elif op.name == "mem.free":
+        pass  # one process: memory is released with the value's last use
+    elif op.name.startswith("aten."):
+        _lower_aten(op, g, env)
+    else:
+        raise _unsupported(module, op, f"{op.name} needs the distributed runtime; this lowering runs one process")
+
+
+def _lower_aten(op: Op, g: fx.Graph, env: dict) -> None:
+    sch = aten.schema(op.name)
+    target = _target(op.name)
+    operands = [env[v] for v in op.operands]
+    attrs = {k: v for k, v in op.attrs.items() if "." not in k and k != "ranks"}
+    args, kwargs = call_arguments(op.name, operands, attrs)
+    by_name = {a.name: a for a in sch.args}
+    kwargs = {k: _to_torch(by_name[k], v) for k, v in kwargs.items()}
+    positional = [a for a in sch.args if not a.kwarg_only]
+    args = [_to_torch(a, v) for a, v in zip(positional, args)]
+    node = g.call_function(target, tuple(args), kwargs)
+    if len(op.results) == 1 and not sch.variadic_results and len(sch.returns) == 1:
+        env[op.results[0]] = node
+        return
+    for i, r in enumerate(op.results):
+        env[r] = g.call_function(_item, (node, i))
+
+
+def _item(values, i):
+    return values[i]
+
+
+def _target(name: str):
+    parts = name.split(".")
+    overload = parts[2] if len(parts) > 2 else "default"
+    return getattr(getattr(torch.ops.aten, parts[1]), overload)
+
+
+def _unsupported(module: Module, op: Op, message: str) -> DcirError:
+    if module.source is None:
+        from dcir.ir import Source
+        module.source = Source("<generated>", locate(module))
+    return DcirError(Diagnostic(message, module.source, op.loc, len(op.name)))
+
+
+@dataclass
+class Program:
+    """A lowered training step over live state (the model's tensors, by FQN).
+
+    ``forward(*inputs)`` returns ``(loss, saved)``; ``backward(saved)`` returns the
+    gradients by FQN; ``train_step(*inputs)`` does both and accumulates into the
+    parameters' ``.grad`` like ``loss.backward()`` would.
+    """
+
+    module: Module
+    state: dict
+    forward_gm: fx.GraphModule
+    backward_gm: fx.GraphModule
+    forward_fn: object
+    backward_fn: object
+
+    def forward(self, *inputs):
+        out = self.forward_fn(self.state, {}, *inputs)
+        return out[0], tuple(out[1:])
+
+    def backward(self, saved, tangent: torch.Tensor | None = None) -> dict:
+        loss_type = self.module.functions["forward"].result_types[0]
+        if tangent is None:
+            tangent = torch.ones(loss_type.shape, dtype=torch_dtype(loss_type.dtype))
+        grads: dict = {}
+        self.backward_fn(self.state, grads, *saved, tangent)
+        return grads
+
+    @torch.no_grad()
+    def train_step(self, *inputs) -> torch.Tensor:
+        loss, saved = self.forward(*inputs)
+        for fqn, g in self.backward(saved).items():
+            p = self.state[fqn]
+            p.grad = g.detach().clone() if p.grad is None else p.grad + g
+        return loss
+
+
+def lower(module: Module, state: dict, *, inductor: bool = False) -> Program:
+    """Lower ``module`` (verified first) to a ``Program`` over ``state`` (FQN -> tensor)."""
+    verify(module)
+    missing = [name for name in module.decls if name not in state]
+    if missing:
+        raise DcirError(Diagnostic(f"no tensor for {', '.join('@' + m for m in missing)} in the program's state"))
+    fw, bw = lower_function(module, "forward"), lower_function(module, "backward")
+    run_fw, run_bw = fw, bw
+    if inductor:
+        run_fw, run_bw = torch.compile(fw, dynamic=False), torch.compile(bw, dynamic=False)
+    return Program(module, state, fw, bw, run_fw, run_bw)
+
+
+def state_of(model: torch.nn.Module) -> dict:
+    """A model's parameters and buffers by FQN: the state a Program runs on."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}

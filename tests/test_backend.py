@@ -1,0 +1,101 @@
+"""Single-process training through DCIR matches eager PyTorch, and the program that
+runs is the one the IR says."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+import dcir
+from dcir_lowering.backend import state_of
+from test_frontend import ConvBN, Tied
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def mlp():
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def squared(out):
+    return out.pow(2).mean()
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-6) -> bool:
+    """Within ``rtol`` of the tensor's scale, or 1e-7 absolute (for values that are zero
+    in exact arithmetic and rounding noise in floats)."""
+    return (a - b).abs().max().item() <= rtol * a.abs().max().item() + 1e-7
+
+
+CASES = {
+    "mlp": (mlp, lambda: (torch.randn(4, 8),), squared),
+    "cnn_batchnorm_frozen": (ConvBN, lambda: (torch.randn(2, 3, 8, 8), torch.tensor([0, 1])), None),
+    "tied_weights": (Tied, lambda: (torch.tensor([[1, 2, 3], [4, 5, 6]]),), None),
+}
+
+
+@pytest.mark.parametrize("inductor", [False, True], ids=["eager", "inductor"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_three_adamw_steps_match_eager(case, inductor):
+    make, inputs, loss_fn = CASES[case]
+    torch.manual_seed(0)
+    ref = make()
+    mine = copy.deepcopy(ref)
+    batch = inputs()
+    program = dcir.lower(dcir.compile_to_ir(ref, batch, loss_fn=loss_fn), state_of(mine), inductor=inductor)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt_mine = torch.optim.AdamW(mine.parameters(), lr=1e-2)
+    for _ in range(3):
+        opt_ref.zero_grad()
+        out = ref(*batch)
+        loss_ref = loss_fn(out) if loss_fn else out
+        loss_ref.backward()
+        grads_ref = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+        opt_ref.step()
+        opt_mine.zero_grad()
+        loss_mine = program.train_step(*batch)
+        grads_mine = {n: p.grad for n, p in mine.named_parameters() if p.grad is not None}
+        opt_mine.step()
+        assert abs(loss_ref.item() - loss_mine.item()) <= 1e-6 * abs(loss_ref.item())
+        assert grads_ref.keys() == grads_mine.keys()
+        for n in grads_ref:
+            assert _close(grads_ref[n], grads_mine[n]), n
+    # Inductor reassociates float sums, so gradients differ in the last bits; AdamW's
+    # per-element normalization turns that into ~1e-6 of a parameter's scale after 3
+    # steps (measured 4e-6 on the CNN). The eager lowering runs the captured ops as
+    # they are and matches bit for bit.
+    param_rtol = 1e-5 if inductor else 1e-6
+    for (name, a), (_, b) in zip(state_of(ref).items(), state_of(mine).items()):
+        if a.dtype.is_floating_point:
+            assert _close(a, b, param_rtol), name
+        else:
+            assert torch.equal(a, b), name
+
+
+def test_an_edited_module_runs_as_edited():
+    torch.manual_seed(0)
+    model = mlp()
+    x = torch.randn(4, 8)
+    text = dcir.print(dcir.compile_to_ir(model, (x,), loss_fn=squared))
+    assert "aten.mean.default(%pow_1)" in text
+    edited = text.replace("aten.mean.default(%pow_1)", "aten.sum.default(%pow_1)")
+    loss, _ = dcir.lower(dcir.parse(edited), state_of(model)).forward(x)
+    assert torch.allclose(loss, model(x).pow(2).sum())
+
+
+def test_collectives_need_the_runtime():
+    module = dcir.parse((ROOT / "examples" / "mlp_zero3.dcir").read_text(), "examples/mlp_zero3.dcir")
+    state = {name: torch.zeros(8) for name in module.decls}
+    with pytest.raises(dcir.DcirError) as e:
+        dcir.lower(module, state)
+    assert "examples/mlp_zero3.dcir:" in e.value.render()
+    assert "comm.all_gather needs the distributed runtime" in e.value.render()
+
+
+def test_missing_state_is_an_error():
+    module = dcir.parse((ROOT / "examples" / "mlp.dcir").read_text())
+    with pytest.raises(dcir.DcirError, match="no tensor for @fc1.weight"):
+        dcir.lower(module, {})
