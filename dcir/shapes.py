@@ -35,17 +35,25 @@ def dcir_dtype(dtype) -> str:
     raise ValueError(f"DCIR has no element type for {dtype}")
 
 
-def _attr_to_torch(value):
+def _attr_to_torch(arg: aten.Arg, value, device=None):
+    """An attribute value as the torch object schema argument ``arg`` wants."""
     if isinstance(value, DType):
         return torch_dtype(value.name)
     if isinstance(value, tuple):
-        return [_attr_to_torch(v) for v in value]
+        return [_attr_to_torch(arg, v, device) for v in value]
+    if isinstance(value, str) and arg.type in ("Device", "Optional[Device]"):
+        import torch
+        return torch.device(device or value)
+    if isinstance(value, str) and arg.type in ("int", "Optional[int]"):
+        import torch
+        return getattr(torch, value)  # memory_format = "contiguous_format", layout = "strided"
     return value
 
 
-def call_arguments(op_name: str, operands: list, attrs: dict) -> tuple[list, dict]:
+def call_arguments(op_name: str, operands: list, attrs: dict, *, device=None) -> tuple[list, dict]:
     """Positional and keyword arguments for ``torch.ops.<op_name>`` from an op's operand
-    values (any objects, e.g. tensors) and attributes, by the mapping in ``dcir.aten``."""
+    values (any objects, e.g. tensors or FX nodes) and attributes, by the mapping in
+    ``dcir.aten``. ``device`` replaces every device argument (``"meta"`` for inference)."""
     sch = aten.schema(op_name)
     plain = {k: v for k, v in attrs.items() if "." not in k and k != "ranks"}
     args, kwargs = [], {}
@@ -55,7 +63,7 @@ def call_arguments(op_name: str, operands: list, attrs: dict) -> tuple[list, dic
         elif src[0] == "operands":
             value = list(operands[src[1]:src[2]])
         else:
-            value = _attr_to_torch(plain[src[1]])
+            value = _attr_to_torch(arg, plain[src[1]], device)
         if arg.kwarg_only:
             kwargs[arg.name] = value
         else:
@@ -79,7 +87,7 @@ def _infer_cached(op_name: str, operand_types: tuple, attrs_key: tuple, attrs_it
             operands.append(None)
         else:
             operands.append(torch.empty(t.shape, dtype=torch_dtype(t.dtype), device="meta"))
-    args, kwargs = call_arguments(op_name, operands, dict(attrs_items))
+    args, kwargs = call_arguments(op_name, operands, dict(attrs_items), device="meta")
     out = _resolve(op_name)(*args, **kwargs)
     outs = out if isinstance(out, (tuple, list)) else (out,)
     return tuple(NONE if o is None else TensorType(dcir_dtype(o.dtype), tuple(int(d) for d in o.shape)) for o in outs)

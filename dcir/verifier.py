@@ -186,8 +186,11 @@ class _Verifier:
         for key, value in d.attrs.items():
             if "." in key:
                 continue
+            if key == "value" and d.kind == "buffer":
+                self._check_value(d, value)
+                continue
             if key != "trainable" or d.kind != "param":
-                allowed = "trainable (and dotted names)" if d.kind == "param" else "only dotted names"
+                allowed = "trainable (and dotted names)" if d.kind == "param" else "value (and dotted names)"
                 self.error(f"unknown attribute '{key}' on {d.kind} @{d.name}; a {d.kind} takes {allowed}", d.loc, length)
             elif value is not UNIT:
                 self.error("'trainable' is a unit attribute: write {trainable}", d.loc, length)
@@ -197,6 +200,16 @@ class _Verifier:
         if isinstance(d.type, ShardType) and ws is not None and d.type.parts != ws:
             self.error(f"@{d.name} is split into {d.type.parts} shards, but the module runs on world_size = {ws} ranks",
                        d.loc, length)
+
+    def _check_value(self, d, value) -> None:
+        """A buffer's ``value``: its elements, flattened, as numbers (booleans for bool)."""
+        numel = d.type.numel if isinstance(d.type, TensorType) else None
+        kinds = (bool,) if getattr(d.type, "dtype", None) == "bool" else (int, float)
+        ok = (isinstance(value, tuple) and len(value) == numel
+              and all(isinstance(v, kinds) and (kinds == (bool,) or not isinstance(v, bool)) for v in value))
+        if not ok:
+            self.error(f"value of buffer @{d.name} must list its {numel} elements, flattened, as "
+                       f"{'true/false' if kinds == (bool,) else 'numbers'}", d.loc, len(d.kind))
 
     # ---- functions ----
     def _check_function(self, f) -> None:

@@ -14,6 +14,7 @@ distributed runtime; a module that has them is rejected here with a located erro
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -38,15 +39,6 @@ def _state_set(state: dict, name: str, value: torch.Tensor) -> None:
 
 def _grad_set(grads: dict, name: str, value: torch.Tensor) -> None:
     grads[name] = value
-
-
-def _to_torch(arg: aten.Arg, value):
-    """An attribute value as the torch object the schema argument wants."""
-    if isinstance(value, str) and arg.type in ("int", "Optional[int]"):
-        return getattr(torch, value)  # memory_format = "contiguous_format", layout = "strided"
-    if isinstance(value, str) and arg.type in ("Device", "Optional[Device]"):
-        return torch.device(value)
-    return value
 
 
 def lower_function(module: Module, name: str) -> fx.GraphModule:
@@ -86,15 +78,8 @@ def _lower_op(module: Module, func: Function, op: Op, g: fx.Graph, env: dict, st
 
 def _lower_aten(op: Op, g: fx.Graph, env: dict) -> None:
     sch = aten.schema(op.name)
-    target = _target(op.name)
-    operands = [env[v] for v in op.operands]
-    attrs = {k: v for k, v in op.attrs.items() if "." not in k and k != "ranks"}
-    args, kwargs = call_arguments(op.name, operands, attrs)
-    by_name = {a.name: a for a in sch.args}
-    kwargs = {k: _to_torch(by_name[k], v) for k, v in kwargs.items()}
-    positional = [a for a in sch.args if not a.kwarg_only]
-    args = [_to_torch(a, v) for a, v in zip(positional, args)]
-    node = g.call_function(target, tuple(args), kwargs)
+    args, kwargs = call_arguments(op.name, [env[v] for v in op.operands], op.attrs)
+    node = g.call_function(_target(op.name), tuple(args), kwargs)
     if len(op.results) == 1 and not sch.variadic_results and len(sch.returns) == 1:
         env[op.results[0]] = node
         return
@@ -123,9 +108,11 @@ def _unsupported(module: Module, op: Op, message: str) -> DcirError:
 class Program:
     """A lowered training step over live state (the model's tensors, by FQN).
 
-    ``forward(*inputs)`` returns ``(loss, saved)``; ``backward(saved)`` returns the
-    gradients by FQN; ``train_step(*inputs)`` does both and accumulates into the
-    parameters' ``.grad`` like ``loss.backward()`` would.
+    ``forward(*args, **kwargs)`` returns ``(loss, saved)``; ``backward(saved)`` returns
+    the gradients by FQN; ``train_step(*args, **kwargs)`` does both and accumulates into
+    the parameters' ``.grad`` like ``loss.backward()`` would. Arguments are matched to
+    ``@forward``'s by its ``capture.inputs`` attribute when it has one (a captured
+    model called with keywords), else by position.
     """
 
     module: Module
@@ -135,9 +122,24 @@ class Program:
     forward_fn: object
     backward_fn: object
 
-    def forward(self, *inputs):
-        out = self.forward_fn(self.state, {}, *inputs)
+    def forward(self, *args, **kwargs):
+        out = self.forward_fn(self.state, {}, *self._inputs(args, kwargs))
         return out[0], tuple(out[1:])
+
+    def _inputs(self, args: tuple, kwargs: dict) -> list:
+        names = self.module.functions["forward"].attrs.get("capture.inputs")
+        if names is None:
+            return list(args) + list(kwargs.values())
+        out = []
+        for name in names:
+            m = re.fullmatch(r"args\[(\d+)\]", name)
+            if m and int(m.group(1)) < len(args):
+                out.append(args[int(m.group(1))])
+            elif name in kwargs:
+                out.append(kwargs[name])
+            else:
+                raise TypeError(f"the captured step takes an input {name!r} that this call does not give")
+        return out
 
     def backward(self, saved, tangent: torch.Tensor | None = None) -> dict:
         loss_type = self.module.functions["forward"].result_types[0]
@@ -148,8 +150,8 @@ class Program:
         return grads
 
     @torch.no_grad()
-    def train_step(self, *inputs) -> torch.Tensor:
-        loss, saved = self.forward(*inputs)
+    def train_step(self, *args, **kwargs) -> torch.Tensor:
+        loss, saved = self.forward(*args, **kwargs)
         for fqn, g in self.backward(saved).items():
             p = self.state[fqn]
             p.grad = g.detach().clone() if p.grad is None else p.grad + g
@@ -157,8 +159,14 @@ class Program:
 
 
 def lower(module: Module, state: dict, *, inductor: bool = False) -> Program:
-    """Lower ``module`` (verified first) to a ``Program`` over ``state`` (FQN -> tensor)."""
+    """Lower ``module`` (verified first) to a ``Program`` over ``state`` (FQN -> tensor).
+    Buffers with a ``value`` attribute that ``state`` lacks are made from it."""
     verify(module)
+    state = dict(state)
+    for name, decl in module.decls.items():
+        if "value" in decl.attrs and name not in state:  # a constant the text spells out
+            t = decl.type
+            state[name] = torch.tensor(list(decl.attrs["value"]), dtype=torch_dtype(t.dtype)).reshape(t.shape)
     missing = [name for name in module.decls if name not in state]
     if missing:
         raise DcirError(Diagnostic(f"no tensor for {', '.join('@' + m for m in missing)} in the program's state"))

@@ -7,11 +7,14 @@ backward graphs at aten level, and lowers them one op per FX node:
 * parameters and buffers become module-level symbols named by their fully-qualified
   names (``param @fc1.weight : f32[16, 8] {trainable}``), read with ``param.get``; a
   tied weight is one symbol; a frozen parameter has no ``trainable``;
-* ``@forward`` takes the model's tensor inputs and returns the loss followed by the
-  activations ``@backward`` needs (parameters it needs are read again there, not
+* ``@forward`` takes the model's tensor inputs (its ``capture.inputs`` attribute says
+  which argument each is: ``args[0]`` or a keyword such as ``labels``) and returns the
+  loss followed by the activations ``@backward`` needs (parameters it needs are read again there, not
   passed, so a sharding pass can gather them where they are used);
 * a buffer the forward mutates (BatchNorm's running statistics) is written with
   ``param.set``;
+* a small constant tensor in the graph becomes a buffer with its elements in a
+  ``value`` attribute;
 * ``@backward`` takes those activations and the loss's tangent and hands each
   parameter's gradient to the optimizer with ``grad.set``.
 
@@ -33,6 +36,9 @@ import torch.fx as fx
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import NONE, UNIT, Decl, DType, Function, Module, Op, TensorType, Type, Value
 from dcir.shapes import dcir_dtype
+
+#: Largest constant tensor written into the text (elements); larger ones must be buffers.
+MAX_CONSTANT = 4096
 
 
 def compile_to_ir(model: torch.nn.Module, example_inputs, *, kwargs: dict | None = None, loss_fn=None,
@@ -95,6 +101,7 @@ def _where(trace: str) -> str:
 @dataclass
 class _Captured:
     inputs: list = field(default_factory=list)
+    sources: list = field(default_factory=list)  # where Dynamo found each input: "L['kw']['labels']"
     forward: fx.GraphModule | None = None
     backward: fx.GraphModule | None = None
     meta: object = None
@@ -105,6 +112,7 @@ class _Captured:
         from torch._guards import TracingContext
 
         self.inputs = list(example_inputs)
+        self.sources = [n.meta["grapharg"].source.name for n in gm.graph.nodes if n.op == "placeholder"]
 
         def fw(g, _):
             self.forward = g
@@ -188,6 +196,7 @@ class _Lowering:
                 f.args.append(v)
                 v.owner, v.index = f, len(f.args) - 1
             env[node] = v
+        f.attrs["capture.inputs"] = tuple(_input_name(self.c.sources[i]) for i in self.user_inputs)
         self._ops(g, f, env)
         outputs = [n for n in g.nodes if n.op == "output"][0].args[0]
         for k, i in enumerate(self.mutated):  # mutated inputs come first
@@ -225,6 +234,9 @@ class _Lowering:
     def _ops(self, g: fx.Graph, f: Function, env: dict) -> None:
         used = {n.name for n in g.nodes}
         for node in g.nodes:
+            if node.op == "get_attr":
+                env[node] = self._constant(node, f)
+                continue
             if node.op != "call_function":
                 continue
             if node.target is operator.getitem:
@@ -232,6 +244,20 @@ class _Lowering:
             if not isinstance(node.target, torch._ops.OpOverload) or node.target.namespace != "aten":
                 raise self._unsupported(node, f"{node.target} is not an aten op")
             f.ops.append(self._op(node, env, used))
+
+    def _constant(self, node: fx.Node, f: Function) -> Value:
+        """A tensor the graph holds (``torch.tensor([...])`` in model code) as a buffer
+        whose ``value`` attribute spells it out, so the text stays self-contained."""
+        gm = self.c.forward if f.name == "forward" else self.c.backward
+        tensor = getattr(gm, node.target)
+        if tensor.numel() > MAX_CONSTANT:
+            raise self._unsupported(node, f"a constant tensor of {tensor.numel()} elements (more than {MAX_CONSTANT}); "
+                                          "register it as a buffer of the model")
+        name = f"{f.name}.{node.target}"
+        self.m.decls[name] = Decl("buffer", name, _type(tensor), {"value": tuple(tensor.flatten().tolist())})
+        v = Value(node.name, _type(tensor))
+        f.ops.append(Op("param.get", [], [v], symbol=name))
+        return v
 
     def _op(self, node: fx.Node, env: dict, used: set) -> Op:
         schema = node.target._schema
@@ -283,6 +309,19 @@ class _Lowering:
 
     def _unsupported(self, node: fx.Node, what: str) -> DcirError:
         return DcirError(Diagnostic(f"cannot lower to DCIR: {what}{_where(node.meta.get('stack_trace', ''))}"))
+
+
+_POSITIONAL = re.compile(r"L\['a'\]\[(\d+)\]")
+_KEYWORD = re.compile(r"L\['kw'\]\['([^']+)'\]")
+
+
+def _input_name(source: str) -> str:
+    """Which argument of the step an input is: ``args[0]`` or a keyword (``labels``)."""
+    m = _POSITIONAL.fullmatch(source)
+    if m:
+        return f"args[{m.group(1)}]"
+    m = _KEYWORD.fullmatch(source)
+    return m.group(1) if m else source
 
 
 def _is_tensor(t) -> bool:

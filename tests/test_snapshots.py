@@ -11,7 +11,9 @@ import io
 from pathlib import Path
 
 import pytest
+import torch
 
+import dcir
 from dcir.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,8 +36,33 @@ def run(argv: list[str]) -> str:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_snapshot(case: str, update_goldens: bool, monkeypatch):
     monkeypatch.chdir(ROOT)
-    got = run(CASES[case])
-    path = SNAPSHOTS / f"{case}.txt"
+    compare(SNAPSHOTS / f"{case}.txt", run(CASES[case]), update_goldens)
+
+
+def _models():
+    from test_backend import mlp, squared, tiny_llama
+    from test_frontend import ConvBN
+    return {
+        "mlp": lambda: dcir.compile_to_ir(mlp(), (torch.randn(4, 8),), loss_fn=squared, name="mlp"),
+        "cnn_batchnorm": lambda: dcir.compile_to_ir(ConvBN(), (torch.randn(2, 3, 8, 8), torch.tensor([0, 1])),
+                                                    name="cnn_batchnorm"),
+        "llama_2_layers": lambda: dcir.compile_to_ir(tiny_llama(), (), kwargs={"input_ids": torch.zeros(2, 16, dtype=torch.long),
+                                                                               "labels": torch.ones(2, 16, dtype=torch.long)},
+                                                     loss_fn=lambda out: out.loss, name="llama_2_layers"),
+    }
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn_batchnorm", "llama_2_layers"])
+def test_captured_ir_snapshot(model: str, update_goldens: bool):
+    """The IR capture produces for each reference model; a change in capture (or in
+    torch's decompositions) shows up here as a diff to review."""
+    torch.manual_seed(0)
+    text = dcir.print(_models()[model]())
+    assert dcir.print(dcir.parse(text)) == text
+    compare(SNAPSHOTS / f"captured_{model}.dcir", text, update_goldens)
+
+
+def compare(path: Path, got: str, update_goldens: bool) -> None:
     if update_goldens or not path.exists():
         path.write_text(got)
         if not update_goldens:
