@@ -66,7 +66,9 @@ def compile_to_ir(model: torch.nn.Module, example_inputs, *, kwargs: dict | None
         raise DcirError(Diagnostic(f"cannot capture the model as one graph: {_first_line(e)}{_where(str(e))}")) from None
     finally:
         torch._dynamo.reset()
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+    if not isinstance(loss, torch.Tensor):
+        raise DcirError(Diagnostic(f"cannot find a loss in the model's output ({type(loss).__name__}); pass loss_fn="))
+    if loss.numel() != 1 or not loss.requires_grad:
         raise DcirError(Diagnostic("the step must produce a scalar loss that requires grad; pass loss_fn= to compute it "
                                    "from the model's output"))
     loss.backward()
@@ -74,6 +76,8 @@ def compile_to_ir(model: torch.nn.Module, example_inputs, *, kwargs: dict | None
 
 
 def _loss_of(out):
+    """The loss in a model's output, or the output itself when none is found (the caller
+    reports that: raising here, inside the traced step, would be a graph break)."""
     if isinstance(out, torch.Tensor):
         return out
     if getattr(out, "loss", None) is not None:
@@ -82,7 +86,7 @@ def _loss_of(out):
         return out["loss"]
     if isinstance(out, (tuple, list)) and out:
         return out[0]
-    raise DcirError(Diagnostic(f"cannot find a loss in the model's output ({type(out).__name__}); pass loss_fn="))
+    return out
 
 
 def _first_line(e: Exception) -> str:

@@ -101,5 +101,46 @@ def test_a_graph_break_is_a_located_error():
 
 
 def test_a_step_without_a_loss_is_an_error():
-    with pytest.raises(dcir.DcirError, match="scalar loss"):
+    with pytest.raises(dcir.DcirError) as e:
         dcir.compile_to_ir(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
+    message = "the step must produce a scalar loss that requires grad; pass loss_fn= to compute it from the model's output"
+    assert e.value.render() == "error: " + message
+
+
+class Named(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return {"logits": self.fc(x)}
+
+
+def test_an_output_without_a_loss_is_an_error():
+    with pytest.raises(dcir.DcirError) as e:
+        dcir.compile_to_ir(Named(), (torch.randn(2, 4),))
+    assert "cannot find a loss in the model's output (dict); pass loss_fn=" in e.value.render()
+
+
+def test_only_tensors_are_values():
+    from dcir_lowering.frontend import _type
+    with pytest.raises(dcir.DcirError, match="DCIR values are tensors; the graph has a int value"):
+        _type(3)
+
+
+class BigConstant(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(5000, 1)
+
+    def forward(self, x):
+        return self.fc(x * torch.tensor([0.5] * 5000)).mean()
+
+
+def test_an_inexpressible_construct_is_a_located_error():
+    with pytest.raises(dcir.DcirError) as e:
+        dcir.compile_to_ir(BigConstant(), (torch.randn(2, 5000),))
+    message = e.value.render()
+    assert message.startswith("error: cannot lower to DCIR: a constant tensor of 5000 elements (more than 4096); "
+                              "register it as a buffer of the model")
+    assert "test_frontend.py:" in message

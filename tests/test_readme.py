@@ -20,3 +20,13 @@ def test_readme_starts_with_two_commands():
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert _readme_commands()[1] in ci
+
+
+def test_readme_python_examples_run():
+    import subprocess
+    import sys
+    text = (ROOT / "README.md").read_text()
+    for block in text.split("```python\n")[1:]:
+        code = block.split("```", 1)[0]
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert proc.returncode == 0, f"README example failed:\n{code}\n{proc.stderr}"
