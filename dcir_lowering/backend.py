@@ -162,11 +162,7 @@ def lower(module: Module, state: dict, *, inductor: bool = False) -> Program:
     """Lower ``module`` (verified first) to a ``Program`` over ``state`` (FQN -> tensor).
     Buffers with a ``value`` attribute that ``state`` lacks are made from it."""
     verify(module)
-    state = dict(state)
-    for name, decl in module.decls.items():
-        if "value" in decl.attrs and name not in state:  # a constant the text spells out
-            t = decl.type
-            state[name] = torch.tensor(list(decl.attrs["value"]), dtype=torch_dtype(t.dtype)).reshape(t.shape)
+    state = {**constants(module), **state}
     missing = [name for name in module.decls if name not in state]
     if missing:
         raise DcirError(Diagnostic(f"no tensor for {', '.join('@' + m for m in missing)} in the program's state"))
@@ -175,6 +171,16 @@ def lower(module: Module, state: dict, *, inductor: bool = False) -> Program:
     if inductor:
         run_fw, run_bw = torch.compile(fw, dynamic=False), torch.compile(bw, dynamic=False)
     return Program(module, state, fw, bw, run_fw, run_bw)
+
+
+def constants(module: Module) -> dict:
+    """The buffers whose text spells out their value (``{value = [...]}``), as tensors."""
+    out = {}
+    for name, decl in module.decls.items():
+        if "value" in decl.attrs:
+            t = decl.type
+            out[name] = torch.tensor(list(decl.attrs["value"]), dtype=torch_dtype(t.dtype)).reshape(t.shape)
+    return out
 
 
 def state_of(model: torch.nn.Module) -> dict:

@@ -151,95 +151,17 @@ def _attr(value):
     raise TypeError(type(value).__name__)
 
 
-class _Lowering:
-    def __init__(self, model: torch.nn.Module, captured: _Captured, name: str):
-        self.c = captured
-        self.m = Module(name)
-        params = {id(p): (n, p) for n, p in model.named_parameters()}
-        buffers = {id(b): n for n, b in model.named_buffers()}
-        meta = captured.meta
-        self.state: dict[int, str] = {}  # forward input index -> symbol
-        self.user_inputs: list[int] = []
-        grads = [n for n in captured.backward.graph.nodes if n.op == "output"][0].args[0]
-        for i, t in enumerate(captured.inputs):
-            if id(t) in params:
-                fqn, p = params[id(t)]
-                has_grad = i < len(grads) and grads[i] is not None
-                attrs = {"trainable": UNIT} if p.requires_grad and has_grad else {}
-                if p.requires_grad and not has_grad:
-                    attrs["capture.unused"] = UNIT  # requires grad but gets none: the optimizer skips it
-                self.m.decls[fqn] = Decl("param", fqn, _type(t), attrs)
-                self.state[i] = fqn
-            elif id(t) in buffers:
-                fqn = buffers[id(t)]
-                self.m.decls[fqn] = Decl("buffer", fqn, _type(t))
-                self.state[i] = fqn
-            else:
-                self.user_inputs.append(i)
-        self.mutated = [i for i, info in enumerate(meta.input_info) if info.mutates_data]
-        self.n_user_outputs = len(meta.output_info)
+class GraphLowering:
+    """FX nodes -> DCIR ops, into ``self.m`` (constants become its buffers)."""
 
-    def module(self) -> Module:
-        fw, saved = self._forward()
-        self.m.functions["forward"] = fw
-        self.m.functions["backward"] = self._backward(saved)
-        return self.m
+    def __init__(self, module: Module):
+        self.m = module
 
-    # ---- one FX graph -> one function ----
-    def _forward(self) -> tuple[Function, list[str]]:
-        g = self.c.forward.graph
-        f = Function("forward")
-        env: dict[fx.Node, Value] = {}
-        placeholders = [n for n in g.nodes if n.op == "placeholder"]
-        for i, node in enumerate(placeholders):
-            if i in self.state:
-                v = Value(node.name, _type(node.meta["val"]))
-                f.ops.append(Op("param.get", [], [v], symbol=self.state[i]))
-            else:
-                v = Value(node.name, _type(node.meta["val"]))
-                f.args.append(v)
-                v.owner, v.index = f, len(f.args) - 1
-            env[node] = v
-        f.attrs["capture.inputs"] = tuple(_input_name(self.c.sources[i]) for i in self.user_inputs)
-        self._ops(g, f, env)
-        outputs = [n for n in g.nodes if n.op == "output"][0].args[0]
-        for k, i in enumerate(self.mutated):  # mutated inputs come first
-            f.ops.append(Op("param.set", [env[outputs[k]]], symbol=self.state[i], parens=True))
-        rest = outputs[len(self.mutated):]
-        loss, saved = rest[0], rest[self.n_user_outputs:]
-        state_nodes = {placeholders[i] for i in self.state if i not in self.mutated}
-        passed = [n for n in saved if n not in state_nodes]
-        f.returns = [env[loss]] + [env[n] for n in passed]
-        f.result_types = [v.type for v in f.returns]
-        self.saved_state = {n.name: self.state[placeholders.index(n)] for n in saved if n in state_nodes}
-        return f, [n.name for n in passed]
-
-    def _backward(self, saved: list[str]) -> Function:
-        g = self.c.backward.graph
-        f = Function("backward")
-        env: dict[fx.Node, Value] = {}
-        for node in (n for n in g.nodes if n.op == "placeholder"):
-            v = Value(node.name, _type(node.meta["val"]))
-            if node.name in self.saved_state:
-                f.ops.append(Op("param.get", [], [v], symbol=self.saved_state[node.name]))
-            else:
-                f.args.append(v)
-                v.owner, v.index = f, len(f.args) - 1
-            env[node] = v
-        self._ops(g, f, env)
-        grads = [n for n in g.nodes if n.op == "output"][0].args[0]
-        for i, grad in enumerate(grads):
-            fqn = self.state.get(i)
-            if grad is None or fqn is None or "trainable" not in self.m.decls[fqn].attrs:
-                continue
-            f.ops.append(Op("grad.set", [env[grad]], symbol=fqn, parens=True))
-        return f
-
-    def _ops(self, g: fx.Graph, f: Function, env: dict) -> None:
-        used = {n.name for n in g.nodes}
-        for node in g.nodes:
+    def lower_ops(self, gm: fx.GraphModule, f: Function, env: dict) -> None:
+        used = {n.name for n in gm.graph.nodes}
+        for node in gm.graph.nodes:
             if node.op == "get_attr":
-                env[node] = self._constant(node, f)
+                env[node] = self._constant(gm, node, f)
                 continue
             if node.op != "call_function":
                 continue
@@ -249,10 +171,9 @@ class _Lowering:
                 raise self._unsupported(node, f"{node.target} is not an aten op")
             f.ops.append(self._op(node, env, used))
 
-    def _constant(self, node: fx.Node, f: Function) -> Value:
+    def _constant(self, gm: fx.GraphModule, node: fx.Node, f: Function) -> Value:
         """A tensor the graph holds (``torch.tensor([...])`` in model code) as a buffer
         whose ``value`` attribute spells it out, so the text stays self-contained."""
-        gm = self.c.forward if f.name == "forward" else self.c.backward
         tensor = getattr(gm, node.target)
         if tensor.numel() > MAX_CONSTANT:
             raise self._unsupported(node, f"a constant tensor of {tensor.numel()} elements (more than {MAX_CONSTANT}); "
@@ -313,6 +234,95 @@ class _Lowering:
 
     def _unsupported(self, node: fx.Node, what: str) -> DcirError:
         return DcirError(Diagnostic(f"cannot lower to DCIR: {what}{_where(node.meta.get('stack_trace', ''))}"))
+
+
+class _Lowering(GraphLowering):
+    """A captured step (forward and backward graphs of one model) -> one module."""
+
+    def __init__(self, model: torch.nn.Module, captured: _Captured, name: str):
+        super().__init__(Module(name))
+        self.c = captured
+        params = {id(p): (n, p) for n, p in model.named_parameters()}
+        buffers = {id(b): n for n, b in model.named_buffers()}
+        meta = captured.meta
+        self.state: dict[int, str] = {}  # forward input index -> symbol
+        self.user_inputs: list[int] = []
+        grads = [n for n in captured.backward.graph.nodes if n.op == "output"][0].args[0]
+        for i, t in enumerate(captured.inputs):
+            if id(t) in params:
+                fqn, p = params[id(t)]
+                has_grad = i < len(grads) and grads[i] is not None
+                attrs = {"trainable": UNIT} if p.requires_grad and has_grad else {}
+                if p.requires_grad and not has_grad:
+                    attrs["capture.unused"] = UNIT  # requires grad but gets none: the optimizer skips it
+                self.m.decls[fqn] = Decl("param", fqn, _type(t), attrs)
+                self.state[i] = fqn
+            elif id(t) in buffers:
+                fqn = buffers[id(t)]
+                self.m.decls[fqn] = Decl("buffer", fqn, _type(t))
+                self.state[i] = fqn
+            else:
+                self.user_inputs.append(i)
+        self.mutated = [i for i, info in enumerate(meta.input_info) if info.mutates_data]
+        self.n_user_outputs = len(meta.output_info)
+
+    def module(self) -> Module:
+        fw, saved = self._forward()
+        self.m.functions["forward"] = fw
+        self.m.functions["backward"] = self._backward(saved)
+        return self.m
+
+    # ---- one FX graph -> one function ----
+    def _forward(self) -> tuple[Function, list[str]]:
+        gm = self.c.forward
+        g = gm.graph
+        f = Function("forward")
+        env: dict[fx.Node, Value] = {}
+        placeholders = [n for n in g.nodes if n.op == "placeholder"]
+        for i, node in enumerate(placeholders):
+            if i in self.state:
+                v = Value(node.name, _type(node.meta["val"]))
+                f.ops.append(Op("param.get", [], [v], symbol=self.state[i]))
+            else:
+                v = Value(node.name, _type(node.meta["val"]))
+                f.args.append(v)
+                v.owner, v.index = f, len(f.args) - 1
+            env[node] = v
+        f.attrs["capture.inputs"] = tuple(_input_name(self.c.sources[i]) for i in self.user_inputs)
+        self.lower_ops(gm, f, env)
+        outputs = [n for n in g.nodes if n.op == "output"][0].args[0]
+        for k, i in enumerate(self.mutated):  # mutated inputs come first
+            f.ops.append(Op("param.set", [env[outputs[k]]], symbol=self.state[i], parens=True))
+        rest = outputs[len(self.mutated):]
+        loss, saved = rest[0], rest[self.n_user_outputs:]
+        state_nodes = {placeholders[i] for i in self.state if i not in self.mutated}
+        passed = [n for n in saved if n not in state_nodes]
+        f.returns = [env[loss]] + [env[n] for n in passed]
+        f.result_types = [v.type for v in f.returns]
+        self.saved_state = {n.name: self.state[placeholders.index(n)] for n in saved if n in state_nodes}
+        return f, [n.name for n in passed]
+
+    def _backward(self, saved: list[str]) -> Function:
+        gm = self.c.backward
+        g = gm.graph
+        f = Function("backward")
+        env: dict[fx.Node, Value] = {}
+        for node in (n for n in g.nodes if n.op == "placeholder"):
+            v = Value(node.name, _type(node.meta["val"]))
+            if node.name in self.saved_state:
+                f.ops.append(Op("param.get", [], [v], symbol=self.saved_state[node.name]))
+            else:
+                f.args.append(v)
+                v.owner, v.index = f, len(f.args) - 1
+            env[node] = v
+        self.lower_ops(gm, f, env)
+        grads = [n for n in g.nodes if n.op == "output"][0].args[0]
+        for i, grad in enumerate(grads):
+            fqn = self.state.get(i)
+            if grad is None or fqn is None or "trainable" not in self.m.decls[fqn].attrs:
+                continue
+            f.ops.append(Op("grad.set", [env[grad]], symbol=fqn, parens=True))
+        return f
 
 
 _POSITIONAL = re.compile(r"L\['a'\]\[(\d+)\]")

@@ -46,7 +46,7 @@ def _tokens():
 CASES = {  # model, (args, kwargs), loss_fn
     "mlp": (mlp, lambda: ((torch.randn(4, 8),), {}), squared),
     "cnn_batchnorm_frozen": (ConvBN, lambda: ((torch.randn(2, 3, 8, 8), torch.tensor([0, 1])), {}), None),
-    "tied_weights": (Tied, lambda: ((torch.tensor([[1, 2, 3], [4, 5, 6]]),), {}), None),
+    "tied_weights_frozen": (Tied, lambda: ((torch.tensor([[1, 2, 3], [4, 5, 6]]),), {}), None),
     "hf_llama": (tiny_llama, _tokens, lambda out: out.loss),
 }
 

@@ -63,21 +63,26 @@ def test_cnn_with_batchnorm_and_a_frozen_parameter():
 
 
 class Tied(torch.nn.Module):
+    """Tied input and output embeddings, and a frozen layer between them."""
+
     def __init__(self):
         super().__init__()
         self.embed = torch.nn.Embedding(10, 8)
+        self.mix = torch.nn.Linear(8, 8)
         self.head = torch.nn.Linear(8, 10, bias=False)
         self.head.weight = self.embed.weight  # tied
+        self.mix.weight.requires_grad_(False)  # frozen
 
     def forward(self, ids):
-        return self.head(self.embed(ids)).logsumexp(-1).mean()
+        return self.head(torch.tanh(self.mix(self.embed(ids)))).logsumexp(-1).mean()
 
 
 def test_tied_weights_are_one_symbol_with_one_gradient():
     m = dcir.compile_to_ir(Tied(), (torch.tensor([[1, 2, 3]]),))
     _check(m)
-    assert list(m.decls) == ["embed.weight"]
-    assert [op.symbol for op in _ops(m, "backward", "grad.set")] == ["embed.weight"]
+    assert list(m.decls) == ["embed.weight", "mix.weight", "mix.bias"]
+    assert not m.decls["mix.weight"].trainable
+    assert [op.symbol for op in _ops(m, "backward", "grad.set")] == ["embed.weight", "mix.bias"]
 
 
 class Breaks(torch.nn.Module):
