@@ -89,3 +89,26 @@ def live_ops(func: Function) -> set[int]:
     data.add_node(sink)
     data.add_edges_from((r, sink) for r in roots)
     return nx.ancestors(data, sink)
+
+
+def storage_owners(func: Function) -> dict[Value, Value]:
+    """For every value that is a view (``aten.t``, ``view``, ``split``...), the value
+    that owns its storage (a view of a view maps to the original)."""
+    owner: dict[Value, Value] = {}
+    for op in func.ops:
+        for res, src in registry.views(op).items():
+            base = op.operands[src]
+            owner[op.results[res]] = owner.get(base, base)
+    return owner
+
+
+def last_uses(func: Function) -> tuple[dict[Value, int], set[Value]]:
+    """For every storage owner, the position of the last op that reads it or any view of
+    it; and the owners whose storage the function returns (never to be freed)."""
+    owner = storage_owners(func)
+    last: dict[Value, int] = {}
+    for i, op in enumerate(func.ops):
+        for v in op.operands:
+            last[owner.get(v, v)] = i
+    returned = {owner.get(v, v) for v in func.returns}
+    return last, returned

@@ -8,8 +8,11 @@ model's own parameter and buffer tensors), ``grad.set`` hands a gradient over, a
 ``mem.free`` needs nothing in one process (a value's memory goes with its last use).
 Editing the text and lowering it again changes the program.
 
-Collectives (``comm.*``) and host offload (``mem.offload``/``mem.reload``) need the
-distributed runtime; a module that has them is rejected here with a located error.
+Collectives have a meaning in one process only over a world of one rank (a gather
+of the one shard is the tensor, an average over one is itself), which is how a
+``zero3{world_size=1}`` module runs here; over more ranks they need the distributed
+runtime, as does host offload (``mem.offload``/``mem.reload``): a module that has
+them is rejected here with a located error.
 """
 
 from __future__ import annotations
@@ -61,8 +64,36 @@ def _py_name(name: str) -> str:
     return "".join(c if c.isalnum() or c == "_" else "_" for c in name) or "_"
 
 
+def _gather_one(shard: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """all_gather over one rank: the shard is the whole (flattened) tensor."""
+    return shard.reshape(shape)
+
+
+def _scatter_one(full: torch.Tensor) -> torch.Tensor:
+    """reduce_scatter over one rank: the average of one is itself, as its flat shard."""
+    return full.reshape(-1)
+
+
+def _lower_collective(module: Module, op: Op, g: fx.Graph, env: dict) -> None:
+    """Collectives over a world of one rank, where each has a meaning in one process."""
+    if (module.world_size or 1) != 1:
+        raise _unsupported(module, op, f"{op.name} over {module.world_size} ranks needs the distributed runtime; "
+                                       "this lowering runs one process")
+    for v, r in zip(op.operands, op.results):
+        if op.name == "comm.wait":
+            env[r] = env[v]
+        elif op.name.startswith("comm.all_gather"):
+            env[r] = g.call_function(_gather_one, (env[v], r.type.inner.shape))
+        elif op.name.startswith("comm.reduce_scatter"):
+            env[r] = g.call_function(_scatter_one, (env[v],))
+        else:  # all_reduce over one rank
+            env[r] = env[v]
+
+
 def _lower_op(module: Module, func: Function, op: Op, g: fx.Graph, env: dict, state, grads) -> None:
-    if op.name == "param.get":
+    if op.family == "comm":
+        _lower_collective(module, op, g, env)
+    elif op.name == "param.get":
         env[op.results[0]] = g.call_function(_state_get, (state, op.symbol))
     elif op.name == "param.set":
         g.call_function(_state_set, (state, op.symbol, env[op.operands[0]]))
@@ -154,7 +185,8 @@ class Program:
         loss, saved = self.forward(*args, **kwargs)
         for fqn, g in self.backward(saved).items():
             p = self.state[fqn]
-            p.grad = g.detach().clone() if p.grad is None else p.grad + g
+            g = g.detach().reshape(p.shape)  # a one-rank shard is the flattened gradient
+            p.grad = g.clone() if p.grad is None else p.grad + g
         return loss
 
 

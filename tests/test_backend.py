@@ -128,7 +128,7 @@ def test_collectives_need_the_runtime():
     with pytest.raises(dcir.DcirError) as e:
         dcir.lower(module, state)
     assert "examples/mlp_zero3.dcir:" in e.value.render()
-    assert "comm.all_gather needs the distributed runtime" in e.value.render()
+    assert "comm.all_gather over 2 ranks needs the distributed runtime" in e.value.render()
 
 
 def test_missing_state_is_an_error():
