@@ -811,11 +811,12 @@ def _reset_caches() -> None:
     templates, type spellings, view maps), so each repeat measures what a fresh
     ``dcir-opt`` run pays. The grammar and the aten schema table stay loaded: they are
     process start-up, measured separately."""
-    from dcir import parser, verifier
+    from dcir import ops, parser, printer, verifier
     templates = getattr(parser, "_TEMPLATES", None)
     if isinstance(getattr(templates, "cache", None), dict):
         templates.cache.clear()
-    for fn in (getattr(parser, "tensor_type", None), getattr(verifier, "_view_map", None),
+    for fn in (getattr(parser, "tensor_type", None), getattr(ops, "_view_pairs", None),
+               getattr(verifier, "_aten_binding_problem", None), getattr(printer, "type_text", None),
                getattr(_aten, "schema", None)):
         if hasattr(fn, "cache_clear"):
             fn.cache_clear()

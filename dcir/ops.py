@@ -26,6 +26,7 @@ Traits:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable
 
 from dcir import aten
@@ -267,21 +268,27 @@ def has_trait(op: Op, trait: str) -> bool:
 
 
 def views(op: Op) -> dict[int, int]:
-    """For each result that is a view of an operand's storage, the operand's index."""
+    """For each result that is a view of an operand's storage, the operand's index.
+    Which schema arguments an op gives decides it, never their values."""
     if not op.name.startswith("aten."):
         return {}
-    sch = aten.schema(op.name)
+    keys = tuple(k for k in op.attrs if "." not in k and k not in COMMON_ATTRS)
+    return dict(_view_pairs(op.name, len(op.operands), keys, len(op.results)))
+
+
+@lru_cache(maxsize=65536)
+def _view_pairs(name: str, n_operands: int, keys: tuple[str, ...], n_results: int) -> tuple[tuple[int, int], ...]:
+    sch = aten.schema(name)
     if sch is None:
-        return {}
+        return ()
     try:
-        bound = aten.bind(sch, len(op.operands), op.attrs, check_values=False)
+        bound = aten.bind(sch, n_operands, dict.fromkeys(keys), check_values=False)
     except aten.MappingError:
-        return {}
+        return ()
     where = {a.name: src[1] for a, src in bound if src[0] == "operand"}
-    out = {}
-    for i in range(len(op.results)):
+    pairs = []
+    for i in range(n_results):
         arg = sch.aliased_operand(i)
         if arg in where:
-            out[i] = where[arg]
-    return out
-
+            pairs.append((i, where[arg]))
+    return tuple(pairs)

@@ -56,16 +56,6 @@ def diagnostics(module: Module, *, shapes: bool = False) -> list[Diagnostic]:
 
 
 @lru_cache(maxsize=65536)
-def _view_map(name: str, n_operands: int, keys: tuple[str, ...], n_results: int) -> tuple[tuple[int, int], ...]:
-    """(result, operand) pairs where an aten op's result is a view of the operand.
-    Only which schema arguments are given matters, not their values."""
-    keys = tuple(k for k in keys if "." not in k and k not in COMMON_ATTRS)
-    op = Op(name, [Value("_", None)] * n_operands, [Value("_", None) for _ in range(n_results)],
-            dict.fromkeys(keys))
-    return tuple(registry.views(op).items())
-
-
-@lru_cache(maxsize=65536)
 def _aten_binding_problem(name: str, n_operands: int, key: tuple, items: tuple) -> str | None:
     """Why an aten op's operands and attributes do not fit its schema (None if they do);
     memoized on the attribute *key*, which tells 1, 1.0 and true apart."""
@@ -466,7 +456,7 @@ class _Verifier:
             if isinstance(r.type, PendingType):
                 pendings.append(r)
         if registry.COMPUTE in traits:
-            for res, src in _view_map(op.name, len(op.operands), tuple(op.attrs), len(op.results)):
+            for res, src in registry.views(op).items():
                 base = op.operands[src]
                 storage[op.results[res]] = storage.get(base, base)
         if "ranks" in op.attrs:

@@ -67,8 +67,10 @@ def registry() -> dict[str, type[Pass]]:
 
 @lru_cache(maxsize=1)
 def _pipeline_parser() -> Lark:
+    # cache=True: strict mode proves terminals disjoint at build time, which costs most of a
+    # second; the cached tables skip that on every later start.
     return Lark(Path(__file__).parent.parent.joinpath("pipeline.lark").read_text(), parser="lalr",
-                strict=True, propagate_positions=True)
+                strict=True, propagate_positions=True, cache=True)
 
 
 def parse_pipeline(text: str) -> list[Pass]:

@@ -86,25 +86,30 @@ def rematerialize_param_views(module: Module, stats: Counter) -> None:
             recompute.append((arg, value, chain))
     if not recompute:
         return
-    ops = []
+    names = {v.name for v in bw.values()}
+
+    def fresh(base: str) -> str:
+        name, k = base, 1
+        while name in names:
+            name, k = f"{base}_{k}", k + 1
+        names.add(name)
+        return name
+
+    ops, replacement = [], {}
     for arg, value, chain in recompute:
-        source = value
-        while isinstance(source.owner, Op) and source.owner.name != "param.get":
-            source = source.owner.operands[0]
-        cur = Value(bw.fresh_name(source.name), source.type)
+        # the argument goes away, so the recomputed value (the chain's last) takes its name
+        source = chain[0].operands[0] if chain else value  # the param.get's result
+        cur = Value(arg.name if not chain else fresh(source.name), source.type)
         ops.append(Op("param.get", [], [cur], symbol=source.owner.symbol))
-        bw.ops.insert(0, ops[-1])  # so fresh_name sees the names taken so far
         for k, op in enumerate(chain):
-            last = k == len(chain) - 1
-            res = Value(arg.name if last else bw.fresh_name(op.results[0].name), op.results[0].type)
-            if last:
-                arg.name = f"{arg.name}__saved"  # the argument goes away; its name passes to the recomputed value
-            ops.append(Op(op.name, [cur], [res], dict(op.attrs), parens=op.parens))
-            bw.ops.insert(0, ops[-1])
-            cur = res
-        _replace_uses(bw, arg, cur)
+            name = arg.name if k == len(chain) - 1 else fresh(op.results[0].name)
+            cur = Value(name, op.results[0].type)
+            ops.append(Op(op.name, [ops[-1].results[0]], [cur], dict(op.attrs), parens=op.parens))
+        replacement[arg] = cur
         stats["saved parameter views recomputed in backward"] += 1
-    del bw.ops[:len(ops)]
+    for op in bw.ops:
+        op.operands = [replacement.get(v, v) for v in op.operands]
+    bw.returns = [replacement.get(v, v) for v in bw.returns]
     bw.ops[:0] = ops
     fw.returns = keep_returns
     fw.result_types = [v.type for v in keep_returns]
@@ -114,40 +119,90 @@ def rematerialize_param_views(module: Module, stats: Counter) -> None:
         a.owner, a.index = bw, i
 
 
-def _replace_uses(func: Function, old: Value, new: Value) -> None:
-    for op in func.ops:
-        op.operands = [new if v is old else v for v in op.operands]
-    func.returns = [new if v is old else v for v in func.returns]
+# ---- the rewrites ----------------------------------------------------------------------
 
 
-# ---- the rewrites ---------------------------------------------------------------------
+class _Edit:
+    """What a rewrite may do to a function: new names, ops before a value's first use,
+    an op replaced by several, a free after a storage's last use. Applied at the end,
+    in one pass, from facts computed once (``dcir.analysis``)."""
+
+    def __init__(self, func: Function, world: int):
+        self.func, self.world = func, world
+        self.names = {v.name for v in func.values()}
+        self.first: dict[Value, int] = {}
+        for i, op in enumerate(func.ops):
+            for v in op.operands:
+                self.first.setdefault(v, i)
+        self.last, self.returned = last_uses(func)
+        self.owners = storage_owners(func)
+        self.before: dict[int, list[Op]] = {}
+        self.after: dict[int, list[Op]] = {}
+        self.replaced: dict[Op, list[Op]] = {}
+
+    def fresh(self, base: str) -> str:
+        name, k = base, 1
+        while name in self.names:
+            name, k = f"{base}_{k}", k + 1
+        self.names.add(name)
+        return name
+
+    def used(self, v: Value) -> bool:
+        return v in self.first
+
+    def insert_before_first_use(self, v: Value, ops: list[Op]) -> None:
+        self.before.setdefault(self.first[v], []).extend(ops)
+
+    def replace(self, op: Op, ops: list[Op]) -> None:
+        self.replaced[op] = ops
+
+    def free_after_last_use(self, v: Value) -> None:
+        """Free the storage of ``v`` after its last reader, unless the function returns
+        it or received it (an argument is its caller's to free)."""
+        owner = self.owners.get(v, v)
+        if owner in self.returned or owner in self.func.args or owner not in self.last:
+            return
+        frees = self.after.setdefault(self.last[owner], [])
+        if not any(owner in f.operands for f in frees):
+            frees.append(Op("mem.free", [owner], parens=True))
+
+    def apply(self) -> None:
+        ops: list[Op] = []
+        for i, op in enumerate(self.func.ops):
+            ops.extend(self.before.get(i, ()))
+            ops.extend(self.replaced.get(op, [op]))
+            ops.extend(self.after.get(i, ()))
+        self.func.ops = ops
 
 
-def gather_before_first_use(func: Function, op: Op, world: int, insert_at, free_after) -> None:
+def gather_before_first_use(edit: _Edit, op: Op, stats: Counter) -> None:
     """%w = param.get @p : T  ->  %w_shard = param.get @p : shard<T, N>;
     before the first use of %w: %w_pending = comm.all_gather(%w_shard), %w = comm.wait;
     after the last use of %w or of a view of it: mem.free(%w)."""
     full = op.results[0]
-    shard = Value(func.fresh_name(f"{full.name}_shard"), ShardType(full.type, world))
+    shard = Value(edit.fresh(f"{full.name}_shard"), ShardType(full.type, edit.world), op, 0)
     op.results = [shard]
-    shard.owner, shard.index = op, 0
-    pending = Value(func.fresh_name(f"{full.name}_pending"), PendingType(full.type))
-    insert_at(full, [Op("comm.all_gather", [shard], [pending]), Op("comm.wait", [pending], [full])])
-    free_after(full)
+    if not edit.used(full):
+        return  # read but never used: nothing to gather
+    pending = Value(edit.fresh(f"{full.name}_pending"), PendingType(full.type))
+    edit.insert_before_first_use(full, [Op("comm.all_gather", [shard], [pending]), Op("comm.wait", [pending], [full])])
+    edit.free_after_last_use(full)
+    stats["parameters gathered"] += 1
 
 
-def reduce_then_hand_over(func: Function, op: Op, world: int, replace, free_after) -> None:
+def reduce_then_hand_over(edit: _Edit, op: Op, stats: Counter) -> None:
     """grad.set @p(%g)  ->  %g_pending = comm.reduce_scatter(%g) {op = "avg"};
     %g_shard = comm.wait(%g_pending); grad.set @p(%g_shard); mem.free(%g) when the
     full gradient has no other use."""
     grad = op.operands[0]
-    shard_type = ShardType(grad.type, world)
-    pending = Value(func.fresh_name(f"{grad.name}_pending"), PendingType(shard_type))
-    shard = Value(func.fresh_name(f"{grad.name}_shard"), shard_type)
+    shard_type = ShardType(grad.type, edit.world)
+    pending = Value(edit.fresh(f"{grad.name}_pending"), PendingType(shard_type))
+    shard = Value(edit.fresh(f"{grad.name}_shard"), shard_type)
     op.operands = [shard]
-    replace(op, [Op("comm.reduce_scatter", [grad], [pending], {"op": "avg"}),
-                 Op("comm.wait", [pending], [shard]), op])
-    free_after(grad)
+    edit.replace(op, [Op("comm.reduce_scatter", [grad], [pending], {"op": "avg"}),
+                      Op("comm.wait", [pending], [shard]), op])
+    edit.free_after_last_use(grad)
+    stats["gradients reduce-scattered"] += 1
 
 
 def _is_param(module: Module, op: Op) -> bool:
@@ -155,7 +210,7 @@ def _is_param(module: Module, op: Op) -> bool:
     return decl is not None and decl.kind == "param" and isinstance(decl.type, TensorType)
 
 
-# op name -> (named constraint, rewrite); the constraint reads the op and the module
+# op name -> (named constraint, rewrite); the constraint reads the module and the op
 RULES = {
     # param.get of a parameter -> shard read, gather before first use, free after last
     "param.get": (_is_param, gather_before_first_use),
@@ -165,47 +220,12 @@ RULES = {
 
 
 def _shard_function(module: Module, func: Function, world: int, stats: Counter) -> None:
-    last, returned = last_uses(func)
-    owners = storage_owners(func)
-    before: dict[int, list[Op]] = {}
-    after: dict[int, list[Op]] = {}
-    replaced: dict[Op, list[Op]] = {}
-
-    def first_use(v: Value) -> int:
-        return next((i for i, op in enumerate(func.ops) if v in op.operands), len(func.ops))
-
-    def insert_at(v: Value, new_ops: list[Op]) -> None:
-        before.setdefault(first_use(v), []).extend(new_ops)
-
-    def free_after(v: Value) -> None:
-        owner = owners.get(v, v)
-        if owner in returned or owner in func.args or owner not in last:
-            return
-        end = last[owner]
-        freeing = after.setdefault(end, [])
-        if not any(owner in f.operands for f in freeing):
-            freeing.append(Op("mem.free", [owner], parens=True))
-
+    edit = _Edit(func, world)
     for op in list(func.ops):
         rule = RULES.get(op.name)
-        if rule is None or not rule[0](module, op):
-            continue
-        constraint, rewrite = rule
-        if rewrite is gather_before_first_use and first_use(op.results[0]) == len(func.ops):
-            op.results[0].type = ShardType(op.results[0].type, world)  # never used: nothing to gather
-            continue
-        if rewrite is gather_before_first_use:
-            rewrite(func, op, world, insert_at, free_after)
-            stats["parameters gathered"] += 1
-        else:
-            rewrite(func, op, world, lambda o, new: replaced.__setitem__(o, new), free_after)
-            stats["gradients reduce-scattered"] += 1
-    new_ops: list[Op] = []
-    for i, op in enumerate(func.ops):
-        new_ops.extend(before.get(i, ()))
-        new_ops.extend(replaced.get(op, [op]))
-        new_ops.extend(after.get(i, ()))
-    func.ops = new_ops
+        if rule is not None and rule[0](module, op):
+            rule[1](edit, op, stats)
+    edit.apply()
 
 
 @dataclass(frozen=True)
