@@ -4,14 +4,11 @@ training through the sharded program matches eager."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 import dcir
-from dcir_lowering.backend import state_of
-from test_backend import CASES, _close
+from test_backend import CASES, train_side_by_side
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -34,28 +31,4 @@ def test_sharded_program_is_valid_and_frees_every_gathered_parameter(case):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_one_rank_zero3_trains_like_eager(case):
-    make, inputs, loss_fn = CASES[case]
-    torch.manual_seed(0)
-    ref = make()
-    mine = copy.deepcopy(ref)
-    args, kwargs = inputs()
-    module = dcir.compile_to_ir(ref, args, kwargs=kwargs, loss_fn=loss_fn)
-    dcir.run_passes(module, "zero3{world_size=1}")
-    program = dcir.lower(module, state_of(mine))
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt_mine = torch.optim.AdamW(mine.parameters(), lr=1e-2)
-    for _ in range(3):
-        opt_ref.zero_grad()
-        out = ref(*args, **kwargs)
-        loss_ref = loss_fn(out) if loss_fn else out
-        loss_ref.backward()
-        opt_ref.step()
-        opt_mine.zero_grad()
-        loss_mine = program.train_step(*args, **kwargs)
-        opt_mine.step()
-        assert abs(loss_ref.item() - loss_mine.item()) <= 1e-6 * abs(loss_ref.item())
-    for (name, a), (_, b) in zip(state_of(ref).items(), state_of(mine).items()):
-        if a.dtype.is_floating_point:
-            assert _close(a, b), name
-        else:
-            assert torch.equal(a, b), name
+    train_side_by_side(case, passes="zero3{world_size=1}")
