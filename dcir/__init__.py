@@ -7,6 +7,8 @@ The public API is small:
 * ``dcir.run_passes(module, "dce,canonicalize")`` runs a pass pipeline in place;
 * ``dcir.compile_to_ir(model, example_inputs)`` captures a PyTorch model's training
   step (forward and backward) as a module (``dcir_lowering.frontend``);
+* ``dcir.initialize(model, optimizer=..., config=...)`` -> the training ``Engine``
+  that runs the sharded program across processes (``dcir_runtime``);
 * ``dcir.lower(module, state)`` makes a module runnable again, over the model's own
   tensors (``dcir_lowering.backend``; ``state_of(model)`` gives them).
 
@@ -20,7 +22,7 @@ from dcir.passes import run_passes
 from dcir.printer import print_module as print  # noqa: A001  (dcir.print(module), like MLIR's print)
 from dcir.verifier import verify
 
-__all__ = ["DcirError", "Diagnostic", "Module", "compile_to_ir", "lower", "parse", "print", "run_passes", "verify"]
+__all__ = ["DcirError", "Diagnostic", "Module", "compile_to_ir", "initialize", "lower", "parse", "print", "run_passes", "verify"]
 
 
 def __getattr__(name: str):
@@ -28,6 +30,9 @@ def __getattr__(name: str):
     if name == "compile_to_ir":
         from dcir_lowering.frontend import compile_to_ir
         return compile_to_ir
+    if name == "initialize":
+        from dcir_runtime import initialize
+        return initialize
     if name == "lower":
         from dcir_lowering.backend import lower
         return lower

@@ -290,6 +290,10 @@ class Module:
         ws = self.attrs.get("world_size")
         return ws if isinstance(ws, int) and not isinstance(ws, bool) and ws >= 1 else None
 
+    def __str__(self) -> str:
+        from dcir.printer import print_module
+        return print_module(self)
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Module):
             return NotImplemented

@@ -8,11 +8,15 @@ model's own parameter and buffer tensors), ``grad.set`` hands a gradient over, a
 ``mem.free`` needs nothing in one process (a value's memory goes with its last use).
 Editing the text and lowering it again changes the program.
 
-Collectives have a meaning in one process only over a world of one rank (a gather
-of the one shard is the tensor, an average over one is itself), which is how a
-``zero3{world_size=1}`` module runs here; over more ranks they need the distributed
-runtime, as does host offload (``mem.offload``/``mem.reload``): a module that has
-them is rejected here with a located error.
+Collectives lower two ways. Given a process group (``group=``, its name), every
+``comm.*`` op calls the C++ runtime (``torch.ops.dcir.*``, see ``docs/runtime.md``): a
+start returns the result tensors and ``comm.wait`` finishes the transfer; ``mem.free``
+releases the buffer's memory then and there; ``param.get`` of a sharded parameter
+reads this rank's shard from the runtime's shard store. Without a group, collectives
+have a meaning in one process only over a world of one rank (a gather of the one shard
+is the tensor, an average over one is itself), which is how a ``zero3{world_size=1}``
+module runs in a plain process. Host offload (``mem.offload``/``mem.reload``) is not
+lowered yet: a module that has it is rejected with a located error.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import torch.fx as fx
 
 from dcir import aten
 from dcir.diagnostics import DcirError, Diagnostic
-from dcir.ir import Function, Module, Op
+from dcir.analysis import storage_owners
+from dcir.ir import Function, Module, Op, ShardType
 from dcir.printer import locate
 from dcir.shapes import call_arguments, torch_dtype
 from dcir.verifier import verify
@@ -44,8 +49,9 @@ def _grad_set(grads: dict, name: str, value: torch.Tensor) -> None:
     grads[name] = value
 
 
-def lower_function(module: Module, name: str) -> fx.GraphModule:
-    """Function ``name`` of ``module`` as a GraphModule taking ``(state, grads, *args)``."""
+def lower_function(module: Module, name: str, group: str | None = None) -> fx.GraphModule:
+    """Function ``name`` of ``module`` as a GraphModule taking ``(state, grads, *args)``;
+    collectives run over the process group named ``group`` when one is given."""
     func = module.functions[name]
     g = fx.Graph()
     state = g.placeholder("state")
@@ -53,8 +59,12 @@ def lower_function(module: Module, name: str) -> fx.GraphModule:
     env = {}
     for a in func.args:
         env[a] = g.placeholder(_py_name(a.name))
+    lowering = _Distributed(module, func, group) if group is not None else None
     for op in func.ops:
-        _lower_op(module, func, op, g, env, state, grads)
+        if lowering is not None and lowering.handles(op):
+            lowering.lower(op, g, env)
+        else:
+            _lower_op(module, func, op, g, env, state, grads)
     results = tuple(env[v] for v in func.returns)
     g.output(results)
     return fx.GraphModule(torch.nn.Module(), g, class_name=f"dcir_{_py_name(name)}")
@@ -88,6 +98,65 @@ def _lower_collective(module: Module, op: Op, g: fx.Graph, env: dict) -> None:
             env[r] = g.call_function(_scatter_one, (env[v],))
         else:  # all_reduce over one rank
             env[r] = env[v]
+
+
+class _Distributed:
+    """``comm.*``, ``mem.free`` and sharded ``param.get`` as calls into the C++ runtime."""
+
+    def __init__(self, module: Module, func: Function, group: str):
+        self.module, self.group = module, group
+        self.ops = torch.ops.dcir
+        owners = storage_owners(func)
+        # storage that is not this function's to release: state and the caller's arguments
+        self.borrowed = {v for v in func.values()
+                         if v in func.args or (isinstance(v.owner, Op) and v.owner.name == "param.get")}
+        self.owner = lambda v: owners.get(v, v)
+
+    def handles(self, op: Op) -> bool:
+        if op.name == "param.get":
+            return isinstance(self.module.decls[op.symbol].type, ShardType)
+        return op.family == "comm" or op.name == "mem.free"
+
+    def lower(self, op: Op, g: fx.Graph, env: dict) -> None:
+        if "ranks" in op.attrs:
+            raise _unsupported(self.module, op, f"{op.name} over a subgroup of ranks is not supported by the runtime yet")
+        d = self.ops
+        tag = ", ".join("%" + v.name for v in op.operands) + (f" (line {op.loc[0]})" if op.loc else "")
+        args = [env[v] for v in op.operands]
+        if op.name == "param.get":
+            env[op.results[0]] = g.call_function(d.get_shard, (op.symbol,))
+            return
+        if op.name == "mem.free":
+            for v in op.operands:
+                if self.owner(v) not in self.borrowed:
+                    g.call_function(d.free, (env[v],))
+            return
+        if op.name == "comm.wait":
+            for v, r in zip(op.operands, op.results):
+                env[r] = g.call_function(d.wait, (env[v],))
+            return
+        reduction = op.attrs.get("op", "sum")
+        if op.name == "comm.all_gather":
+            outs = [g.call_function(d.all_gather, (args[0], list(op.results[0].type.inner.shape), self.group, tag))]
+        elif op.name == "comm.all_gather_coalesced":
+            shapes = [r.type.inner.shape for r in op.results]
+            node = g.call_function(d.all_gather_coalesced,
+                                   (args, [n for s in shapes for n in s], [len(s) for s in shapes], self.group, tag))
+            outs = [g.call_function(_item, (node, i)) for i in range(len(op.results))]
+        elif op.name == "comm.reduce_scatter":
+            outs = [g.call_function(d.reduce_scatter, (args[0], reduction, self.group, tag))]
+        elif op.name == "comm.reduce_scatter_coalesced":
+            node = g.call_function(d.reduce_scatter_coalesced, (args, reduction, self.group, tag))
+            outs = [g.call_function(_item, (node, i)) for i in range(len(op.results))]
+        elif op.name == "comm.all_reduce":
+            outs = [g.call_function(d.all_reduce, (args[0], reduction, self.group, tag))]
+        elif op.name == "comm.all_reduce_coalesced":
+            node = g.call_function(d.all_reduce_coalesced, (args, reduction, self.group, tag))
+            outs = [g.call_function(_item, (node, i)) for i in range(len(op.results))]
+        else:
+            raise _unsupported(self.module, op, f"{op.name} is not supported by the runtime yet")
+        for r, node in zip(op.results, outs):
+            env[r] = node
 
 
 def _lower_op(module: Module, func: Function, op: Op, g: fx.Graph, env: dict, state, grads) -> None:
@@ -190,15 +259,18 @@ class Program:
         return loss
 
 
-def lower(module: Module, state: dict, *, inductor: bool = False) -> Program:
+def lower(module: Module, state: dict, *, inductor: bool = False, group: str | None = None) -> Program:
     """Lower ``module`` (verified first) to a ``Program`` over ``state`` (FQN -> tensor).
-    Buffers with a ``value`` attribute that ``state`` lacks are made from it."""
+    Buffers with a ``value`` attribute that ``state`` lacks are made from it. With
+    ``group`` (a process group's name), collectives run over it through the C++
+    runtime, and sharded parameters are read from the runtime's shard store."""
     verify(module)
     state = {**constants(module), **state}
-    missing = [name for name in module.decls if name not in state]
+    missing = [name for name, d in module.decls.items()
+               if name not in state and not (group is not None and isinstance(d.type, ShardType))]
     if missing:
         raise DcirError(Diagnostic(f"no tensor for {', '.join('@' + m for m in missing)} in the program's state"))
-    fw, bw = lower_function(module, "forward"), lower_function(module, "backward")
+    fw, bw = lower_function(module, "forward", group), lower_function(module, "backward", group)
     run_fw, run_bw = fw, bw
     if inductor:
         run_fw, run_bw = torch.compile(fw, dynamic=False), torch.compile(bw, dynamic=False)

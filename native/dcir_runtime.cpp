@@ -1,0 +1,537 @@
+// The DCIR runtime: collectives, waits, buffer release and the parameter-shard store,
+// registered as torch.ops.dcir.* (TORCH_LIBRARY) over a c10d ProcessGroup resolved by
+// name, so the same code runs gloo on CPU and NCCL on GPU.
+//
+// A collective start returns its result tensors at once, allocated and in their final
+// shape, and records the unfinished work under them (the "pending" values of the IR).
+// dcir::wait(t) finishes the work of t: it waits for the transfer (with the runtime's
+// timeout), then runs the work's epilogue (copy-out of a coalesced gather, the 1/N of an
+// average) exactly once, whichever of the results is waited on first.
+//
+// Shard layout (the IR's shard<T, N>): T flattened, zero-padded to a multiple of N,
+// rank r holding elements [r * chunk, (r + 1) * chunk), chunk = ceil(numel / N).
+//
+// With CUDA (DCIR_WITH_CUDA), every collective runs on a dedicated communication stream
+// that first waits, through an event, for the work already queued on the compute stream;
+// dcir::wait makes the compute stream wait for the communication stream in turn, so
+// compute never blocks the host and overlaps the transfers.
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#ifdef DCIR_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace dcir {
+namespace {
+
+using c10::intrusive_ptr;
+using c10d::ProcessGroup;
+using c10d::Work;
+
+// ---- accounting -------------------------------------------------------------------------
+
+struct Stats {
+  int64_t gathered_bytes = 0;       // live buffers allocated by all_gather, not yet freed
+  int64_t peak_gathered_bytes = 0;
+  int64_t freed_bytes = 0;          // released by dcir::free
+  int64_t collectives = 0;
+  int64_t sent_bytes = 0;           // payload handed to the process group
+  int64_t wait_ns = 0;              // host time blocked in dcir::wait
+};
+
+std::mutex mu;
+Stats stats;
+// storage -> bytes, for gathered buffers (weak: a buffer dropped without free leaves no trace)
+std::unordered_map<c10::StorageImpl*, std::pair<c10::weak_intrusive_ptr<c10::StorageImpl>, int64_t>> gathered;
+std::chrono::milliseconds timeout{300000};
+
+int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+void track_gathered(const at::Tensor& buffer) {
+  auto* impl = buffer.storage().unsafeGetStorageImpl();
+  int64_t bytes = static_cast<int64_t>(buffer.storage().nbytes());
+  std::lock_guard<std::mutex> g(mu);
+  gathered.emplace(impl, std::make_pair(buffer.storage().getWeakStorageImpl(), bytes));
+  stats.gathered_bytes += bytes;
+  stats.peak_gathered_bytes = std::max(stats.peak_gathered_bytes, stats.gathered_bytes);
+}
+
+void prune_locked() {
+  for (auto it = gathered.begin(); it != gathered.end();) {
+    if (it->second.first.expired()) {
+      stats.gathered_bytes -= it->second.second;
+      it = gathered.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+// ---- pending work -----------------------------------------------------------------------
+
+struct Pending {
+  intrusive_ptr<Work> work;
+  std::function<void()> epilogue;  // runs once, after the transfer
+  std::string what;                // for error messages: "all_gather of %w"
+  std::string group_name;
+  bool done = false;
+#ifdef DCIR_WITH_CUDA
+  std::shared_ptr<at::cuda::CUDAEvent> finished;  // recorded on the comm stream
+#endif
+};
+
+// result tensor -> its pending work; the tensor is held so its address is not reused
+std::unordered_map<c10::TensorImpl*, std::pair<at::Tensor, std::shared_ptr<Pending>>> pending;
+
+intrusive_ptr<ProcessGroup> group(const std::string& name) { return c10d::resolve_process_group(name); }
+
+[[noreturn]] void fail(const std::string& what, const std::string& group_name, const std::string& why) {
+  TORCH_CHECK(false, "dcir runtime: ", what, " (process group '", group_name, "') failed: ", why);
+}
+
+#ifdef DCIR_WITH_CUDA
+// one communication stream per device, taken from the pool once
+c10::cuda::CUDAStream comm_stream(c10::DeviceIndex device) {
+  static std::unordered_map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
+  std::lock_guard<std::mutex> g(mu);
+  auto it = streams.find(device);
+  if (it == streams.end()) {
+    it = streams.emplace(device, c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device)).first;
+  }
+  return it->second;
+}
+#endif
+
+// Runs `launch` (which starts the collective) on the communication stream when the
+// tensors are on a GPU; registers the pending work under every result.
+void start(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& results,
+           const std::function<intrusive_ptr<Work>()>& launch, std::function<void()> epilogue,
+           std::string what, const std::string& group_name) {
+  auto p = std::make_shared<Pending>();
+  p->what = std::move(what);
+  p->group_name = group_name;
+  p->epilogue = std::move(epilogue);
+  try {
+#ifdef DCIR_WITH_CUDA
+    if (!inputs.empty() && inputs[0].is_cuda()) {
+      auto device = inputs[0].device().index();
+      auto compute = c10::cuda::getCurrentCUDAStream(device);
+      auto comm = comm_stream(device);
+      at::cuda::CUDAEvent ready;
+      ready.record(compute);
+      ready.block(comm);
+      {
+        c10::cuda::CUDAStreamGuard guard(comm);
+        p->work = launch();
+      }
+      // the caching allocator must not reuse these blocks until the comm stream is done
+      for (const auto& t : inputs) c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), comm);
+      for (const auto& t : results) c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), comm);
+    } else {
+      p->work = launch();
+    }
+#else
+    p->work = launch();
+#endif
+  } catch (const c10::Error& e) {
+    fail(p->what, group_name, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    fail(p->what, group_name, e.what());
+  }
+  std::lock_guard<std::mutex> g(mu);
+  stats.collectives += 1;
+  for (const auto& t : inputs) stats.sent_bytes += nbytes(t);
+  for (const auto& r : results) pending[r.unsafeGetTensorImpl()] = {r, p};
+}
+
+int64_t chunk_of(int64_t numel, int64_t world) { return (numel + world - 1) / world; }
+
+c10d::ReduceOp reduce_op(const std::string& op) {
+  if (op == "sum" || op == "avg") return c10d::ReduceOp::SUM;  // avg: SUM, then 1/N on wait
+  if (op == "max") return c10d::ReduceOp::MAX;
+  if (op == "min") return c10d::ReduceOp::MIN;
+  TORCH_CHECK(false, "dcir runtime: unknown reduction '", op, "' (sum, avg, max, min)");
+}
+
+// ---- the ops ----------------------------------------------------------------------------
+
+// Gathers the flat shards of every rank into one tensor of `size` (a view of the
+// gathered buffer when the split is even or the padding is at the end, which it is).
+at::Tensor all_gather(const at::Tensor& shard, at::IntArrayRef size, const std::string& group_name,
+                      const std::string& tag) {
+  auto pg = group(group_name);
+  int64_t world = pg->getSize();
+  TORCH_CHECK(shard.dim() == 1, "dcir runtime: all_gather of ", tag, ": a shard is flat, got ", shard.sizes());
+  auto buffer = at::empty({shard.numel() * world}, shard.options());
+  int64_t numel = c10::multiply_integers(size);
+  TORCH_CHECK(numel <= buffer.numel(), "dcir runtime: all_gather of ", tag, ": shard of ", shard.numel(),
+              " elements on ", world, " ranks cannot hold ", size);
+  auto result = buffer.narrow(0, 0, numel).view(size);
+  auto input = shard.contiguous();
+  track_gathered(buffer);
+  start({input}, {result}, [&] { return pg->_allgather_base(buffer, input); }, [buffer] {},
+        "all_gather of " + tag, group_name);
+  return result;
+}
+
+at::Tensor all_gather_meta(const at::Tensor& shard, at::IntArrayRef size, const std::string&, const std::string&) {
+  return at::empty(size, shard.options().device(at::kMeta));
+}
+
+// One transfer for several shards: rank r's shards side by side in one send buffer; the
+// gathered buffer is copied out into each full tensor when the first result is waited on.
+std::vector<at::Tensor> all_gather_coalesced(at::TensorList shards, at::IntArrayRef sizes, at::IntArrayRef ranks,
+                                             const std::string& group_name, const std::string& tag) {
+  auto pg = group(group_name);
+  int64_t world = pg->getSize();
+  TORCH_CHECK(!shards.empty() && static_cast<int64_t>(shards.size()) == static_cast<int64_t>(ranks.size()),
+              "dcir runtime: all_gather_coalesced of ", tag, ": one rank per shard");
+  std::vector<at::Tensor> flat, results;
+  std::vector<int64_t> offsets;
+  int64_t total = 0, at_dim = 0;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    auto sz = sizes.slice(at_dim, ranks[i]);
+    at_dim += ranks[i];
+    flat.push_back(shards[i].reshape(-1));
+    offsets.push_back(total);
+    total += shards[i].numel();
+    results.push_back(at::empty(sz, shards[i].options()));
+  }
+  auto send = at::cat(flat);
+  auto buffer = at::empty({total * world}, send.options());
+  for (const auto& r : results) track_gathered(r);
+  auto copy_out = [buffer, results, offsets, flat, total, world] {
+    auto per_rank = buffer.view({world, total});
+    for (size_t i = 0; i < results.size(); ++i) {
+      auto gathered = per_rank.narrow(1, offsets[i], flat[i].numel()).reshape(-1);
+      results[i].view(-1).copy_(gathered.narrow(0, 0, results[i].numel()));
+    }
+  };
+  start({send}, results, [&] { return pg->_allgather_base(buffer, send); }, copy_out,
+        "all_gather_coalesced of " + tag, group_name);
+  return results;
+}
+
+std::vector<at::Tensor> all_gather_coalesced_meta(at::TensorList shards, at::IntArrayRef sizes,
+                                                  at::IntArrayRef ranks, const std::string&, const std::string&) {
+  std::vector<at::Tensor> out;
+  int64_t at_dim = 0;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    out.push_back(at::empty(sizes.slice(at_dim, ranks[i]), shards[i].options().device(at::kMeta)));
+    at_dim += ranks[i];
+  }
+  return out;
+}
+
+// Sums (or max/min) the rows of `rows` ([world, n]) into `out` in rank order, then
+// divides by the world size for an average.
+void reduce_rows(const at::Tensor& rows, const at::Tensor& out, const std::string& op, int64_t world) {
+  out.copy_(rows[0]);
+  for (int64_t r = 1; r < world; ++r) {
+    if (op == "max") {
+      at::maximum_out(const_cast<at::Tensor&>(out), out, rows[r]);
+    } else if (op == "min") {
+      at::minimum_out(const_cast<at::Tensor&>(out), out, rows[r]);
+    } else {
+      out.add_(rows[r]);
+    }
+  }
+  if (op == "avg") out.div_(world);
+}
+
+// Starts the reduce-scatter of `send` ([world * n]: the chunk for rank r at r * n) into
+// `received` ([n]). On GPU it is the process group's reduce_scatter. Elsewhere it is an
+// all-to-all (each rank receives every rank's copy of its chunk, the same bytes a ring
+// reduce-scatter moves) and a sum in rank order on wait: the result is the same bits
+// whatever the transport's ring order, so training is reproducible run to run and
+// matches one device summing the ranks' gradients in order.
+void start_reduce_scatter(const at::Tensor& send, const at::Tensor& received, const std::vector<at::Tensor>& results,
+                          const std::string& op, const intrusive_ptr<ProcessGroup>& pg,
+                          const std::string& group_name, const std::string& what) {
+  int64_t world = pg->getSize();
+  reduce_op(op);  // rejects an unknown reduction before anything starts
+  if (send.is_cuda()) {
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = reduce_op(op);
+    opts.timeout = timeout;
+    std::function<void()> epilogue = [] {};
+    if (op == "avg") epilogue = [received, world] { received.div_(world); };
+    start({send}, results, [&] { return pg->_reduce_scatter_base(const_cast<at::Tensor&>(received),
+                                                                  const_cast<at::Tensor&>(send), opts); },
+          epilogue, what, group_name);
+    return;
+  }
+  auto rows = at::empty({world, received.numel()}, send.options());
+  c10d::AllToAllOptions opts;
+  opts.timeout = timeout;
+  std::vector<int64_t> even;  // empty split sizes: equal parts
+  start({send}, results, [&] {
+          auto flat = rows.view(-1);
+          return pg->alltoall_base(flat, const_cast<at::Tensor&>(send), even, even, opts);
+        },
+        [rows, received, op, world] { reduce_rows(rows, received, op, world); }, what, group_name);
+}
+
+// Reduces `full` across the ranks; this rank keeps its flat shard.
+at::Tensor reduce_scatter(const at::Tensor& full, const std::string& op, const std::string& group_name,
+                          const std::string& tag) {
+  auto pg = group(group_name);
+  int64_t world = pg->getSize();
+  int64_t chunk = chunk_of(full.numel(), world);
+  auto input = full.reshape(-1);
+  if (chunk * world != full.numel()) {
+    input = at::constant_pad_nd(input, {0, chunk * world - full.numel()});
+  } else {
+    input = input.contiguous();
+  }
+  auto result = at::empty({chunk}, full.options());
+  start_reduce_scatter(input, result, {result}, op, pg, group_name, "reduce_scatter of " + tag);
+  return result;
+}
+
+at::Tensor reduce_scatter_meta(const at::Tensor& full, const std::string&, const std::string& group_name,
+                               const std::string&) {
+  int64_t world = group(group_name)->getSize();
+  return at::empty({chunk_of(full.numel(), world)}, full.options().device(at::kMeta));
+}
+
+// Several reductions in one transfer: the send buffer holds, for each rank, the chunks of
+// every tensor that rank keeps; each result is a view of this rank's received chunk.
+std::vector<at::Tensor> reduce_scatter_coalesced(at::TensorList fulls, const std::string& op,
+                                                 const std::string& group_name, const std::string& tag) {
+  auto pg = group(group_name);
+  int64_t world = pg->getSize();
+  std::vector<at::Tensor> per_tensor;
+  std::vector<int64_t> chunks;
+  int64_t total = 0;
+  for (const auto& f : fulls) {
+    int64_t chunk = chunk_of(f.numel(), world);
+    auto flat = at::constant_pad_nd(f.reshape(-1), {0, chunk * world - f.numel()});
+    per_tensor.push_back(flat.view({world, chunk}));
+    chunks.push_back(chunk);
+    total += chunk;
+  }
+  auto send = at::cat(per_tensor, 1).reshape(-1);  // [world, total]: rank r's chunks side by side
+  auto received = at::empty({total}, send.options());
+  std::vector<at::Tensor> results;
+  int64_t offset = 0;
+  for (auto c : chunks) {
+    results.push_back(received.narrow(0, offset, c));
+    offset += c;
+  }
+  start_reduce_scatter(send, received, results, op, pg, group_name, "reduce_scatter_coalesced of " + tag);
+  return results;
+}
+
+std::vector<at::Tensor> reduce_scatter_coalesced_meta(at::TensorList fulls, const std::string&,
+                                                      const std::string& group_name, const std::string&) {
+  int64_t world = group(group_name)->getSize();
+  std::vector<at::Tensor> out;
+  for (const auto& f : fulls) out.push_back(at::empty({chunk_of(f.numel(), world)}, f.options().device(at::kMeta)));
+  return out;
+}
+
+// Reduces every tensor across the ranks (out of place), in one transfer.
+std::vector<at::Tensor> all_reduce_coalesced(at::TensorList tensors, const std::string& op,
+                                             const std::string& group_name, const std::string& tag) {
+  auto pg = group(group_name);
+  int64_t world = pg->getSize();
+  std::vector<at::Tensor> flat;
+  for (const auto& t : tensors) flat.push_back(t.reshape(-1));
+  auto buffer = at::cat(flat);
+  std::vector<at::Tensor> results;
+  int64_t offset = 0;
+  for (const auto& t : tensors) {
+    results.push_back(buffer.narrow(0, offset, t.numel()).view(t.sizes()));
+    offset += t.numel();
+  }
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = reduce_op(op);
+  opts.timeout = timeout;
+  std::function<void()> epilogue = [] {};
+  if (op == "avg") epilogue = [buffer, world] { buffer.div_(world); };
+  std::vector<at::Tensor> io{buffer};
+  start({buffer}, results, [&] { return pg->allreduce(io, opts); }, epilogue, "all_reduce of " + tag, group_name);
+  return results;
+}
+
+std::vector<at::Tensor> all_reduce_coalesced_meta(at::TensorList tensors, const std::string&, const std::string&,
+                                                  const std::string&) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : tensors) out.push_back(at::empty(t.sizes(), t.options().device(at::kMeta)));
+  return out;
+}
+
+at::Tensor all_reduce(const at::Tensor& t, const std::string& op, const std::string& group_name,
+                      const std::string& tag) {
+  return all_reduce_coalesced({t}, op, group_name, tag)[0];
+}
+
+at::Tensor all_reduce_meta(const at::Tensor& t, const std::string&, const std::string&, const std::string&) {
+  return at::empty(t.sizes(), t.options().device(at::kMeta));
+}
+
+// Finishes the collective that produced t; returns t, now holding its value.
+at::Tensor wait(const at::Tensor& t) {
+  std::shared_ptr<Pending> p;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    auto it = pending.find(t.unsafeGetTensorImpl());
+    TORCH_CHECK(it != pending.end(), "dcir runtime: wait on a tensor that no collective is producing");
+    p = it->second.second;
+    pending.erase(it);
+  }
+  if (!p->done) {
+    auto begin = std::chrono::steady_clock::now();
+    try {
+      bool ok = p->work->wait(timeout);
+      TORCH_CHECK(ok, "timed out");
+    } catch (const c10::Error& e) {
+      fail(p->what, p->group_name, std::string(e.what_without_backtrace()) + " (timeout " +
+                                        std::to_string(timeout.count() / 1000) +
+                                        " s; a rank that crashed or runs a different program leaves the others "
+                                        "waiting here)");
+    } catch (const std::exception& e) {
+      fail(p->what, p->group_name, std::string(e.what()) + " (timeout " + std::to_string(timeout.count() / 1000) +
+                            " s; a rank that crashed or runs a different program leaves the others waiting here)");
+    }
+    p->epilogue();
+    p->done = true;
+    auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - begin).count();
+    std::lock_guard<std::mutex> g(mu);
+    stats.wait_ns += ns;
+  }
+  return t;
+}
+
+at::Tensor wait_meta(const at::Tensor& t) { return t; }
+
+// Releases a buffer's memory now (its storage becomes empty), as mem.free says.
+void free_(const at::Tensor& t) {
+  auto* impl = t.storage().unsafeGetStorageImpl();
+  std::lock_guard<std::mutex> g(mu);
+  auto it = gathered.find(impl);
+  if (it != gathered.end()) {
+    stats.gathered_bytes -= it->second.second;
+    gathered.erase(it);
+  }
+  stats.freed_bytes += static_cast<int64_t>(impl->nbytes());
+  impl->reset();
+}
+
+void free_meta(const at::Tensor&) {}
+
+// ---- parameter-shard store ----------------------------------------------------------------
+
+std::unordered_map<std::string, at::Tensor> shards;
+
+void set_shard(const std::string& name, const at::Tensor& shard) {
+  std::lock_guard<std::mutex> g(mu);
+  shards[name] = shard;
+}
+
+at::Tensor get_shard(const std::string& name) {
+  std::lock_guard<std::mutex> g(mu);
+  auto it = shards.find(name);
+  TORCH_CHECK(it != shards.end(), "dcir runtime: no shard of @", name, " in the store");
+  return it->second;
+}
+
+void clear_shards() {
+  std::lock_guard<std::mutex> g(mu);
+  shards.clear();
+}
+
+// [shard bytes, gathered bytes now, peak gathered, freed, collectives, sent bytes, wait ns, pending]
+std::vector<int64_t> memory_stats() {
+  std::lock_guard<std::mutex> g(mu);
+  prune_locked();
+  int64_t shard_bytes = 0;
+  for (const auto& kv : shards) shard_bytes += nbytes(kv.second);
+  return {shard_bytes,        stats.gathered_bytes, stats.peak_gathered_bytes,
+          stats.freed_bytes,  stats.collectives,    stats.sent_bytes,
+          stats.wait_ns,      static_cast<int64_t>(pending.size())};
+}
+
+void reset_peak() {
+  std::lock_guard<std::mutex> g(mu);
+  prune_locked();
+  stats.peak_gathered_bytes = stats.gathered_bytes;
+}
+
+void set_timeout(int64_t ms) {
+  std::lock_guard<std::mutex> g(mu);
+  timeout = std::chrono::milliseconds(ms);
+}
+
+bool has_cuda() {
+#ifdef DCIR_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+}  // namespace dcir
+
+using namespace dcir;
+
+TORCH_LIBRARY(dcir, m) {
+  m.def("all_gather(Tensor shard, int[] size, str group, str tag) -> Tensor");
+  m.def("all_gather_coalesced(Tensor[] shards, int[] sizes, int[] ranks, str group, str tag) -> Tensor[]");
+  m.def("reduce_scatter(Tensor full, str op, str group, str tag) -> Tensor");
+  m.def("reduce_scatter_coalesced(Tensor[] fulls, str op, str group, str tag) -> Tensor[]");
+  m.def("all_reduce(Tensor t, str op, str group, str tag) -> Tensor");
+  m.def("all_reduce_coalesced(Tensor[] tensors, str op, str group, str tag) -> Tensor[]");
+  m.def("wait(Tensor(a!) t) -> Tensor(a!)");
+  m.def("free(Tensor(a!) t) -> ()");
+  // state and bookkeeping: one kernel for every device
+  m.def("set_shard(str name, Tensor shard) -> ()", &set_shard);
+  m.def("get_shard(str name) -> Tensor", &get_shard);
+  m.def("clear_shards() -> ()", &clear_shards);
+  m.def("memory_stats() -> int[]", &memory_stats);
+  m.def("reset_peak() -> ()", &reset_peak);
+  m.def("set_timeout(int ms) -> ()", &set_timeout);
+  m.def("has_cuda() -> bool", &has_cuda);
+}
+
+TORCH_LIBRARY_IMPL(dcir, CompositeExplicitAutograd, m) {
+  m.impl("all_gather", all_gather);
+  m.impl("all_gather_coalesced", all_gather_coalesced);
+  m.impl("reduce_scatter", reduce_scatter);
+  m.impl("reduce_scatter_coalesced", reduce_scatter_coalesced);
+  m.impl("all_reduce", all_reduce);
+  m.impl("all_reduce_coalesced", all_reduce_coalesced);
+  m.impl("wait", wait);
+  m.impl("free", free_);
+}
+
+TORCH_LIBRARY_IMPL(dcir, Meta, m) {
+  m.impl("all_gather", all_gather_meta);
+  m.impl("all_gather_coalesced", all_gather_coalesced_meta);
+  m.impl("reduce_scatter", reduce_scatter_meta);
+  m.impl("reduce_scatter_coalesced", reduce_scatter_coalesced_meta);
+  m.impl("all_reduce", all_reduce_meta);
+  m.impl("all_reduce_coalesced", all_reduce_coalesced_meta);
+  m.impl("wait", wait_meta);
+  m.impl("free", free_meta);
+}
+

@@ -1,0 +1,123 @@
+"""The Engine's configuration: a dict or a JSON file, checked key by key.
+
+An unknown key or a bad value is a ``DcirError`` that names it and lists what is
+valid; nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from dcir.diagnostics import DcirError, Diagnostic
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"2GiB"``, ``"512 MB"``, ``"1.5gib"`` or a number of bytes -> bytes."""
+    if isinstance(text, int) and not isinstance(text, bool) and text > 0:
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)\s*", str(text), re.IGNORECASE)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{text!r} is not a size; write it like \"2GiB\", \"512MB\" or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class Config:
+    #: ZeRO stage: 3 shards parameters, gradients and optimizer state (the ``zero3``
+    #: pass). Stages 1 and 2 come as their own passes later.
+    zero_stage: int = 3
+    #: passes run after the stage's own, as pipeline specs (``"dce"``, ``"canonicalize"``)
+    passes: list = field(default_factory=list)
+    #: micro-steps per optimizer step; ``backward`` scales the loss by 1/N
+    gradient_accumulation_steps: int = 1
+    #: the most bytes the runtime may hold per rank (``"2GiB"``); None: no limit
+    memory_budget: int | None = None
+    #: seconds a collective may wait for the other ranks before the step fails
+    timeout_s: float = 300.0
+    #: run the lowered forward and backward through Inductor instead of eagerly
+    inductor: bool = False
+
+    @classmethod
+    def load(cls, config) -> "Config":
+        if config is None:
+            return cls()
+        if isinstance(config, Config):
+            return config
+        where = ""
+        if isinstance(config, (str, Path)):
+            where = f"{config}: "
+            try:
+                config = json.loads(Path(config).read_text())
+            except OSError as e:
+                raise _error(f"{where}cannot read the config: {e.strerror}") from None
+            except json.JSONDecodeError as e:
+                raise _error(f"{config}:{e.lineno}:{e.colno}: not JSON: {e.msg}") from None
+        if not isinstance(config, dict):
+            raise _error(f"{where}the config must be a JSON object (a dict), not {type(config).__name__}")
+        valid = [f.name for f in fields(cls)]
+        values = {}
+        for key, value in config.items():
+            if key not in valid:
+                raise _error(f"{where}unknown config key {key!r}; valid keys: {', '.join(valid)}")
+            try:
+                values[key] = _CHECKS[key](value)
+            except (TypeError, ValueError) as e:
+                raise _error(f"{where}bad value for {key!r}: {e}") from None
+        return cls(**values)
+
+
+def _stage(v):
+    if v != 3 or isinstance(v, bool):
+        raise ValueError(f"{v!r}; valid: 3 (ZeRO-1 and ZeRO-2 are not implemented yet)")
+    return 3
+
+
+def _passes(v):
+    from dcir.passes import parse_pipeline
+
+    if isinstance(v, str):
+        v = [v] if v else []
+    if not isinstance(v, list) or not all(isinstance(p, str) for p in v):
+        raise ValueError(f"{v!r}; a list of pass specs like [\"dce\", \"canonicalize\"]")
+    for spec in v:
+        try:
+            parse_pipeline(spec)
+        except DcirError as e:
+            raise ValueError(e.diagnostics[0].message) from None
+    return list(v)
+
+
+def _positive_int(v):
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{v!r}; a whole number >= 1")
+    return v
+
+
+def _budget(v):
+    return None if v is None else parse_bytes(v)
+
+
+def _seconds(v):
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+        raise ValueError(f"{v!r}; a number of seconds > 0")
+    return float(v)
+
+
+def _bool(v):
+    if not isinstance(v, bool):
+        raise ValueError(f"{v!r}; true or false")
+    return v
+
+
+_CHECKS = {"zero_stage": _stage, "passes": _passes, "gradient_accumulation_steps": _positive_int,
+           "memory_budget": _budget, "timeout_s": _seconds, "inductor": _bool}
+
+
+def _error(message: str) -> DcirError:
+    return DcirError(Diagnostic(message))

@@ -1,0 +1,249 @@
+"""The training Engine: an unmodified model, trained sharded through DCIR.
+
+``engine = dcir.initialize(model, optimizer=torch.optim.AdamW, config={...})``, then per
+micro-step ``loss = engine(*args, **kwargs)``, ``engine.backward(loss)``,
+``engine.step()``. Under ``torchrun`` every process is one rank; without it the engine
+runs a world of one.
+
+What happens:
+
+1. ``initialize`` joins the process group (gloo on CPU, NCCL when the model is on a
+   GPU), loads the C++ runtime, makes every rank start from rank 0's parameters and
+   buffers, and keeps of each parameter only this rank's flat shard (the layout of
+   ``shard<T, N>``), in the runtime's shard store. The optimizer is built over the
+   shards, so its state is sharded too.
+2. The first call captures the step (``dcir.compile_to_ir``) on rank 0 with that call's
+   inputs, runs ``zero3`` and the configured passes, and sends the program's text to
+   the other ranks, so every rank runs the same verified program. The model's full
+   parameters are released then: from here on the engine owns the parameters.
+3. Each call runs the lowered ``@forward``; ``backward`` runs ``@backward``, whose
+   ``grad.set`` ops hand over reduce-scattered gradient shards, accumulated into the
+   shards' ``.grad``; ``step`` runs the optimizer at the accumulation boundary.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+import dcir
+from dcir.diagnostics import DcirError, Diagnostic
+from dcir.ir import ShardType, TensorType
+from dcir_lowering.backend import Program, lower
+from dcir_lowering.frontend import compile_to_ir
+from dcir_runtime import native
+from dcir_runtime.config import Config
+
+
+class RankFailure(RuntimeError):
+    """A collective failed: another rank crashed, diverged or timed out."""
+
+
+def initialize(model: torch.nn.Module, optimizer=None, config=None, *, loss_fn: Callable | None = None) -> "Engine":
+    """An Engine that trains ``model`` sharded across the ranks of this job.
+
+    ``optimizer`` is a ``torch.optim`` class (built with its defaults) or a callable
+    taking the parameter shards and returning an optimizer (``lambda ps: AdamW(ps,
+    lr=1e-3)``); None: AdamW. ``config`` is a dict or a JSON file (``Config``).
+    ``loss_fn(output)`` computes the loss when the model's output is not one (see
+    ``dcir.compile_to_ir``)."""
+    return Engine(model, optimizer, Config.load(config), loss_fn)
+
+
+def _join_group(config: Config, device: torch.device) -> None:
+    if dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=config.timeout_s)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:  # not launched by torchrun: a world of one
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, optimizer, config: Config, loss_fn: Callable | None = None):
+        self.config, self.model, self.loss_fn = config, model, loss_fn
+        self.device = next(model.parameters()).device
+        _join_group(config, self.device)
+        native.load()
+        self.ops = torch.ops.dcir
+        self.ops.set_timeout(int(config.timeout_s * 1000))
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.group = dist.group.WORLD.group_name
+        self._sync_from_rank0(model)
+        # one shard per distinct parameter (tied weights are one), named by its first FQN
+        self.aliases: dict[str, list[str]] = {}
+        first: dict[int, str] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            self.aliases.setdefault(first.setdefault(id(p), name), []).append(name)
+        self.shapes: dict[str, torch.Size] = {}
+        self.shards: dict[str, torch.nn.Parameter] = {}
+        self.ops.clear_shards()
+        self.ops.reset_peak()
+        for name, p in model.named_parameters():
+            self.shapes[name] = p.shape
+            self.shards[name] = torch.nn.Parameter(self._shard_of(p.detach()), requires_grad=p.requires_grad)
+            self.ops.set_shard(name, self.shards[name])
+        self.full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        trainable = [s for s in self.shards.values() if s.requires_grad]
+        if optimizer is None:
+            optimizer = torch.optim.AdamW
+        self.optimizer = optimizer(trainable)
+        self.module: dcir.Module | None = None
+        self.program: Program | None = None
+        self._saved = None
+        self.micro_steps = 0
+        self.steps = 0
+        self.capture_s = 0.0
+
+    # ---- sharding ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _sync_from_rank0(self, model: torch.nn.Module) -> None:
+        if self.world == 1:
+            return
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.data, src=0)
+
+    def _shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's flat shard: ``full`` flattened, zero-padded to a multiple of the
+        world size, elements ``[rank * chunk, (rank + 1) * chunk)``."""
+        chunk = -(-full.numel() // self.world)
+        flat = torch.nn.functional.pad(full.reshape(-1), (0, chunk * self.world - full.numel()))
+        return flat[self.rank * chunk:(self.rank + 1) * chunk].clone()
+
+    # ---- capture ------------------------------------------------------------------------
+
+    def _capture(self, args: tuple, kwargs: dict) -> None:
+        begin = time.perf_counter()
+        payload = [None]
+        if self.rank == 0:
+            try:
+                module = compile_to_ir(self.model, args, kwargs=kwargs, loss_fn=self.loss_fn)
+                pipeline = ",".join([f"zero3{{world_size={self.world}}}", *self.config.passes])
+                dcir.run_passes(module, pipeline)
+                payload = [("ok", dcir.print(module))]
+            except DcirError as e:
+                payload = [("error", e.render())]
+                if self.world == 1:
+                    raise
+        if self.world > 1:
+            dist.broadcast_object_list(payload, src=0)
+        status, text = payload[0]
+        if status == "error":
+            raise DcirError(Diagnostic(f"rank 0 could not compile the step:\n{text}"))
+        module = dcir.parse(text, f"<{type(self.model).__name__} on {self.world} ranks>")
+        unsharded = [n for n, d in module.decls.items() if d.kind == "param" and not isinstance(d.type, ShardType)]
+        if unsharded:
+            raise DcirError(Diagnostic(f"the program leaves parameters unsharded: {', '.join(unsharded)}"))
+        state = dict(self.model.named_buffers())
+        self.program = lower(module, state, inductor=self.config.inductor, group=self.group)
+        self.module = module
+        for p in self.model.parameters():  # the engine owns the parameters from here on
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.capture_s = time.perf_counter() - begin
+
+    # ---- the training step ---------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        """Runs ``@forward`` on this rank's micro-batch; returns the loss."""
+        if self.program is None:
+            self._capture(args, kwargs)
+        inputs = self.program._inputs(args, kwargs)
+        self._check_inputs(inputs)
+        with torch.no_grad():
+            loss, self._saved = self._run("forward", self.program.forward_fn, self.program.state, {}, *inputs)
+        return loss
+
+    def _check_inputs(self, inputs: list) -> None:
+        for arg, x in zip(self.module.functions["forward"].args, inputs):
+            if isinstance(arg.type, TensorType) and tuple(x.shape) != tuple(arg.type.shape):
+                raise DcirError(Diagnostic(
+                    f"input %{arg.name} has shape {list(x.shape)}; the program was captured for {arg.type} "
+                    "(shapes are static: give every micro-batch the captured shape)"))
+
+    def _run(self, which: str, fn, *args):
+        try:
+            out = fn(*args)
+        except RuntimeError as e:
+            if "dcir runtime" not in str(e) and "Connection closed" not in str(e) and "Gloo" not in str(e):
+                raise
+            raise RankFailure(f"rank {self.rank} of {self.world}: step {self.steps + 1} failed in @{which}: {e}") from None
+        return (out[0], tuple(out[1:])) if which == "forward" else out
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Runs ``@backward`` for the last forward; accumulates this rank's gradient
+        shards (scaled by 1/gradient_accumulation_steps) into the shards' ``.grad``."""
+        if self._saved is None:
+            raise RuntimeError("engine.backward(loss) needs a forward first (loss = engine(...))")
+        scale = 1.0 / self.config.gradient_accumulation_steps
+        tangent = torch.full_like(loss, scale)
+        grads: dict = {}
+        with torch.no_grad():
+            self._run("backward", self.program.backward_fn, self.program.state, grads, *self._saved, tangent)
+            self._saved = None
+            for name, g in grads.items():
+                shard = self.shards[name]
+                shard.grad = g.detach() if shard.grad is None else shard.grad.add_(g)
+
+    def step(self) -> bool:
+        """Ends a micro-step; at the accumulation boundary runs the optimizer on the
+        shards and clears their gradients. Returns whether the optimizer ran."""
+        self.micro_steps += 1
+        if self.micro_steps % self.config.gradient_accumulation_steps:
+            return False
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        self._check_budget()
+        return True
+
+    def _check_budget(self) -> None:
+        budget = self.config.memory_budget
+        if budget is None:
+            return
+        m = self.memory()
+        held = m["parameters"] + m["optimizer_state"] + m["buffers"] + m["gathered_peak"]
+        if held > budget:
+            raise DcirError(Diagnostic(
+                f"rank {self.rank} holds {held / 2**20:.1f} MiB (parameters, optimizer state, buffers and the "
+                f"peak of gathered parameters), over the memory budget of {budget / 2**20:.1f} MiB"))
+
+    # ---- state ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter, whole, by FQN (tied names share a tensor), on every rank:
+        a collective, so every rank must call it."""
+        out = {}
+        for name, shard in self.shards.items():
+            full = self.ops.wait(self.ops.all_gather(shard.detach(), list(self.shapes[name]), self.group, name))
+            full = full.clone()
+            for alias in self.aliases[name]:
+                out[alias] = full
+        return out
+
+    def ir(self) -> dcir.Module:
+        """The DCIR module this engine runs (after the first call has captured it)."""
+        if self.module is None:
+            raise RuntimeError("engine.ir() exists after the first call: capture needs the step's inputs")
+        return self.module
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds, as the runtime accounts them: parameter shards,
+        gradient shards, optimizer state, replicated buffers, gathered parameters now
+        and at their peak; plus the full model's parameter bytes for comparison."""
+        stats = self.ops.memory_stats()
+        grads = sum(s.grad.numel() * s.grad.element_size() for s in self.shards.values() if s.grad is not None)
+        state = sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
+                    for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+        buffers = sum(b.numel() * b.element_size() for b in self.model.buffers())
+        return {"parameters": stats[0], "gradients": grads, "optimizer_state": state, "buffers": buffers,
+                "gathered_now": stats[1], "gathered_peak": stats[2], "full_parameters": self.full_bytes,
+                "collectives": stats[4], "sent": stats[5], "wait_s": stats[6] / 1e9}

@@ -1,0 +1,266 @@
+"""One rank of a multi-process test (started by ``dcir_runtime.launch``).
+
+``python dist_worker.py equivalence OUT.json CASE...``: trains each case through the
+Engine for 5 AdamW steps on this rank's part of every global batch, while training the
+same model eagerly on one device over the same micro-batches (``_eager_micro_step``):
+the global batch's mean loss, summed in the order the runtime's average sums it (it
+reduces in rank order, see docs/runtime.md). Against one pass over the
+whole batch, float reassociation alone moves a 2-layer Llama 2e-4 (relative) in 5
+AdamW steps (lr 1e-2), as AdamW turns rounding noise in small gradients into full
+steps, which would hide any real difference. Rank 0 writes, per case, the largest
+relative parameter difference and the runtime's memory accounting.
+
+``python dist_worker.py faulty-rank exit|hang TIMEOUT``: rank 1 dies or stalls in the
+middle of the second step; the others must fail with RankFailure (exit code 17).
+
+``python dist_worker.py ops``: each collective of the C++ runtime against its definition.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import dcir  # noqa: E402
+from dcir_runtime import RankFailure  # noqa: E402
+
+
+class TinyTransformer(torch.nn.Module):
+    """A two-block pre-norm causal transformer (the GPT shape) with its own attention.
+    No bias on q/k/v: the gradient of a key bias is zero in exact arithmetic, so its
+    float value is rounding noise, which AdamW scales up to full-size steps."""
+
+    def __init__(self, vocab=64, dim=32, heads=4, blocks=2, seq=16):
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.pos = torch.nn.Parameter(torch.randn(seq, dim) * 0.02)
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({
+            "norm1": torch.nn.LayerNorm(dim), "qkv": torch.nn.Linear(dim, 3 * dim, bias=False), "proj": torch.nn.Linear(dim, dim),
+            "norm2": torch.nn.LayerNorm(dim), "up": torch.nn.Linear(dim, 4 * dim), "down": torch.nn.Linear(4 * dim, dim),
+        }) for _ in range(blocks))
+        self.norm = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, ids, targets):
+        b, t = ids.shape
+        x = self.embed(ids) + self.pos[:t]
+        for blk in self.blocks:
+            q, k, v = blk["qkv"](blk["norm1"](x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+            x = x + blk["proj"](a)
+            x = x + blk["down"](F.gelu(blk["up"](blk["norm2"](x))))
+        return F.cross_entropy(self.head(self.norm(x)).flatten(0, 1), targets.flatten())
+
+
+class Tied(torch.nn.Module):
+    """Tied input and output embeddings, and a frozen layer between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 8)
+        self.mix = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight
+        self.mix.weight.requires_grad_(False)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mix(self.embed(ids)))).logsumexp(-1).mean()
+
+
+def mlp():
+    # 16*8+16 and 4*16+4: neither splits evenly over 3 ranks (padding is exercised)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         attn_implementation="eager")
+    return LlamaForCausalLM(config)
+
+
+def _mlp_batch(g, n):
+    return (torch.randn(n, 8, generator=g),), {}
+
+
+def _transformer_batch(g, n):
+    ids = torch.randint(0, 64, (n, 16), generator=g)
+    return (ids, torch.roll(ids, -1, 1)), {}
+
+
+def _tied_batch(g, n):
+    return (torch.randint(0, 10, (n, 3), generator=g),), {}
+
+
+def _llama_batch(g, n):
+    ids = torch.randint(0, 128, (n, 16), generator=g)
+    return (), {"input_ids": ids, "labels": ids.clone()}
+
+
+def _squared(out):
+    return out.pow(2).mean()
+
+
+# name -> (model, batch(generator, rows) -> (args, kwargs), loss_fn, gradient accumulation)
+CASES = {
+    "mlp": (mlp, _mlp_batch, _squared, 1),
+    "mlp_accumulate2": (mlp, _mlp_batch, _squared, 2),
+    "transformer": (TinyTransformer, _transformer_batch, None, 1),
+    "tied_frozen": (Tied, _tied_batch, None, 1),
+    "hf_llama": (tiny_llama, _llama_batch, lambda out: out.loss, 1),
+    "hf_llama_accumulate2": (tiny_llama, _llama_batch, lambda out: out.loss, 2),
+}
+
+ROWS = 2  # per rank and micro-step
+STEPS = 5
+
+
+def _slice(batch, lo, hi):
+    args, kwargs = batch
+    return tuple(a[lo:hi] for a in args), {k: v[lo:hi] for k, v in kwargs.items()}
+
+
+def _loss(model, loss_fn, batch):
+    args, kwargs = batch
+    out = model(*args, **kwargs)
+    return loss_fn(out) if loss_fn else out
+
+
+def _eager_micro_step(model, loss_fn, whole, world: int, accumulate: int) -> None:
+    """One device, the ranks' micro-batches one after another: each rank's gradients
+    (loss seeded with 1/accumulate), summed in rank order, divided by the ranks, added
+    to ``.grad``; the mean of the global batch's loss, rounded as the runtime rounds it."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = None
+    for r in range(world):
+        loss = _loss(model, loss_fn, _slice(whole, r * ROWS, (r + 1) * ROWS))
+        grads = torch.autograd.grad(loss, params, torch.full_like(loss, 1 / accumulate), allow_unused=True)
+        grads = [torch.zeros_like(p) if gr is None else gr for p, gr in zip(params, grads)]
+        total = grads if total is None else [t + gr for t, gr in zip(total, grads)]
+    for p, t in zip(params, total):
+        t = t / world
+        p.grad = t if p.grad is None else p.grad + t
+
+
+def run_case(name: str, rank: int, world: int) -> dict:
+    make, batch_of, loss_fn, accumulate = CASES[name]
+    torch.manual_seed(0)
+    ref = make()
+    model = copy.deepcopy(ref)
+    engine = dcir.initialize(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                             config={"gradient_accumulation_steps": accumulate, "timeout_s": 60},
+                             loss_fn=loss_fn)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    memory = None
+    for _ in range(STEPS):
+        opt.zero_grad()
+        for _ in range(accumulate):
+            whole = batch_of(g, ROWS * world)
+            _eager_micro_step(ref, loss_fn, whole, world, accumulate)
+            args, kwargs = _slice(whole, rank * ROWS, (rank + 1) * ROWS)
+            loss = engine(*args, **kwargs)
+            engine.backward(loss)
+            engine.step()
+        memory = memory or engine.memory()
+        opt.step()
+    full = engine.full_parameters()
+    worst, where = 0.0, ""
+    for n, p in ref.named_parameters(remove_duplicate=False):
+        a, b = p.detach(), full[n]
+        err = ((a - b).abs().max() / a.abs().max().clamp_min(1e-12)).item()
+        if err > worst:
+            worst, where = err, n
+    optimizer_state = engine.memory()["optimizer_state"]
+    ir_text = str(engine.ir())
+    return {"max_rel_err": worst, "worst_param": where, "memory": {**memory, "optimizer_state": optimizer_state},
+            "full_optimizer_state": 2 * sum(p.numel() * 4 for p in ref.parameters() if p.requires_grad),
+            "ir": ir_text if rank == 0 else ""}
+
+
+def equivalence(out: str, cases: list[str]) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    results = {name: run_case(name, rank, world) for name in cases}
+    if rank == 0:
+        Path(out).write_text(json.dumps(results, indent=1))
+
+
+def faulty_rank(how: str, timeout_s: float) -> None:
+    """Rank 1 dies (``exit``) or stalls (``hang``) between forward and backward of the
+    second step; the others must raise RankFailure, which exits 17 here."""
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    engine = dcir.initialize(mlp(), config={"timeout_s": timeout_s}, loss_fn=_squared)
+    x = torch.randn(2, 8)
+    try:
+        for step in range(3):
+            loss = engine(x)
+            if step == 1 and rank == 1:
+                if how == "exit":
+                    os._exit(3)  # without a word to the others
+                time.sleep(600)
+            engine.backward(loss)
+            engine.step()
+    except RankFailure as e:
+        print(f"RankFailure: {e}", file=sys.stderr, flush=True)
+        sys.exit(17)
+
+
+def native_ops() -> None:
+    """The collectives against their definition, on a tensor that splits unevenly."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    engine = dcir.initialize(mlp())  # joins the group, loads the runtime
+    d, g = torch.ops.dcir, engine.group
+    full = torch.arange(10.0).reshape(2, 5)
+    chunk = -(-10 // world)
+    flat = F.pad(full.reshape(-1), (0, chunk * world - 10))
+    mine = slice(rank * chunk, (rank + 1) * chunk)
+    shard = flat[mine].clone()
+    assert torch.equal(d.wait(d.all_gather(shard, [2, 5], g, "t")), full)
+    a, b = d.all_gather_coalesced([shard, shard * 2], [2, 5, 10], [2, 1], g, "t")
+    d.wait(b)
+    d.wait(a)
+    assert torch.equal(a, full) and torch.equal(b, full.reshape(-1) * 2)
+    ranks_sum = sum(range(1, world + 1))
+    grad = full * (rank + 1)
+    assert torch.equal(d.wait(d.reduce_scatter(grad, "avg", g, "t")), (flat * ranks_sum / world)[mine])
+    assert torch.equal(d.wait(d.reduce_scatter(grad, "max", g, "t")), (flat * world)[mine])
+    s1, s2 = d.reduce_scatter_coalesced([grad, grad[0]], "sum", g, "t")
+    d.wait(s2)
+    d.wait(s1)
+    c2 = -(-5 // world)
+    assert torch.equal(s1, (flat * ranks_sum)[mine])
+    assert torch.equal(s2, (F.pad(full[0], (0, c2 * world - 5)) * ranks_sum)[rank * c2:(rank + 1) * c2])
+    assert torch.equal(d.wait(d.all_reduce(grad, "avg", g, "t")), full * ranks_sum / world)
+    before = d.memory_stats()
+    x = d.wait(d.all_gather(shard, [2, 5], g, "t"))
+    assert d.memory_stats()[1] - before[1] == chunk * world * 4  # the gathered buffer, accounted
+    d.free(x)
+    assert x.untyped_storage().nbytes() == 0 and d.memory_stats()[1] == before[1]
+    try:
+        d.reduce_scatter(grad, "mean", g, "t")
+    except RuntimeError as e:
+        assert "unknown reduction 'mean'" in str(e)
+    else:
+        raise AssertionError("an unknown reduction started")
+    print(f"rank {rank}: ops ok", flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "equivalence":
+        equivalence(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1] == "faulty-rank":
+        faulty_rank(sys.argv[2], float(sys.argv[3]))
+    elif sys.argv[1] == "ops":
+        native_ops()
