@@ -95,22 +95,28 @@ def rematerialize_param_views(module: Module, stats: Counter) -> None:
         names.add(name)
         return name
 
-    ops, replacement = [], {}
+    first_use: dict[Value, int] = {}
+    for i, op in enumerate(bw.ops):
+        for v in op.operands:
+            first_use.setdefault(v, i)
+    before: dict[int, list[Op]] = {}  # recomputed just before the first use, not all up front:
+    replacement = {}                   # the gathered parameter then lives only as long as it must
     for arg, value, chain in recompute:
         # the argument goes away, so the recomputed value (the chain's last) takes its name
         source = chain[0].operands[0] if chain else value  # the param.get's result
         cur = Value(arg.name if not chain else fresh(source.name), source.type)
-        ops.append(Op("param.get", [], [cur], symbol=source.owner.symbol))
+        ops = [Op("param.get", [], [cur], symbol=source.owner.symbol)]
         for k, op in enumerate(chain):
             name = arg.name if k == len(chain) - 1 else fresh(op.results[0].name)
             cur = Value(name, op.results[0].type)
             ops.append(Op(op.name, [ops[-1].results[0]], [cur], dict(op.attrs), parens=op.parens))
         replacement[arg] = cur
+        before.setdefault(first_use.get(arg, len(bw.ops)), []).extend(ops)
         stats["saved parameter views recomputed in backward"] += 1
     for op in bw.ops:
         op.operands = [replacement.get(v, v) for v in op.operands]
     bw.returns = [replacement.get(v, v) for v in bw.returns]
-    bw.ops[:0] = ops
+    bw.ops = [new for i, op in enumerate(bw.ops) for new in (*before.get(i, ()), op)] + before.get(len(bw.ops), [])
     fw.returns = keep_returns
     fw.result_types = [v.type for v in keep_returns]
     tangent = bw.args[-1]
