@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 import dcir
 from dcir.diagnostics import DcirError, Diagnostic
-from dcir.ir import ShardType, TensorType
+from dcir.ir import TensorType
 from dcir_lowering.backend import Program, lower
 from dcir_lowering.frontend import compile_to_ir
 from dcir_runtime import native
@@ -64,6 +64,13 @@ def _join_group(config: Config, device: torch.device) -> None:
         dist.init_process_group(backend, timeout=timeout)
     else:  # not launched by torchrun: a world of one
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
 
 
 class Engine:
@@ -139,9 +146,6 @@ class Engine:
         if status == "error":
             raise DcirError(Diagnostic(f"rank 0 could not compile the step:\n{text}"))
         module = dcir.parse(text, f"<{type(self.model).__name__} on {self.world} ranks>")
-        unsharded = [n for n, d in module.decls.items() if d.kind == "param" and not isinstance(d.type, ShardType)]
-        if unsharded:
-            raise DcirError(Diagnostic(f"the program leaves parameters unsharded: {', '.join(unsharded)}"))
         state = dict(self.model.named_buffers())
         self.program = lower(module, state, inductor=self.config.inductor, group=self.group)
         self.module = module
@@ -162,10 +166,12 @@ class Engine:
         return loss
 
     def _check_inputs(self, inputs: list) -> None:
-        for arg, x in zip(self.module.functions["forward"].args, inputs):
+        fw = self.module.functions["forward"]
+        names = fw.attrs.get("capture.inputs") or [f"%{a.name}" for a in fw.args]
+        for arg, name, x in zip(fw.args, names, inputs):
             if isinstance(arg.type, TensorType) and tuple(x.shape) != tuple(arg.type.shape):
                 raise DcirError(Diagnostic(
-                    f"input %{arg.name} has shape {list(x.shape)}; the program was captured for {arg.type} "
+                    f"input {name} has shape {list(x.shape)}; the program was captured for {arg.type} "
                     "(shapes are static: give every micro-batch the captured shape)"))
 
     def _run(self, which: str, fn, *args):
@@ -212,8 +218,8 @@ class Engine:
         held = m["parameters"] + m["optimizer_state"] + m["buffers"] + m["gathered_peak"]
         if held > budget:
             raise DcirError(Diagnostic(
-                f"rank {self.rank} holds {held / 2**20:.1f} MiB (parameters, optimizer state, buffers and the "
-                f"peak of gathered parameters), over the memory budget of {budget / 2**20:.1f} MiB"))
+                f"rank {self.rank} holds {_size(held)} (parameters, optimizer state, buffers and the "
+                f"peak of gathered parameters), over the memory budget of {_size(budget)}"))
 
     # ---- state ---------------------------------------------------------------------------
 

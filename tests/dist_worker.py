@@ -13,6 +13,8 @@ relative parameter difference and the runtime's memory accounting.
 ``python dist_worker.py faulty-rank exit|hang TIMEOUT``: rank 1 dies or stalls in the
 middle of the second step; the others must fail with RankFailure (exit code 17).
 
+``python dist_worker.py errors``: a user's mistakes, each a located message on every rank.
+
 ``python dist_worker.py ops``: each collective of the C++ runtime against its definition.
 """
 
@@ -217,6 +219,40 @@ def faulty_rank(how: str, timeout_s: float) -> None:
         sys.exit(17)
 
 
+class Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y.sum() if y.sum() > 0 else -y.sum()  # data-dependent: a graph break
+
+
+def user_errors() -> None:
+    """Each mistake is a DcirError with its message on every rank; printed as 'ERROR: ...'."""
+    def attempt(fn):
+        try:
+            fn()
+        except dcir.DcirError as e:
+            print("ERROR:", e.render().replace("\n", " "), flush=True)
+        else:
+            print("NO ERROR", flush=True)
+
+    engine = dcir.initialize(Branchy(), config={"timeout_s": 30})
+    attempt(lambda: engine(torch.randn(2, 4)))  # rank 0 cannot capture; everyone hears of it
+    engine = dcir.initialize(mlp(), config={"timeout_s": 30}, loss_fn=_squared)
+    engine(torch.randn(2, 8))
+    attempt(lambda: engine(torch.randn(3, 8)))
+    engine = dcir.initialize(mlp(), config={"timeout_s": 30, "memory_budget": "1KiB"}, loss_fn=_squared)
+
+    def step():
+        engine.backward(engine(torch.randn(2, 8)))
+        engine.step()
+    attempt(step)
+    attempt(lambda: dcir.initialize(mlp(), config="/nonexistent/dcir.json"))
+
+
 def native_ops() -> None:
     """The collectives against their definition, on a tensor that splits unevenly."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -262,5 +298,7 @@ if __name__ == "__main__":
         equivalence(sys.argv[2], sys.argv[3:])
     elif sys.argv[1] == "faulty-rank":
         faulty_rank(sys.argv[2], float(sys.argv[3]))
+    elif sys.argv[1] == "errors":
+        user_errors()
     elif sys.argv[1] == "ops":
         native_ops()

@@ -79,6 +79,22 @@ def test_a_faulty_rank_fails_the_others_fast(how, limit, capfd):
     assert elapsed < 60, elapsed
 
 
+def test_user_errors_are_messages_on_every_rank(capfd):
+    code, out = _run(capfd, 2, "errors", timeout_s=120)
+    assert code == 0, out
+    expected = [
+        "error: rank 0 could not compile the step: error: cannot capture the model as one graph: "
+        "Data-dependent branching (at ",
+        "error: input args[0] has shape [3, 8]; the program was captured for f32[2, 8] "
+        "(shapes are static: give every micro-batch the captured shape)",
+        " (parameters, optimizer state, buffers and the peak of gathered parameters), over the memory budget of ",
+        "error: /nonexistent/dcir.json: cannot read the config: No such file or directory",
+    ]
+    for message in expected:
+        assert out.count(message) == 2, (message, out)  # once per rank
+    assert "NO ERROR" not in out and "Traceback" not in out
+
+
 def test_meta_kernels_trace_the_ops():
     from torch.fx.experimental.proxy_tensor import make_fx
 
