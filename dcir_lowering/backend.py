@@ -49,9 +49,12 @@ def _grad_set(grads: dict, name: str, value: torch.Tensor) -> None:
     grads[name] = value
 
 
-def lower_function(module: Module, name: str, group: str | None = None) -> fx.GraphModule:
+def lower_function(module: Module, name: str, group: str | None = None,
+                   shards_in_state: bool = False) -> fx.GraphModule:
     """Function ``name`` of ``module`` as a GraphModule taking ``(state, grads, *args)``;
-    collectives run over the process group named ``group`` when one is given."""
+    collectives run over the process group named ``group`` when one is given, and
+    sharded parameters come from the shard store, or from ``state`` when
+    ``shards_in_state``."""
     func = module.functions[name]
     g = fx.Graph()
     state = g.placeholder("state")
@@ -59,7 +62,7 @@ def lower_function(module: Module, name: str, group: str | None = None) -> fx.Gr
     env = {}
     for a in func.args:
         env[a] = g.placeholder(_py_name(a.name))
-    lowering = _Distributed(module, func, group) if group is not None else None
+    lowering = _Distributed(module, func, group, shards_in_state) if group is not None else None
     for op in func.ops:
         if lowering is not None and lowering.handles(op):
             lowering.lower(op, g, env)
@@ -103,8 +106,8 @@ def _lower_collective(module: Module, op: Op, g: fx.Graph, env: dict) -> None:
 class _Distributed:
     """``comm.*``, ``mem.free`` and sharded ``param.get`` as calls into the C++ runtime."""
 
-    def __init__(self, module: Module, func: Function, group: str):
-        self.module, self.group = module, group
+    def __init__(self, module: Module, func: Function, group: str, shards_in_state: bool = False):
+        self.module, self.group, self.shards_in_state = module, group, shards_in_state
         self.ops = torch.ops.dcir
         owners = storage_owners(func)
         # storage that is not this function's to release: state and the caller's arguments
@@ -113,8 +116,8 @@ class _Distributed:
         self.owner = lambda v: owners.get(v, v)
 
     def handles(self, op: Op) -> bool:
-        if op.name == "param.get":
-            return isinstance(self.module.decls[op.symbol].type, ShardType)
+        if op.name == "param.get":  # from the shard store, unless the state has it
+            return isinstance(self.module.decls[op.symbol].type, ShardType) and not self.shards_in_state
         return op.family == "comm" or op.name == "mem.free"
 
     def lower(self, op: Op, g: fx.Graph, env: dict) -> None:
@@ -263,18 +266,69 @@ def lower(module: Module, state: dict, *, inductor: bool = False, group: str | N
     """Lower ``module`` (verified first) to a ``Program`` over ``state`` (FQN -> tensor).
     Buffers with a ``value`` attribute that ``state`` lacks are made from it. With
     ``group`` (a process group's name), collectives run over it through the C++
-    runtime, and sharded parameters are read from the runtime's shard store."""
+    runtime, and sharded parameters are read from the runtime's shard store (from
+    ``state`` when it has them). ``inductor`` compiles the compute (between the
+    collectives, see ``compile_compute``)."""
     verify(module)
     state = {**constants(module), **state}
     missing = [name for name, d in module.decls.items()
                if name not in state and not (group is not None and isinstance(d.type, ShardType))]
     if missing:
         raise DcirError(Diagnostic(f"no tensor for {', '.join('@' + m for m in missing)} in the program's state"))
-    fw, bw = lower_function(module, "forward", group), lower_function(module, "backward", group)
+    in_state = any(isinstance(d.type, ShardType) and name in state for name, d in module.decls.items())
+    fw = lower_function(module, "forward", group, in_state)
+    bw = lower_function(module, "backward", group, in_state)
     run_fw, run_bw = fw, bw
-    if inductor:
+    if inductor and group is not None:
+        run_fw, run_bw = compile_compute(fw), compile_compute(bw)
+    elif inductor:
         run_fw, run_bw = torch.compile(fw, dynamic=False), torch.compile(bw, dynamic=False)
     return Program(module, state, fw, bw, run_fw, run_bw)
+
+
+_STATE_CALLS = (_state_get, _state_set, _grad_set)
+
+
+def _runs_in_runtime(node: fx.Node, runtime: set) -> bool:
+    """State access and the runtime's ops (and the picking of their results)."""
+    if node.op != "call_function":
+        return False
+    t = node.target
+    if t in _STATE_CALLS or getattr(t, "_qualified_op_name", "").startswith("dcir::"):
+        return True
+    return t is _item and node.args[0] in runtime
+
+
+def compile_compute(gm: fx.GraphModule) -> fx.GraphModule:
+    """Inductor for the compute between collectives, the runtime's ops as they are.
+
+    Inductor sees a collective as a synchronous kernel: it would reuse the storage of
+    an input the transfer is still reading, or of a result that ``comm.wait`` returns,
+    for its own buffers. So the graph is cut at every run of runtime ops; each
+    stretch of compute between them is compiled on its own, and the collectives, waits
+    and frees run between the compiled pieces, in the IR's order."""
+    from torch.fx.passes.split_module import split_module
+
+    runtime: set = set()
+    part: dict = {}
+    compute_parts: set = set()
+    current, last = 0, None
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        in_runtime = _runs_in_runtime(n, runtime)
+        if in_runtime:
+            runtime.add(n)
+        if in_runtime != last:
+            current, last = current + 1, in_runtime
+        part[n] = current
+        if not in_runtime:
+            compute_parts.add(current)
+    split = split_module(gm, torch.nn.Module(), lambda n: part[n], keep_original_order=True)
+    for name, sub in list(split.named_children()):
+        if int(name.rsplit("_", 1)[1]) in compute_parts:
+            setattr(split, name, torch.compile(sub, dynamic=False))
+    return split
 
 
 def constants(module: Module) -> dict:

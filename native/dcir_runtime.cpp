@@ -501,7 +501,9 @@ TORCH_LIBRARY(dcir, m) {
   m.def("reduce_scatter_coalesced(Tensor[] fulls, str op, str group, str tag) -> Tensor[]");
   m.def("all_reduce(Tensor t, str op, str group, str tag) -> Tensor");
   m.def("all_reduce_coalesced(Tensor[] tensors, str op, str group, str tag) -> Tensor[]");
-  m.def("wait(Tensor(a!) t) -> Tensor(a!)");
+  // no alias annotation: functionalization (Inductor) rejects custom ops returning an
+  // alias; the result is the input tensor, now holding the collective's value
+  m.def("wait(Tensor t) -> Tensor");
   m.def("free(Tensor(a!) t) -> ()");
   // state and bookkeeping: one kernel for every device
   m.def("set_shard(str name, Tensor shard) -> ()", &set_shard);

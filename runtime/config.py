@@ -40,7 +40,7 @@ class Config:
     memory_budget: int | None = None
     #: seconds a collective may wait for the other ranks before the step fails
     timeout_s: float = 300.0
-    #: run the lowered forward and backward through Inductor instead of eagerly
+    #: compile the compute between collectives with Inductor instead of running it eagerly
     inductor: bool = False
 
     @classmethod

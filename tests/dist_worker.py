@@ -114,14 +114,15 @@ def _squared(out):
     return out.pow(2).mean()
 
 
-# name -> (model, batch(generator, rows) -> (args, kwargs), loss_fn, gradient accumulation)
+# name -> (model, batch(generator, rows) -> (args, kwargs), loss_fn, Engine config)
 CASES = {
-    "mlp": (mlp, _mlp_batch, _squared, 1),
-    "mlp_accumulate2": (mlp, _mlp_batch, _squared, 2),
-    "transformer": (TinyTransformer, _transformer_batch, None, 1),
-    "tied_frozen": (Tied, _tied_batch, None, 1),
-    "hf_llama": (tiny_llama, _llama_batch, lambda out: out.loss, 1),
-    "hf_llama_accumulate2": (tiny_llama, _llama_batch, lambda out: out.loss, 2),
+    "mlp": (mlp, _mlp_batch, _squared, {}),
+    "mlp_accumulate2": (mlp, _mlp_batch, _squared, {"gradient_accumulation_steps": 2}),
+    "transformer": (TinyTransformer, _transformer_batch, None, {}),
+    "transformer_inductor": (TinyTransformer, _transformer_batch, None, {"inductor": True}),
+    "tied_frozen": (Tied, _tied_batch, None, {}),
+    "hf_llama": (tiny_llama, _llama_batch, lambda out: out.loss, {}),
+    "hf_llama_accumulate2": (tiny_llama, _llama_batch, lambda out: out.loss, {"gradient_accumulation_steps": 2}),
 }
 
 ROWS = 2  # per rank and micro-step
@@ -156,13 +157,13 @@ def _eager_micro_step(model, loss_fn, whole, world: int, accumulate: int) -> Non
 
 
 def run_case(name: str, rank: int, world: int) -> dict:
-    make, batch_of, loss_fn, accumulate = CASES[name]
+    make, batch_of, loss_fn, config = CASES[name]
+    accumulate = config.get("gradient_accumulation_steps", 1)
     torch.manual_seed(0)
     ref = make()
     model = copy.deepcopy(ref)
     engine = dcir.initialize(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
-                             config={"gradient_accumulation_steps": accumulate, "timeout_s": 60},
-                             loss_fn=loss_fn)
+                             config={**config, "timeout_s": 60}, loss_fn=loss_fn)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     memory = None

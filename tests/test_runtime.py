@@ -21,6 +21,10 @@ from dcir_runtime.launch import launch
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "dist_worker.py")
 CASES = ["mlp", "mlp_accumulate2", "tied_frozen", "transformer", "hf_llama", "hf_llama_accumulate2"]
+# Inductor reassociates float sums inside its fused kernels, so gradients differ from
+# eager in the last bits and AdamW turns that into ~2e-5 of a weight's scale in 5 steps
+# (1.7e-5 measured); the eager lowering runs the captured ops as they are (bit for bit).
+INDUCTOR_CASES = {"transformer_inductor": 1e-4}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,12 +50,13 @@ def test_sharded_training_matches_eager(world, tmp_path, capfd):
     (≤ 1e-5 relative; measured: bit for bit); each rank holds 1/N of the parameters
     and optimizer state; the engine's program is text dcir-opt takes unchanged."""
     out_file = tmp_path / "results.json"
-    code, out = _run(capfd, world, "equivalence", str(out_file), *CASES, timeout_s=600)
+    inductor = list(INDUCTOR_CASES) if world == 2 else []
+    code, out = _run(capfd, world, "equivalence", str(out_file), *CASES, *inductor, timeout_s=600)
     assert code == 0, out
     results = json.loads(out_file.read_text())
-    for case in CASES:
+    for case in CASES + inductor:
         r = results[case]
-        assert r["max_rel_err"] <= 1e-5, (case, r["worst_param"], r["max_rel_err"])
+        assert r["max_rel_err"] <= INDUCTOR_CASES.get(case, 1e-5), (case, r["worst_param"], r["max_rel_err"])
         m = r["memory"]
         # 1/N, up to padding: at most one element per rank per parameter tensor
         assert m["parameters"] * world >= m["full_parameters"]
