@@ -91,7 +91,7 @@ def _lower_collective(module: Module, op: Op, g: fx.Graph, env: dict) -> None:
     """Collectives over a world of one rank, where each has a meaning in one process."""
     if (module.world_size or 1) != 1:
         raise _unsupported(module, op, f"{op.name} over {module.world_size} ranks needs the distributed runtime; "
-                                       "this lowering runs one process")
+                                       "lower with group= (the Engine does)")
     for v, r in zip(op.operands, op.results):
         if op.name == "comm.wait":
             env[r] = env[v]
@@ -176,7 +176,7 @@ def _lower_op(module: Module, func: Function, op: Op, g: fx.Graph, env: dict, st
     elif op.name.startswith("aten."):
         _lower_aten(op, g, env)
     else:
-        raise _unsupported(module, op, f"{op.name} needs the distributed runtime; this lowering runs one process")
+        raise _unsupported(module, op, f"{op.name} is not lowered yet (host offload comes with the offload pass)")
 
 
 def _lower_aten(op: Op, g: fx.Graph, env: dict) -> None:

@@ -140,6 +140,27 @@ def test_collectives_need_the_runtime():
     assert "comm.all_gather over 2 ranks needs the distributed runtime" in e.value.render()
 
 
+def test_host_offload_is_not_lowered_yet():
+    text = """module @m {
+  func @forward(%x: f32[4]) -> (f32[]) {
+    %p = mem.offload(%x) : pending<host<f32[4]>>
+    %h = comm.wait(%p) : host<f32[4]>
+    %q = mem.reload(%h) : pending<f32[4]>
+    %y = comm.wait(%q) : f32[4]
+    %s = aten.sum.default(%y) : f32[]
+    return %s
+  }
+
+  func @backward(%tangent: f32[]) {
+    return
+  }
+}
+"""
+    with pytest.raises(dcir.DcirError) as e:
+        dcir.lower(dcir.parse(text, "m.dcir"), {})
+    assert "m.dcir:3:5: error: mem.offload is not lowered yet (host offload comes with the offload pass)" in e.value.render()
+
+
 def test_missing_state_is_an_error():
     module = dcir.parse((ROOT / "examples" / "mlp.dcir").read_text())
     with pytest.raises(dcir.DcirError, match="no tensor for @fc1.weight, @fc1.bias, .* in the program's state"):

@@ -144,3 +144,12 @@ def test_config_from_a_json_file(tmp_path):
 
 def test_sizes():
     assert parse_bytes("2GiB") == 2 * 2**30 and parse_bytes("512 MB") == 512 * 10**6 and parse_bytes(4096) == 4096
+
+
+def test_the_launcher_ends_a_run_that_takes_too_long(tmp_path, capfd):
+    script = tmp_path / "sleepy.py"
+    script.write_text("import time\ntime.sleep(120)\n")
+    begin = time.monotonic()
+    assert launch([str(script)], 2, timeout_s=2) == 124
+    assert time.monotonic() - begin < 20
+    assert "dcir launch: the run took over 2 s; ending all ranks" in capfd.readouterr().err
