@@ -50,11 +50,11 @@ def _grad_set(grads: dict, name: str, value: torch.Tensor) -> None:
 
 
 def lower_function(module: Module, name: str, group: str | None = None,
-                   shards_in_state: bool = False) -> fx.GraphModule:
+                   shards_in_state: bool = False, store_prefix: str = "") -> fx.GraphModule:
     """Function ``name`` of ``module`` as a GraphModule taking ``(state, grads, *args)``;
     collectives run over the process group named ``group`` when one is given, and
-    sharded parameters come from the shard store, or from ``state`` when
-    ``shards_in_state``."""
+    sharded parameters come from the shard store (under ``store_prefix + FQN``), or
+    from ``state`` when ``shards_in_state``."""
     func = module.functions[name]
     g = fx.Graph()
     state = g.placeholder("state")
@@ -62,7 +62,7 @@ def lower_function(module: Module, name: str, group: str | None = None,
     env = {}
     for a in func.args:
         env[a] = g.placeholder(_py_name(a.name))
-    lowering = _Distributed(module, func, group, shards_in_state) if group is not None else None
+    lowering = _Distributed(module, func, group, shards_in_state, store_prefix) if group is not None else None
     for op in func.ops:
         if lowering is not None and lowering.handles(op):
             lowering.lower(op, g, env)
@@ -106,8 +106,10 @@ def _lower_collective(module: Module, op: Op, g: fx.Graph, env: dict) -> None:
 class _Distributed:
     """``comm.*``, ``mem.free`` and sharded ``param.get`` as calls into the C++ runtime."""
 
-    def __init__(self, module: Module, func: Function, group: str, shards_in_state: bool = False):
+    def __init__(self, module: Module, func: Function, group: str, shards_in_state: bool = False,
+                 store_prefix: str = ""):
         self.module, self.group, self.shards_in_state = module, group, shards_in_state
+        self.store_prefix = store_prefix
         self.ops = torch.ops.dcir
         owners = storage_owners(func)
         # storage that is not this function's to release: state and the caller's arguments
@@ -127,7 +129,7 @@ class _Distributed:
         tag = ", ".join("%" + v.name for v in op.operands) + (f" (line {op.loc[0]})" if op.loc else "")
         args = [env[v] for v in op.operands]
         if op.name == "param.get":
-            env[op.results[0]] = g.call_function(d.get_shard, (op.symbol,))
+            env[op.results[0]] = g.call_function(d.get_shard, (self.store_prefix + op.symbol,))
             return
         if op.name == "mem.free":
             for v in op.operands:
@@ -262,12 +264,13 @@ class Program:
         return loss
 
 
-def lower(module: Module, state: dict, *, inductor: bool = False, group: str | None = None) -> Program:
+def lower(module: Module, state: dict, *, inductor: bool = False, group: str | None = None,
+          store_prefix: str = "") -> Program:
     """Lower ``module`` (verified first) to a ``Program`` over ``state`` (FQN -> tensor).
     Buffers with a ``value`` attribute that ``state`` lacks are made from it. With
     ``group`` (a process group's name), collectives run over it through the C++
-    runtime, and sharded parameters are read from the runtime's shard store (from
-    ``state`` when it has them). ``inductor`` compiles the compute (between the
+    runtime, and sharded parameters are read from the runtime's shard store, under
+    ``store_prefix + FQN`` (from ``state`` when it has them). ``inductor`` compiles the compute (between the
     collectives, see ``compile_compute``)."""
     verify(module)
     state = {**constants(module), **state}
@@ -276,8 +279,8 @@ def lower(module: Module, state: dict, *, inductor: bool = False, group: str | N
     if missing:
         raise DcirError(Diagnostic(f"no tensor for {', '.join('@' + m for m in missing)} in the program's state"))
     in_state = any(isinstance(d.type, ShardType) and name in state for name, d in module.decls.items())
-    fw = lower_function(module, "forward", group, in_state)
-    bw = lower_function(module, "backward", group, in_state)
+    fw = lower_function(module, "forward", group, in_state, store_prefix)
+    bw = lower_function(module, "backward", group, in_state, store_prefix)
     run_fw, run_bw = fw, bw
     if inductor and group is not None:
         run_fw, run_bw = compile_compute(fw), compile_compute(bw)

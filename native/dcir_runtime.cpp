@@ -454,9 +454,12 @@ at::Tensor get_shard(const std::string& name) {
   return it->second;
 }
 
-void clear_shards() {
+// Drops every shard whose name starts with `prefix` (an engine's, when it goes away).
+void drop_shards(const std::string& prefix) {
   std::lock_guard<std::mutex> g(mu);
-  shards.clear();
+  for (auto it = shards.begin(); it != shards.end();) {
+    it = it->first.rfind(prefix, 0) == 0 ? shards.erase(it) : std::next(it);
+  }
 }
 
 // [shard bytes, gathered bytes now, peak gathered, freed, collectives, sent bytes, wait ns, pending]
@@ -508,7 +511,7 @@ TORCH_LIBRARY(dcir, m) {
   // state and bookkeeping: one kernel for every device
   m.def("set_shard(str name, Tensor shard) -> ()", &set_shard);
   m.def("get_shard(str name) -> Tensor", &get_shard);
-  m.def("clear_shards() -> ()", &clear_shards);
+  m.def("drop_shards(str prefix) -> ()", &drop_shards);
   m.def("memory_stats() -> int[]", &memory_stats);
   m.def("reset_peak() -> ()", &reset_peak);
   m.def("set_timeout(int ms) -> ()", &set_timeout);

@@ -55,6 +55,11 @@ def initialize(model: torch.nn.Module, optimizer=None, config=None, *, loss_fn: 
     return Engine(model, optimizer, Config.load(config), loss_fn)
 
 
+#: How long the other ranks wait for rank 0 to capture and compile the step (tens of
+#: seconds for a large model; a collective's ``timeout_s`` would be too short).
+CAPTURE_TIMEOUT_S = 900
+
+
 def _join_group(config: Config, device: torch.device) -> None:
     if dist.is_initialized():
         return
@@ -74,6 +79,8 @@ def _size(n: int) -> str:
 
 
 class Engine:
+    _count = 0
+
     def __init__(self, model: torch.nn.Module, optimizer, config: Config, loss_fn: Callable | None = None):
         self.config, self.model, self.loss_fn = config, model, loss_fn
         self.device = next(model.parameters()).device
@@ -91,12 +98,14 @@ class Engine:
             self.aliases.setdefault(first.setdefault(id(p), name), []).append(name)
         self.shapes: dict[str, torch.Size] = {}
         self.shards: dict[str, torch.nn.Parameter] = {}
-        self.ops.clear_shards()
         self.ops.reset_peak()
+        # several engines may live in one process: each keeps its shards under its own prefix
+        Engine._count += 1
+        self.store_prefix = f"engine{Engine._count}/"
         for name, p in model.named_parameters():
             self.shapes[name] = p.shape
             self.shards[name] = torch.nn.Parameter(self._shard_of(p.detach()), requires_grad=p.requires_grad)
-            self.ops.set_shard(name, self.shards[name])
+            self.ops.set_shard(self.store_prefix + name, self.shards[name])
         self.full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         trainable = [s for s in self.shards.values() if s.requires_grad]
         if optimizer is None:
@@ -108,6 +117,14 @@ class Engine:
         self.micro_steps = 0
         self.steps = 0
         self.capture_s = 0.0
+
+    def __del__(self):
+        ops = getattr(self, "ops", None)
+        if ops is not None and getattr(self, "store_prefix", None):
+            try:
+                ops.drop_shards(self.store_prefix)
+            except Exception:  # interpreter shutdown: the library may be gone already
+                pass
 
     # ---- sharding ------------------------------------------------------------------------
 
@@ -129,25 +146,28 @@ class Engine:
 
     def _capture(self, args: tuple, kwargs: dict) -> None:
         begin = time.perf_counter()
-        payload = [None]
+        # rank 0 compiles; the others read the program (or rank 0's error) from the store
+        key = f"dcir/{self.store_prefix}program"
+        store = dist.distributed_c10d._get_default_store()
         if self.rank == 0:
             try:
                 module = compile_to_ir(self.model, args, kwargs=kwargs, loss_fn=self.loss_fn)
                 pipeline = ",".join([f"zero3{{world_size={self.world}}}", *self.config.passes])
                 dcir.run_passes(module, pipeline)
-                payload = [("ok", dcir.print(module))]
+                status, text = "ok", dcir.print(module)
             except DcirError as e:
-                payload = [("error", e.render())]
-                if self.world == 1:
-                    raise
-        if self.world > 1:
-            dist.broadcast_object_list(payload, src=0)
-        status, text = payload[0]
+                status, text = "error", e.render()
+            if self.world > 1:
+                store.set(key, f"{status}\n{text}")
+        else:
+            store.wait([key], datetime.timedelta(seconds=CAPTURE_TIMEOUT_S))
+            status, text = store.get(key).decode().split("\n", 1)
         if status == "error":
             raise DcirError(Diagnostic(f"rank 0 could not compile the step:\n{text}"))
         module = dcir.parse(text, f"<{type(self.model).__name__} on {self.world} ranks>")
         state = dict(self.model.named_buffers())
-        self.program = lower(module, state, inductor=self.config.inductor, group=self.group)
+        self.program = lower(module, state, inductor=self.config.inductor, group=self.group,
+                             store_prefix=self.store_prefix)
         self.module = module
         for p in self.model.parameters():  # the engine owns the parameters from here on
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
@@ -242,14 +262,16 @@ class Engine:
         return self.module
 
     def memory(self) -> dict[str, int]:
-        """Bytes this rank holds, as the runtime accounts them: parameter shards,
-        gradient shards, optimizer state, replicated buffers, gathered parameters now
-        and at their peak; plus the full model's parameter bytes for comparison."""
+        """Bytes this rank holds, as the runtime accounts them: this engine's parameter
+        shards, gradient shards, optimizer state, replicated buffers, gathered
+        parameters now and at their peak (the runtime's, for the process); plus the
+        full model's parameter bytes for comparison."""
         stats = self.ops.memory_stats()
         grads = sum(s.grad.numel() * s.grad.element_size() for s in self.shards.values() if s.grad is not None)
         state = sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
                     for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
         buffers = sum(b.numel() * b.element_size() for b in self.model.buffers())
-        return {"parameters": stats[0], "gradients": grads, "optimizer_state": state, "buffers": buffers,
+        params = sum(s.numel() * s.element_size() for s in self.shards.values())
+        return {"parameters": params, "gradients": grads, "optimizer_state": state, "buffers": buffers,
                 "gathered_now": stats[1], "gathered_peak": stats[2], "full_parameters": self.full_bytes,
                 "collectives": stats[4], "sent": stats[5], "wait_s": stats[6] / 1e9}

@@ -156,6 +156,9 @@ def _eager_micro_step(model, loss_fn, whole, world: int, accumulate: int) -> Non
         p.grad = t if p.grad is None else p.grad + t
 
 
+ENGINES = []  # every case's engine stays alive: engines must not disturb each other
+
+
 def run_case(name: str, rank: int, world: int) -> dict:
     make, batch_of, loss_fn, config = CASES[name]
     accumulate = config.get("gradient_accumulation_steps", 1)
@@ -164,6 +167,7 @@ def run_case(name: str, rank: int, world: int) -> dict:
     model = copy.deepcopy(ref)
     engine = dcir.initialize(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
                              config={**config, "timeout_s": 60}, loss_fn=loss_fn)
+    ENGINES.append(engine)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     memory = None
