@@ -35,6 +35,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -401,8 +402,17 @@ at::Tensor wait(const at::Tensor& t) {
   if (!p->done) {
     auto begin = std::chrono::steady_clock::now();
     try {
-      bool ok = p->work->wait(timeout);
-      TORCH_CHECK(ok, "timed out");
+      // Work::wait(timeout) is not honoured by every backend (gloo waits for its own,
+      // the group's, timeout), so the runtime bounds the wait itself: poll with a
+      // backoff capped at 200 us, then let wait() rethrow a failure and sync streams.
+      auto deadline = begin + timeout;
+      auto pause = std::chrono::microseconds(5);
+      while (!p->work->isCompleted()) {
+        TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "timed out");
+        std::this_thread::sleep_for(pause);
+        pause = std::min(pause * 2, std::chrono::microseconds(200));
+      }
+      p->work->wait();
     } catch (const c10::Error& e) {
       fail(p->what, p->group_name, std::string(e.what_without_backtrace()) + " (timeout " +
                                         std::to_string(timeout.count() / 1000) +

@@ -31,7 +31,7 @@ def load(verbose: bool = False) -> None:
         return
     from torch.utils import cpp_extension
 
-    flags = ["-O2", "-std=c++17"]
+    flags = ["-O2"]
     cuda = torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None
     if cuda:
         flags.append("-DDCIR_WITH_CUDA")
@@ -41,7 +41,7 @@ def load(verbose: bool = False) -> None:
         name="dcir_native",
         sources=[str(SOURCE)],
         extra_cflags=flags,
-        extra_include_paths=cpp_extension.include_paths(device_type="cuda") if cuda else None,
+        with_cuda=cuda,
         build_directory=str(build),
         is_python_module=False,
         verbose=verbose,

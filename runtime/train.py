@@ -142,11 +142,16 @@ def main(argv: list[str] | None = None) -> int:
 
         return launch(["-m", "dcir_runtime.train", *(argv if argv is not None else sys.argv[1:])], ns.nproc,
                       timeout_s=ns.timeout)
+    from dcir_runtime.engine import RankFailure
+
     try:
         rank_main(ns)
     except DcirError as e:
         print(e.render(), file=sys.stderr)
         return 1
+    except RankFailure as e:
+        print(f"dcir-train: {e}", file=sys.stderr, flush=True)
+        os._exit(1)  # the process group is broken: its teardown could block or abort
     return 0
 
 

@@ -21,6 +21,7 @@ middle of the second step; the others must fail with RankFailure (exit code 17).
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import os
 import sys
@@ -207,6 +208,8 @@ def faulty_rank(how: str, timeout_s: float) -> None:
     """Rank 1 dies (``exit``) or stalls (``hang``) between forward and backward of the
     second step; the others must raise RankFailure, which exits 17 here."""
     rank = int(os.environ["RANK"])
+    if how == "hang":  # the user's own group, with a long timeout: the runtime bounds the wait itself
+        torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     torch.manual_seed(0)
     engine = dcir.initialize(mlp(), config={"timeout_s": timeout_s}, loss_fn=_squared)
     x = torch.randn(2, 8)
@@ -221,7 +224,7 @@ def faulty_rank(how: str, timeout_s: float) -> None:
             engine.step()
     except RankFailure as e:
         print(f"RankFailure: {e}", file=sys.stderr, flush=True)
-        sys.exit(17)
+        os._exit(17)  # the process group is broken: skip its teardown
 
 
 class Branchy(torch.nn.Module):
