@@ -330,8 +330,29 @@ def compile_compute(gm: fx.GraphModule) -> fx.GraphModule:
     split = split_module(gm, torch.nn.Module(), lambda n: part[n], keep_original_order=True)
     for name, sub in list(split.named_children()):
         if int(name.rsplit("_", 1)[1]) in compute_parts:
-            setattr(split, name, torch.compile(sub, dynamic=False))
+            setattr(split, name, _Contiguous(torch.compile(sub, dynamic=False)))
     return split
+
+
+class _Contiguous(torch.nn.Module):
+    """A compiled stretch whose tensor results are made contiguous.
+
+    Inductor may lay a result out differently from eager (a pointwise result keeps its
+    input's permuted strides); a later stretch that ``aten.view``s it, as the IR says,
+    then fails. Every view of a contiguous tensor is valid, and the captured graphs are
+    functional, so a copy changes no value."""
+
+    def __init__(self, compiled):
+        super().__init__()
+        self.compiled = compiled
+
+    def forward(self, *args):
+        out = self.compiled(*args)
+        if isinstance(out, torch.Tensor):
+            return out.contiguous()
+        if isinstance(out, (tuple, list)):
+            return type(out)(x.contiguous() if isinstance(x, torch.Tensor) else x for x in out)
+        return out
 
 
 def constants(module: Module) -> dict:

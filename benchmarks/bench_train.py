@@ -1,0 +1,199 @@
+"""DCIR against FSDP2, DeepSpeed ZeRO-3 and the compute floor, in one invocation.
+
+    python benchmarks/bench_train.py                      # the default workload
+    python benchmarks/bench_train.py --layers 24          # the 24-layer variant
+    python benchmarks/bench_train.py --accumulate 4       # gradient accumulation 4
+
+Every system trains the same HF Llama (from a config, fp32) on the same batches:
+
+* ``dcir``: the Engine, plain ``zero3``, compute run op by op (eager lowering);
+* ``dcir-inductor``: the same program with the compute between collectives compiled
+  by Inductor;
+* ``fsdp2``: PyTorch FSDP2, ``fully_shard`` per decoder layer and on the root;
+* ``deepspeed``: DeepSpeed ZeRO-3, eager (CPU accelerator, gloo), when installed;
+* ``floor``: one process, ``torch.compile``, the same per-rank batch and no
+  communication: the compute floor the sharded systems are measured against;
+* ``eager``: the same without ``torch.compile``: the compute of a step run op by op,
+  which is what ``dcir`` runs between its collectives (for the breakdown).
+
+The distributed systems run ``--world`` ranks with one thread each (``floor`` one
+process with one thread). Runs are interleaved, round by round (A B C ... A B C ...),
+so drift of the machine hits every system alike; each run's steps after warm-up are
+timed (the slowest rank's), and the figure per system is the median over all
+measured steps of all rounds. DeepSpeed's own compiler (DeepCompile) needs CUDA
+(``cuda.h``) and is reported as unavailable on a CPU-only machine.
+
+Output: a table on the terminal, ``--json`` (default ``bench_train.json``) and
+``--chart`` (default ``bench_train.png``, needs matplotlib: ``pip install -e '.[bench]'``);
+each run's raw figures and output are kept in ``bench_train_logs/`` beside the JSON.
+Peak memory is each rank's peak resident set (the process, torch included), as CPU
+tensors have no allocator statistics to compare across systems. Exposed
+communication is the host time DCIR's ranks spent blocked in ``comm.wait`` per step
+(the slowest rank's); the others have no such counter ("n/a").
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SYSTEMS = ["floor", "eager", "dcir", "dcir-inductor", "fsdp2", "deepspeed"]
+WORKLOAD = [("layers", 6), ("hidden", 256), ("seq", 128), ("batch", 4), ("vocab", 32000), ("accumulate", 1)]
+
+
+def _available(system: str) -> str | None:
+    """Why ``system`` cannot run here, or None."""
+    if system == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        return "not installed (pip install -e '.[bench]')"
+    return None
+
+
+def _run(system: str, ns, out: Path) -> dict | None:
+    from dcir_runtime.launch import launch
+
+    args = [str(HERE / "train_worker.py"), system, str(out), "--steps", str(ns.steps), "--warmup", str(ns.warmup)]
+    for name, _ in WORKLOAD:
+        args += [f"--{name}", str(getattr(ns, name))]
+    world = 1 if system in ("floor", "eager") else ns.world
+    env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    with open(out.with_suffix(".log"), "w") as log:
+        code = _launch_quiet(launch, args, world, env, log, ns.timeout)
+    if code != 0 or not out.exists():
+        print(f"  {system}: failed (exit {code}); its output: {out.with_suffix('.log')}", file=sys.stderr)
+        return None
+    return json.loads(out.read_text())
+
+
+def _launch_quiet(launch, args, world, env, log, timeout) -> int:
+    """The ranks' output goes to ``log``, not the terminal."""
+    saved = os.dup(1), os.dup(2)
+    try:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        return launch(args, world, timeout_s=timeout, env=env, grace_s=10)
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+
+
+def summarize(runs: dict[str, list[dict]], ns) -> dict:
+    tokens = ns.batch * ns.seq * ns.accumulate  # per rank and step
+    rows = {}
+    for system, results in runs.items():
+        if not results:
+            continue
+        steps = [t for r in results for t in r["step_s"]]
+        waits = [w for r in results if r["wait_s"] for w in r["wait_s"]]
+        rows[system] = {
+            "step_s": statistics.median(steps),
+            "step_s_min": min(steps), "step_s_max": max(steps), "measured_steps": len(steps),
+            "tokens_per_s_per_rank": tokens / statistics.median(steps),
+            "peak_rss_mib": max(m for r in results for m in r["peak_rss_mib"]),
+            "exposed_comm_s": statistics.median(waits) if waits else None,
+        }
+    floor = rows.get("floor", {}).get("step_s")
+    for row in rows.values():
+        row["x_floor"] = row["step_s"] / floor if floor else None
+    return rows
+
+
+def table(rows: dict, unavailable: dict) -> str:
+    head = f"{'system':<15}{'step s':>9}{'x floor':>9}{'tok/s/rank':>12}{'peak RSS MiB':>14}{'exposed comm s':>16}"
+    lines = [head, "-" * len(head)]
+    for system, r in rows.items():
+        x = f"{r['x_floor']:.2f}" if r["x_floor"] else "-"
+        comm = f"{r['exposed_comm_s']:.3f}" if r["exposed_comm_s"] is not None else "n/a"
+        lines.append(f"{system:<15}{r['step_s']:>9.3f}{x:>9}{r['tokens_per_s_per_rank']:>12,.0f}"
+                     f"{r['peak_rss_mib']:>14,.0f}{comm:>16}")
+    for system, why in unavailable.items():
+        lines.append(f"{system:<15}  unavailable: {why}")
+    return "\n".join(lines)
+
+
+def chart(rows: dict, path: Path, title: str) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no chart: matplotlib is not installed (pip install -e '.[bench]')"
+    names = list(rows)
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    bars = ax.bar(names, [rows[n]["step_s"] for n in names], color=["#888" if n == "floor" else "#3b7dd8" for n in names])
+    for b, n in zip(bars, names):
+        if rows[n]["x_floor"]:
+            ax.annotate(f"{rows[n]['x_floor']:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
+                        ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("median step time (s)")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="bench_train.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    for name, default in WORKLOAD:
+        ap.add_argument(f"--{name}", type=int, default=default, help=f"(default {default})")
+    ap.add_argument("--world", type=int, default=2, help="ranks of the distributed systems (default 2)")
+    ap.add_argument("--steps", type=int, default=5, help="measured steps per run (default 5)")
+    ap.add_argument("--warmup", type=int, default=2, help="steps before measuring, per run (default 2)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated (default {','.join(SYSTEMS)})")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds one run may take (default 900)")
+    ap.add_argument("--json", default="bench_train.json", help="where to write the results")
+    ap.add_argument("--chart", default="bench_train.png", help="where to draw the chart")
+    ns = ap.parse_args(argv)
+    systems = [s.strip() for s in ns.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        ap.error(f"unknown systems {unknown}; known: {', '.join(SYSTEMS)}")
+    unavailable = {s: why for s in systems if (why := _available(s))}
+    unavailable["deepcompile"] = "DeepSpeed's compiler needs CUDA (cuda.h); this machine has no GPU"
+    runnable = [s for s in systems if s not in unavailable]
+    workload = ", ".join(f"{n} {getattr(ns, n)}" for n, _ in WORKLOAD)
+    print(f"Llama {workload}; world {ns.world}, 1 thread per rank; {ns.rounds} rounds x {ns.steps} steps "
+          f"(+{ns.warmup} warm-up), interleaved")
+    runs: dict[str, list[dict]] = {s: [] for s in runnable}
+    begin = time.time()
+    logs = Path(ns.json).resolve().parent / "bench_train_logs"  # each run's JSON and output
+    logs.mkdir(exist_ok=True)
+    for r in range(ns.rounds):
+        for system in runnable:
+            out = logs / f"{system}-{r}.json"
+            out.unlink(missing_ok=True)
+            result = _run(system, ns, out)
+            if result:
+                runs[system].append(result)
+                print(f"  round {r + 1}: {system:<14} median step {statistics.median(result['step_s']):.3f} s",
+                      flush=True)
+    rows = summarize(runs, ns)
+    print()
+    print(table(rows, unavailable))
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {platform.system()}"
+    import torch
+
+    report = {"workload": {n: getattr(ns, n) for n, _ in WORKLOAD} | {"world": ns.world, "threads_per_rank": 1},
+              "rounds": ns.rounds, "steps": ns.steps, "warmup": ns.warmup, "machine": machine,
+              "torch": torch.__version__, "seconds": round(time.time() - begin), "results": rows,
+              "unavailable": unavailable, "command": "python benchmarks/bench_train.py " + " ".join(argv or sys.argv[1:])}
+    Path(ns.json).write_text(json.dumps(report, indent=1))
+    problem = chart(rows, Path(ns.chart), f"Llama {ns.layers} layers, world {ns.world}: median step (x compute floor)")
+    print(f"\n{ns.json}" + (f", {ns.chart}" if problem is None else f"; {problem}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

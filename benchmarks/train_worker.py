@@ -1,0 +1,182 @@
+"""One rank of one system's run in ``bench_train.py`` (see there).
+
+``python train_worker.py SYSTEM OUT.json --layers ... --steps ...`` trains the
+benchmark Llama with SYSTEM for warm-up plus measured steps and writes, from rank 0,
+each measured step's time (the slowest rank's), the peak resident memory of every
+rank and, for DCIR, the host time its ranks spent blocked in ``comm.wait`` (the
+communication that compute did not hide).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def llama(ns):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=ns.vocab, hidden_size=ns.hidden, intermediate_size=ns.hidden * 4, num_hidden_layers=ns.layers,
+        num_attention_heads=ns.hidden // 64, num_key_value_heads=ns.hidden // 64, max_position_embeddings=ns.seq,
+        attn_implementation="eager"))
+
+
+def batches(ns, rank: int, world: int):
+    g = torch.Generator().manual_seed(1)
+    while True:
+        ids = torch.randint(0, ns.vocab, (ns.batch * world, ns.seq), generator=g)[rank * ns.batch:(rank + 1) * ns.batch]
+        yield {"input_ids": ids, "labels": ids}
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+class Dcir:
+    def __init__(self, ns, inductor: bool):
+        import dcir
+
+        self.engine = dcir.initialize(llama(ns), optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+                                      config={"gradient_accumulation_steps": ns.accumulate, "inductor": inductor,
+                                              "timeout_s": 600},
+                                      loss_fn=lambda out: out.loss)
+
+    def micro_step(self, batch):
+        loss = self.engine(**batch)
+        self.engine.backward(loss)
+        self.engine.step()
+
+    def wait_s(self) -> float:
+        return self.engine.memory()["wait_s"]
+
+
+class Fsdp2:
+    def __init__(self, ns):
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo")
+        model = llama(ns)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        self.model, self.ns, self.n = model, ns, 0
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def micro_step(self, batch):
+        (self.model(**batch).loss / self.ns.accumulate).backward()
+        self.n += 1
+        if self.n % self.ns.accumulate == 0:
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+
+
+class DeepSpeed:
+    def __init__(self, ns):
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+
+        model = llama(ns)
+        config = {"train_micro_batch_size_per_gpu": ns.batch, "gradient_accumulation_steps": ns.accumulate,
+                  "zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+                  "zero_allow_untested_optimizer": True}
+        deepspeed.init_distributed(dist_backend="gloo")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        config.pop("optimizer")
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+
+    def micro_step(self, batch):
+        loss = self.engine(**batch).loss
+        self.engine.backward(loss)
+        self.engine.step()
+
+
+class Floor:
+    """One process, no communication: the model compiled by torch.compile (or, as
+    ``eager``, not: the compute a program that runs op by op does)."""
+
+    def __init__(self, ns, compiled: bool = True):
+        self.model = torch.compile(llama(ns)) if compiled else llama(ns)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.ns, self.n = ns, 0
+
+    def micro_step(self, batch):
+        (self.model(**batch).loss / self.ns.accumulate).backward()
+        self.n += 1
+        if self.n % self.ns.accumulate == 0:
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+
+
+def make(system: str, ns):
+    if system == "dcir":
+        return Dcir(ns, inductor=False)
+    if system == "dcir-inductor":
+        return Dcir(ns, inductor=True)
+    if system == "fsdp2":
+        return Fsdp2(ns)
+    if system == "deepspeed":
+        return DeepSpeed(ns)
+    if system == "floor":
+        return Floor(ns)
+    if system == "eager":
+        return Floor(ns, compiled=False)
+    raise SystemExit(f"unknown system {system!r}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("system")
+    ap.add_argument("out")
+    for name, default in [("layers", 6), ("hidden", 256), ("seq", 128), ("batch", 4), ("vocab", 32000),
+                          ("accumulate", 1), ("steps", 6), ("warmup", 2)]:
+        ap.add_argument(f"--{name}", type=int, default=default)
+    ns = ap.parse_args()
+    torch.set_num_threads(1)
+    runner = make(ns.system, ns)
+    distributed = dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    data = batches(ns, rank, world)
+    times, waits = [], []
+    for step in range(ns.warmup + ns.steps):
+        wait0 = runner.wait_s() if hasattr(runner, "wait_s") else 0.0
+        if distributed:
+            dist.barrier()
+        begin = time.perf_counter()
+        for _ in range(ns.accumulate):
+            runner.micro_step(next(data))
+        elapsed = time.perf_counter() - begin
+        waited = (runner.wait_s() - wait0) if hasattr(runner, "wait_s") else None
+        if step >= ns.warmup:
+            times.append(elapsed)
+            waits.append(waited)
+    per_rank = {"times": times, "waits": waits, "peak_rss_mib": peak_rss_mib()}
+    everyone = [per_rank]
+    if distributed:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, per_rank)
+    if rank == 0:
+        steps = [max(r["times"][i] for r in everyone) for i in range(ns.steps)]
+        waits = None
+        if everyone[0]["waits"][0] is not None:
+            waits = [max(r["waits"][i] for r in everyone) for i in range(ns.steps)]
+        with open(ns.out, "w") as f:
+            json.dump({"system": ns.system, "world": world, "step_s": steps, "wait_s": waits,
+                       "peak_rss_mib": [r["peak_rss_mib"] for r in everyone]}, f)
+    if distributed:
+        dist.barrier()
+        os._exit(0)  # skip process-group teardown: it is not what is measured
+
+
+if __name__ == "__main__":
+    sys.exit(main())
