@@ -46,9 +46,18 @@ def _args(argv):
 
 
 def _config(text: str | None):
+    """``--config``: inline JSON or a file, checked (``Config.load``)."""
+    from dcir.diagnostics import Diagnostic
+    from dcir_runtime.config import Config
+
     if text is None:
-        return {}
-    return json.loads(text) if text.lstrip().startswith("{") else text
+        return Config()
+    if text.lstrip().startswith("{"):
+        try:
+            text = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DcirError(Diagnostic(f"--config:{e.lineno}:{e.colno}: not JSON: {e.msg}")) from None
+    return Config.load(text)
 
 
 def rank_main(ns) -> None:
@@ -137,6 +146,11 @@ def rank_main(ns) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ns = _args(argv if argv is not None else sys.argv[1:])
+    try:
+        _config(ns.config)  # a bad config is reported once, before any rank starts
+    except DcirError as e:
+        print(e.render(), file=sys.stderr)
+        return 1
     if "RANK" not in os.environ:  # the launcher: start the ranks, each runs this again
         from dcir_runtime.launch import launch
 

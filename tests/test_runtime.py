@@ -153,3 +153,12 @@ def test_the_launcher_ends_a_run_that_takes_too_long(tmp_path, capfd):
     assert launch([str(script)], 2, timeout_s=2) == 124
     assert time.monotonic() - begin < 20
     assert "dcir launch: the run took over 2 s; ending all ranks" in capfd.readouterr().err
+
+
+def test_dcir_train_checks_its_config_before_starting_ranks(capfd):
+    from dcir_runtime.train import main
+
+    assert main(["--config", '{"steps": 1,}']) == 1
+    assert "error: --config:1:14: not JSON: Expecting property name" in capfd.readouterr().err
+    assert main(["--config", '{"zero_stage": 1}']) == 1
+    assert "bad value for 'zero_stage': 1; valid: 3" in capfd.readouterr().err
