@@ -159,6 +159,6 @@ def test_dcir_train_checks_its_config_before_starting_ranks(capfd):
     from dcir_runtime.train import main
 
     assert main(["--config", '{"steps": 1,}']) == 1
-    assert "error: --config:1:14: not JSON: Expecting property name" in capfd.readouterr().err
+    assert "error: --config:1:13: not JSON: Expecting property name" in capfd.readouterr().err
     assert main(["--config", '{"zero_stage": 1}']) == 1
     assert "bad value for 'zero_stage': 1; valid: 3" in capfd.readouterr().err
