@@ -61,15 +61,10 @@ class Dcir:
         return self.engine.memory()["wait_s"]
 
 
-class Fsdp2:
-    def __init__(self, ns):
-        from torch.distributed.fsdp import fully_shard
+class _Plain:
+    """A model and an optimizer, stepped every ``accumulate`` micro-steps."""
 
-        dist.init_process_group("gloo")
-        model = llama(ns)
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+    def __init__(self, model, ns):
         self.model, self.ns, self.n = model, ns, 0
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -79,6 +74,18 @@ class Fsdp2:
         if self.n % self.ns.accumulate == 0:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
+
+
+class Fsdp2(_Plain):
+    def __init__(self, ns):
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo")
+        model = llama(ns)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        super().__init__(model, ns)
 
 
 class DeepSpeed:
@@ -101,21 +108,12 @@ class DeepSpeed:
         self.engine.step()
 
 
-class Floor:
+class Floor(_Plain):
     """One process, no communication: the model compiled by torch.compile (or, as
     ``eager``, not: the compute a program that runs op by op does)."""
 
     def __init__(self, ns, compiled: bool = True):
-        self.model = torch.compile(llama(ns)) if compiled else llama(ns)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.ns, self.n = ns, 0
-
-    def micro_step(self, batch):
-        (self.model(**batch).loss / self.ns.accumulate).backward()
-        self.n += 1
-        if self.n % self.ns.accumulate == 0:
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
+        super().__init__(torch.compile(llama(ns)) if compiled else llama(ns), ns)
 
 
 def make(system: str, ns):

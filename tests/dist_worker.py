@@ -35,6 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dcir  # noqa: E402
 from dcir_runtime import RankFailure  # noqa: E402
+from test_backend import mlp, tiny_llama  # noqa: E402  (mlp: 16*8+16 and 4*16+4 split unevenly over 3)
+from test_backend import squared as _squared  # noqa: E402
+from test_frontend import Tied  # noqa: E402  (tied embeddings, a frozen layer)
 
 
 class TinyTransformer(torch.nn.Module):
@@ -65,34 +68,6 @@ class TinyTransformer(torch.nn.Module):
         return F.cross_entropy(self.head(self.norm(x)).flatten(0, 1), targets.flatten())
 
 
-class Tied(torch.nn.Module):
-    """Tied input and output embeddings, and a frozen layer between them."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = torch.nn.Embedding(10, 8)
-        self.mix = torch.nn.Linear(8, 8)
-        self.head = torch.nn.Linear(8, 10, bias=False)
-        self.head.weight = self.embed.weight
-        self.mix.weight.requires_grad_(False)
-
-    def forward(self, ids):
-        return self.head(torch.tanh(self.mix(self.embed(ids)))).logsumexp(-1).mean()
-
-
-def mlp():
-    # 16*8+16 and 4*16+4: neither splits evenly over 3 ranks (padding is exercised)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-
-
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         attn_implementation="eager")
-    return LlamaForCausalLM(config)
-
-
 def _mlp_batch(g, n):
     return (torch.randn(n, 8, generator=g),), {}
 
@@ -109,10 +84,6 @@ def _tied_batch(g, n):
 def _llama_batch(g, n):
     ids = torch.randint(0, 128, (n, 16), generator=g)
     return (), {"input_ids": ids, "labels": ids.clone()}
-
-
-def _squared(out):
-    return out.pow(2).mean()
 
 
 # name -> (model, batch(generator, rows) -> (args, kwargs), loss_fn, Engine config)
