@@ -37,7 +37,7 @@ import dcir  # noqa: E402
 from dcir_runtime import RankFailure  # noqa: E402
 from test_backend import mlp, tiny_llama  # noqa: E402  (mlp: 16*8+16 and 4*16+4 split unevenly over 3)
 from test_backend import squared as _squared  # noqa: E402
-from test_frontend import Tied  # noqa: E402  (tied embeddings, a frozen layer)
+from test_frontend import Breaks, Tied  # noqa: E402  (a graph break; tied embeddings, a frozen layer)
 
 
 class TinyTransformer(torch.nn.Module):
@@ -198,16 +198,6 @@ def faulty_rank(how: str, timeout_s: float) -> None:
         os._exit(17)  # the process group is broken: skip its teardown
 
 
-class Branchy(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(4, 4)
-
-    def forward(self, x):
-        y = self.fc(x)
-        return y.sum() if y.sum() > 0 else -y.sum()  # data-dependent: a graph break
-
-
 def user_errors() -> None:
     """Each mistake is a DcirError with its message on every rank; printed as 'ERROR: ...'."""
     def attempt(fn):
@@ -218,7 +208,7 @@ def user_errors() -> None:
         else:
             print("NO ERROR", flush=True)
 
-    engine = dcir.initialize(Branchy(), config={"timeout_s": 30})
+    engine = dcir.initialize(Breaks(), config={"timeout_s": 30})
     attempt(lambda: engine(torch.randn(2, 4)))  # rank 0 cannot capture; everyone hears of it
     engine = dcir.initialize(mlp(), config={"timeout_s": 30}, loss_fn=_squared)
     engine(torch.randn(2, 8))
