@@ -7,25 +7,11 @@ valid; nothing is silently ignored.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from dcir.diagnostics import DcirError, Diagnostic
-
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str | int) -> int:
-    """``"2GiB"``, ``"512 MB"``, ``"1.5gib"`` or a number of bytes -> bytes."""
-    if isinstance(text, int) and not isinstance(text, bool) and text > 0:
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)\s*", str(text), re.IGNORECASE)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{text!r} is not a size; write it like \"2GiB\", \"512MB\" or a number of bytes")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
+from dcir.memory import parse_bytes
 
 @dataclass(frozen=True)
 class Config:

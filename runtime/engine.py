@@ -34,6 +34,7 @@ import torch.distributed as dist
 import dcir
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import TensorType
+from dcir.memory import format_bytes
 from dcir_lowering.backend import Program, lower
 from dcir_lowering.frontend import compile_to_ir
 from dcir_runtime import native
@@ -71,13 +72,6 @@ def _join_group(config: Config, device: torch.device) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
-
-
 class Engine:
     _count = 0
 
@@ -88,7 +82,7 @@ class Engine:
         native.load()
         self.ops = torch.ops.dcir
         self.ops.set_timeout(int(config.timeout_s * 1000))
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world = dist.get_rank(), dist.get_worldformat_bytes()
         self.group = dist.group.WORLD.group_name
         self._sync_from_rank0(model)
         # one shard per distinct parameter (tied weights are one), named by its first FQN
@@ -106,7 +100,7 @@ class Engine:
             self.shapes[name] = p.shape
             self.shards[name] = torch.nn.Parameter(self._shard_of(p.detach()), requires_grad=p.requires_grad)
             self.ops.set_shard(self.store_prefix + name, self.shards[name])
-        self.full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.full_bytes = sum(p.numel() * p.elementformat_bytes() for p in model.parameters())
         trainable = [s for s in self.shards.values() if s.requires_grad]
         if optimizer is None:
             optimizer = torch.optim.AdamW
@@ -238,8 +232,8 @@ class Engine:
         held = m["parameters"] + m["optimizer_state"] + m["buffers"] + m["gathered_peak"]
         if held > budget:
             raise DcirError(Diagnostic(
-                f"rank {self.rank} holds {_size(held)} (parameters, optimizer state, buffers and the "
-                f"peak of gathered parameters), over the memory budget of {_size(budget)}"))
+                f"rank {self.rank} holds {format_bytes(held)} (parameters, optimizer state, buffers and the "
+                f"peak of gathered parameters), over the memory budget of {format_bytes(budget)}"))
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -267,11 +261,11 @@ class Engine:
         parameters now and at their peak (the runtime's, for the process); plus the
         full model's parameter bytes for comparison."""
         stats = self.ops.memory_stats()
-        grads = sum(s.grad.numel() * s.grad.element_size() for s in self.shards.values() if s.grad is not None)
-        state = sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
+        grads = sum(s.grad.numel() * s.grad.elementformat_bytes() for s in self.shards.values() if s.grad is not None)
+        state = sum(t.numel() * t.elementformat_bytes() for st in self.optimizer.state.values()
                     for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
-        buffers = sum(b.numel() * b.element_size() for b in self.model.buffers())
-        params = sum(s.numel() * s.element_size() for s in self.shards.values())
+        buffers = sum(b.numel() * b.elementformat_bytes() for b in self.model.buffers())
+        params = sum(s.numel() * s.elementformat_bytes() for s in self.shards.values())
         return {"parameters": params, "gradients": grads, "optimizer_state": state, "buffers": buffers,
                 "gathered_now": stats[1], "gathered_peak": stats[2], "full_parameters": self.full_bytes,
                 "collectives": stats[4], "sent": stats[5], "wait_s": stats[6] / 1e9}

@@ -46,6 +46,8 @@ class Pass:
 
 
 def _format_option(v) -> str:
+    if v is None:
+        return "none"
     if isinstance(v, bool):
         return "true" if v else "false"
     return str(v)
@@ -115,6 +117,10 @@ def parse_pipeline(text: str) -> list[Pass]:
 
 def _convert(raw: str, typ) -> object:
     typ = typ if isinstance(typ, str) else typ.__name__
+    typ = typ.removesuffix(" | None")
+    if typ == "Bytes":
+        from dcir.memory import parse_bytes
+        return parse_bytes(raw)
     if raw.startswith('"'):
         import json
         raw = json.loads(raw)

@@ -1,0 +1,203 @@
+"""Prefetch: start each all_gather early enough to hide its transfer behind compute,
+and finish each reduce_scatter late enough to hide its own, within a memory budget.
+
+``zero3`` starts every gather just before its first use and waits for it at once, and
+waits for every gradient's reduce_scatter as soon as it starts: every transfer is on
+the critical path. This pass moves, in schedule order:
+
+* **all_gather starts earlier** (with the ``param.get`` of the shard they read). A
+  start moves up until the compute before its ``comm.wait`` covers the transfer, by the
+  cost model (limit ``transfer hidden``: the transfer starts when the channel is free,
+  after the transfers issued before it), and never past
+  ``dependencies`` (the DAG of ``dcir.analysis``), ``gathers keep their order`` (the
+  previous all_gather's new place: gathers are needed in the order they are issued)
+  or the ``memory budget``: the gathered buffer is live from its new start, and the
+  memory model must keep every op the move spans within ``budget``.
+* **reduce_scatter waits later** (with the ``grad.set`` of the result and the
+  ``mem.free`` of the full gradient): down until the transfer is done by the cost
+  model (``transfer hidden``), and never past ``dependencies`` or the ``memory
+  budget`` (the full gradient stays live until the wait).
+
+Costs are the profile's (``prof.time_us``) when the module has one, else the analytic
+model's (``dcir.cost``); ``--pass-statistics`` counts, per move, which limit
+stopped it. ``budget`` is per rank, for the bytes the memory model counts (see
+``docs/passes.md``); without one, only the other limits apply.
+
+Before -> after (the gather of %w2 overlaps the first matmul)::
+
+    %w1_pending = comm.all_gather(%w1_shard)
+    %w1 = comm.wait(%w1_pending)
+    %h = aten.mm.default(%x, %w1)
+    %w2_shard = param.get @w2
+    %w2_pending = comm.all_gather(%w2_shard)
+    %w2 = comm.wait(%w2_pending)
+    %y = aten.mm.default(%h, %w2)
+  ->
+    %w1_pending = comm.all_gather(%w1_shard)
+    %w2_shard = param.get @w2
+    %w2_pending = comm.all_gather(%w2_shard)
+    %w1 = comm.wait(%w1_pending)
+    %h = aten.mm.default(%x, %w1)
+    %w2 = comm.wait(%w2_pending)
+    %y = aten.mm.default(%h, %w2)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from dcir import ops as registry
+from dcir.cost import Machine, calibrate
+from dcir.ir import Module, Op
+from dcir.memory import Bytes, device_bytes
+from dcir.passes import Pass
+from dcir.schedule import AFTER_DEPENDENCIES, BEFORE_DEPENDENTS, Limit, Move, Sweep, run_moves
+
+
+def _is_gather(op: Op) -> bool:
+    return op.name in ("comm.all_gather", "comm.all_gather_coalesced")
+
+
+def _gather_group(sweep: Sweep, i: int) -> list[int]:
+    """The start, and the param.get before it when the start is its only reader."""
+    op = sweep.func.ops[i]
+    group = [i]
+    for v in op.operands:
+        src = v.owner
+        j = sweep.index.get(src)
+        if isinstance(src, Op) and src.name == "param.get" and j is not None and j < i \
+                and sweep.graph.out_degree(j) == 1:
+            group.insert(0, j)
+    return sorted(group)
+
+
+def _wait_of(sweep: Sweep, i: int) -> int:
+    """Position of the first comm.wait that joins a result of op ``i``."""
+    results = set(sweep.func.ops[i].results)
+    return next((j for j in range(i + 1, len(sweep.func.ops))
+                 if sweep.func.ops[j].name == "comm.wait" and results & set(sweep.func.ops[j].operands)),
+                len(sweep.func.ops))
+
+
+def _after_previous_gather(sweep: Sweep, i: int, group: list[int]) -> int:
+    prev = max((j for j in sweep.placed if j < i and _is_gather(sweep.func.ops[j])), default=None)
+    return 0 if prev is None else sweep.placed[prev]
+
+
+def _gather_hidden(sweep: Sweep, i: int, group: list[int]) -> int:
+    """The latest start from which the transfer ends before the compute reaches its wait."""
+    need = sweep.time_at(_wait_of(sweep, i))
+    for p in range(group[0], -1, -1):
+        if max(sweep.time_at(p), sweep.channel) + sweep.seconds[i] <= need:
+            return p
+    return 0
+
+
+def _gather_cost(sweep: Sweep, i: int, group: list[int], pos: int) -> tuple[int, int, int]:
+    nbytes = sum(device_bytes(r) for r in sweep.func.ops[i].results)
+    return nbytes, pos, group[0]
+
+
+HOIST_GATHERS = Move(
+    "all_gather", anchor=_is_gather, group=_gather_group, direction="earlier",
+    limits=(AFTER_DEPENDENCIES, Limit("gathers keep their order", _after_previous_gather),
+            Limit("transfer hidden", _gather_hidden)),
+    cost=_gather_cost)
+
+
+def _is_reduction_wait(op: Op) -> bool:
+    return op.name == "comm.wait" and all(
+        isinstance(v.owner, Op) and registry.has_trait(v.owner, registry.REDUCES) for v in op.operands)
+
+
+def _reduction_start(sweep: Sweep, i: int) -> int:
+    return max(sweep.index[v.owner] for v in sweep.func.ops[i].operands)
+
+
+def _wait_group(sweep: Sweep, i: int) -> list[int] | None:
+    """The wait, then the ops right after it that only finish the reduction: the
+    grad.set of its results and the frees of what the reduction read."""
+    ops = sweep.func.ops
+    wait = ops[i]
+    start = ops[_reduction_start(sweep, i)]
+    own = sweep.owner
+    inputs = {own.get(v, v) for v in start.operands}
+    results = set(wait.results)
+    group = [i]
+    j = i + 1
+    while j < len(ops):
+        op = ops[j]
+        if op.name == "grad.set" and set(op.operands) <= results:
+            group.append(j)
+        elif op.name == "mem.free" and {own.get(v, v) for v in op.operands} <= inputs:
+            group.append(j)
+        else:
+            break
+        j += 1
+    return group
+
+
+def _reduction_hidden(sweep: Sweep, i: int, group: list[int]) -> int:
+    """The first position the compute reaches after the transfer has ended."""
+    done = sweep.done.get(_reduction_start(sweep, i), 0.0)
+    n = len(sweep.func.ops)
+    for q in range(group[-1] + 1, n + 1):
+        if sweep.time_at(q) >= done:
+            return q
+    return n
+
+
+def _wait_cost(sweep: Sweep, i: int, group: list[int], pos: int) -> tuple[int, int, int]:
+    ops, own = sweep.func.ops, sweep.owner
+    freed = {own.get(v, v) for j in group if ops[j].name == "mem.free" for v in ops[j].operands}
+    return sum(device_bytes(v) for v in freed), group[-1] + 1, pos
+
+
+def _reduction_done(sweep: Sweep, i: int, group: list[int]) -> int:
+    """For a wait that comes later than it must: the first position after its start
+    at which the compute has reached the end of the transfer."""
+    start = _reduction_start(sweep, i)
+    done = sweep.done.get(start, 0.0)
+    for q in range(start + 1, group[0] + 1):
+        if sweep.time_at(q) >= done:
+            return q
+    return group[0]
+
+
+def _is_reduction(op: Op) -> bool:
+    return op.family == "comm" and registry.has_trait(op, registry.REDUCES) and registry.has_trait(op, registry.ASYNC)
+
+
+def _reduction_cost(sweep: Sweep, i: int, group: list[int], pos: int) -> tuple[int, int, int]:
+    return sum(device_bytes(r) for r in sweep.func.ops[i].results), pos, group[0]
+
+
+# A reduction starts as soon as its gradient is computed (captured backward graphs
+# compute every gradient before handing any over) ...
+HOIST_REDUCTIONS = Move(
+    "reduce_scatter", anchor=_is_reduction, group=lambda sweep, i: [i], direction="earlier",
+    limits=(AFTER_DEPENDENCIES,), cost=_reduction_cost)
+# ... its wait comes once the transfer is done, which frees the full gradient early ...
+RAISE_REDUCTION_WAITS = Move(
+    "reduce_scatter wait (earlier)", anchor=_is_reduction_wait, group=_wait_group, direction="earlier",
+    limits=(AFTER_DEPENDENCIES, Limit("transfer done", _reduction_done)))
+# ... and not before: a wait right after its start stalls the compute for the transfer.
+SINK_REDUCTION_WAITS = Move(
+    "reduce_scatter wait (later)", anchor=_is_reduction_wait, group=_wait_group, direction="later",
+    limits=(BEFORE_DEPENDENTS, Limit("transfer hidden", _reduction_hidden)),
+    cost=_wait_cost)
+
+MOVES = [HOIST_GATHERS, HOIST_REDUCTIONS, RAISE_REDUCTION_WAITS, SINK_REDUCTION_WAITS]
+
+
+@dataclass(frozen=True)
+class Prefetch(Pass):
+    name = "prefetch"
+    #: the most bytes the memory model may count at any op (per rank); none: no limit
+    budget: Bytes | None = None
+
+    def run(self, module: Module, stats: Counter) -> None:
+        machine = calibrate(module, Machine())
+        for func in module.functions.values():
+            run_moves(func, MOVES, machine, self.budget, stats, "prefetch")
