@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from dcir import ops as registry
 from dcir.analysis import storage_owners
-from dcir.ir import Function, HostType, Module, PendingType, Value
+from dcir.ir import Function, HostType, Module, Op, PendingType, Value
 
 
 @dataclass
@@ -71,8 +71,10 @@ def owners(func: Function) -> dict[Value, Value]:
     return owner
 
 
-def timeline(func: Function) -> Timeline:
-    """The memory model of ``func`` as scheduled."""
+def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None = None) -> Timeline:
+    """The memory model of ``func`` as scheduled. ``arg_storage`` says, for arguments,
+    which storage each is part of and its size (arguments with the same storage key
+    share it); by default every argument is its own storage of its type's size."""
     owner = owners(func)
     own = lambda v: owner.get(v, v)  # noqa: E731
     n = len(func.ops)
@@ -101,7 +103,15 @@ def timeline(func: Function) -> Timeline:
                 allocated[r] = device_bytes(r)
                 allocs[i] += allocated[r]
                 last.setdefault(r, i)
-    args = {a: device_bytes(a) for a in func.args if own(a) is a}
+    args: dict[Value, int] = {}
+    by_key: dict[object, Value] = {}
+    for a in func.args:
+        key, nbytes = (arg_storage or {}).get(a, (a, device_bytes(a)))
+        if key in by_key:  # shares the storage of an earlier argument
+            owner[a] = by_key[key]
+        else:
+            by_key[key] = a
+            args[a] = nbytes
     releases: list[list[Value]] = [[] for _ in range(n)]
     for v in list(allocated) + list(args):
         if v in freed_at:
@@ -118,9 +128,31 @@ def timeline(func: Function) -> Timeline:
     return Timeline(func, entry, during, after, allocs, releases)
 
 
+def saved_storage(module: Module) -> dict[Value, tuple[object, int]]:
+    """For ``@backward``'s saved arguments, the storage ``@forward`` returned them in:
+    two saved values that are views of one tensor are one storage, of that tensor's size."""
+    fw, bw = module.functions.get("forward"), module.functions.get("backward")
+    if fw is None or bw is None or len(bw.args) != len(fw.returns):
+        return {}
+    owner = owners(fw)
+    out = {}
+    for ret, arg in zip(fw.returns[1:], bw.args[:-1]):
+        base = owner.get(ret, ret)
+        state = isinstance(base.owner, Op) and base.owner.name == "param.get"  # not the schedule's
+        out[arg] = (base, 0 if state else device_bytes(base))
+    return out
+
+
+def timelines(module: Module) -> dict[str, Timeline]:
+    """The memory model of every function of ``module``, saved values shared as
+    ``@forward`` made them."""
+    saved = saved_storage(module)
+    return {name: timeline(f, saved if name == "backward" else None) for name, f in module.functions.items()}
+
+
 def peaks(module: Module) -> dict[str, int]:
     """Predicted peak bytes of every function of ``module``."""
-    return {name: timeline(f).peak for name, f in module.functions.items()}
+    return {name: t.peak for name, t in timelines(module).items()}
 
 
 #: A pass option that is a size in bytes (written ``2GiB``, ``512MB`` or a number).

@@ -267,11 +267,18 @@ def has_trait(op: Op, trait: str) -> bool:
     return d is not None and trait in d.traits
 
 
+#: ops whose result shares its operand's storage though their schema does not say so
+#: (``_unsafe_view`` is ``view`` without the alias annotation)
+_STORAGE_SHARING = ("aten._unsafe_view.",)
+
+
 def views(op: Op) -> dict[int, int]:
     """For each result that is a view of an operand's storage, the operand's index.
     Which schema arguments an op gives decides it, never their values."""
     if not op.name.startswith("aten."):
         return {}
+    if op.name.startswith(_STORAGE_SHARING):
+        return {0: 0}
     keys = tuple(k for k in op.attrs if "." not in k and k not in COMMON_ATTRS)
     return dict(_view_pairs(op.name, len(op.operands), keys, len(op.results)))
 

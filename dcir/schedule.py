@@ -23,8 +23,8 @@ from typing import Callable
 
 from dcir.cost import Machine, is_transfer, op_seconds
 from dcir.analysis import dependency_graph
-from dcir.ir import Function, Op
-from dcir.memory import owners, timeline
+from dcir.ir import Function, Module, Op
+from dcir.memory import owners, saved_storage, timeline
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ class Sweep:
     func: Function
     machine: Machine
     budget: int | None
+    arg_storage: dict | None = None                    # see dcir.memory.timeline
     start: list[float] = field(default_factory=list)   # host time at which op i starts (no stalls)
     during: list[int] = field(default_factory=list)    # bytes live while op i runs
     index: dict = field(default_factory=dict)          # op -> position
@@ -77,7 +78,7 @@ class Sweep:
             if not is_transfer(op):
                 t += self.seconds[i]
         self.start.append(t)
-        self.during = list(timeline(self.func).during)
+        self.during = list(timeline(self.func, self.arg_storage).during)
         self.graph = dependency_graph(self.func)
         self.owner = owners(self.func)
 
@@ -135,12 +136,12 @@ def budget_limit(move: "Move") -> Limit:
     return Limit("memory budget", bound)
 
 
-def run_moves(func: Function, moves: list[Move], machine: Machine, budget: int | None,
+def run_moves(module: Module, func: Function, moves: list[Move], machine: Machine, budget: int | None,
               stats: Counter, prefix: str) -> None:
     """Apply ``moves`` to ``func`` one after the other; each decides its groups in
     schedule order against a fresh analysis, then applies them together."""
     for move in moves:
-        sweep = Sweep(func, machine, budget)
+        sweep = Sweep(func, machine, budget, saved_storage(module) if func.name == "backward" else None)
         limits = move.limits + ((budget_limit(move),) if move.cost is not None and budget is not None else ())
         plan: list[tuple[list[int], int]] = []
         for i, op in enumerate(list(func.ops)):

@@ -36,6 +36,10 @@ from dcir.shapes import call_arguments, torch_dtype
 from dcir.verifier import verify
 
 
+#: ``node.meta`` key: position in its function of the op an FX node comes from
+OP_INDEX = "dcir_op"
+
+
 def _state_get(state: dict, name: str) -> torch.Tensor:
     return state[name]
 
@@ -63,11 +67,15 @@ def lower_function(module: Module, name: str, group: str | None = None,
     for a in func.args:
         env[a] = g.placeholder(_py_name(a.name))
     lowering = _Distributed(module, func, group, shards_in_state, store_prefix) if group is not None else None
-    for op in func.ops:
+    for k, op in enumerate(func.ops):
         if lowering is not None and lowering.handles(op):
             lowering.lower(op, g, env)
         else:
             _lower_op(module, func, op, g, env, state, grads)
+        for node in reversed(g.nodes):  # the nodes this op became, for the profiler
+            if node.op == "placeholder" or OP_INDEX in node.meta:
+                break
+            node.meta[OP_INDEX] = k
     results = tuple(env[v] for v in func.returns)
     g.output(results)
     return fx.GraphModule(torch.nn.Module(), g, class_name=f"dcir_{_py_name(name)}")
@@ -112,9 +120,9 @@ class _Distributed:
         self.store_prefix = store_prefix
         self.ops = torch.ops.dcir
         owners = storage_owners(func)
-        # storage that is not this function's to release: state and the caller's arguments
-        self.borrowed = {v for v in func.values()
-                         if v in func.args or (isinstance(v.owner, Op) and v.owner.name == "param.get")}
+        # storage that is not this function's to release: the program's state (an argument
+        # is released when the IR frees it: a gathered parameter @forward hands to @backward)
+        self.borrowed = {v for v in func.values() if isinstance(v.owner, Op) and v.owner.name == "param.get"}
         self.owner = lambda v: owners.get(v, v)
 
     def handles(self, op: Op) -> bool:

@@ -28,6 +28,11 @@ class Config:
     timeout_s: float = 300.0
     #: compile the compute between collectives with Inductor instead of running it eagerly
     inductor: bool = False
+    #: the optimization cycle (``docs/passes.md``): after each optimizer step listed in
+    #: ``profile_at`` (1 = after the first), the next step is profiled, the profile is
+    #: written into the IR and ``passes`` are planned from it; no re-capture.
+    #: ``{"passes": ["prefetch", "unshard"], "profile_at": [1, 3]}``; None: off
+    optimize: dict | None = None
 
     @classmethod
     def load(cls, config) -> "Config":
@@ -79,6 +84,22 @@ def _passes(v):
     return list(v)
 
 
+def _optimize(v):
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ValueError(f"{v!r}; an object like {{\"passes\": [\"prefetch\", \"unshard\"], \"profile_at\": [1, 3]}}")
+    keys = {"passes", "profile_at"}
+    for key in v:
+        if key not in keys:
+            raise ValueError(f"unknown key {key!r} in 'optimize'; valid keys: passes, profile_at")
+    passes = _passes(v.get("passes", ["prefetch", "unshard", "bucket"]))
+    at = v.get("profile_at", [1])
+    if not isinstance(at, list) or not at or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in at):
+        raise ValueError(f"'profile_at' is {at!r}; a non-empty list of optimizer steps >= 1, like [1, 3]")
+    return {"passes": passes, "profile_at": sorted(set(at))}
+
+
 def _positive_int(v):
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"{v!r}; a whole number >= 1")
@@ -102,7 +123,8 @@ def _bool(v):
 
 
 _CHECKS = {"zero_stage": _stage, "passes": _passes, "gradient_accumulation_steps": _positive_int,
-           "memory_budget": _budget, "timeout_s": _seconds, "inductor": _bool}
+           "memory_budget": _budget, "timeout_s": _seconds, "inductor": _bool,
+           "optimize": _optimize}
 
 
 def _error(message: str) -> DcirError:

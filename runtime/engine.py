@@ -23,7 +23,9 @@ What happens:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import functools
 import os
 import time
 from typing import Callable
@@ -34,11 +36,14 @@ import torch.distributed as dist
 import dcir
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import TensorType
-from dcir.memory import format_bytes
+from dcir.cost import estimate_module
+from dcir.memory import format_bytes, peaks as memory_peaks
+from dcir.passes import PassManager, parse_pipeline
 from dcir_lowering.backend import Program, lower
 from dcir_lowering.frontend import compile_to_ir
 from dcir_runtime import native
 from dcir_runtime.config import Config
+from dcir_runtime.profiler import Profile, copy_profile
 
 
 class RankFailure(RuntimeError):
@@ -82,7 +87,7 @@ class Engine:
         native.load()
         self.ops = torch.ops.dcir
         self.ops.set_timeout(int(config.timeout_s * 1000))
-        self.rank, self.world = dist.get_rank(), dist.get_worldformat_bytes()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.group = dist.group.WORLD.group_name
         self._sync_from_rank0(model)
         # one shard per distinct parameter (tied weights are one), named by its first FQN
@@ -100,7 +105,7 @@ class Engine:
             self.shapes[name] = p.shape
             self.shards[name] = torch.nn.Parameter(self._shard_of(p.detach()), requires_grad=p.requires_grad)
             self.ops.set_shard(self.store_prefix + name, self.shards[name])
-        self.full_bytes = sum(p.numel() * p.elementformat_bytes() for p in model.parameters())
+        self.full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         trainable = [s for s in self.shards.values() if s.requires_grad]
         if optimizer is None:
             optimizer = torch.optim.AdamW
@@ -111,6 +116,10 @@ class Engine:
         self.micro_steps = 0
         self.steps = 0
         self.capture_s = 0.0
+        self.base_text = ""
+        self._profile: Profile | None = None
+        self._profiled: dcir.Module | None = None
+        self.optimize_log: list[dict] = []
 
     def __del__(self):
         ops = getattr(self, "ops", None)
@@ -138,17 +147,14 @@ class Engine:
 
     # ---- capture ------------------------------------------------------------------------
 
-    def _capture(self, args: tuple, kwargs: dict) -> None:
-        begin = time.perf_counter()
-        # rank 0 compiles; the others read the program (or rank 0's error) from the store
-        key = f"dcir/{self.store_prefix}program"
+    def _from_rank0(self, key: str, make: Callable[[], str]) -> str:
+        """Rank 0 runs ``make`` (returns module text, may raise DcirError); every rank
+        gets its text, or rank 0's error, through the rendezvous store."""
+        key = f"dcir/{self.store_prefix}{key}"
         store = dist.distributed_c10d._get_default_store()
         if self.rank == 0:
             try:
-                module = compile_to_ir(self.model, args, kwargs=kwargs, loss_fn=self.loss_fn)
-                pipeline = ",".join([f"zero3{{world_size={self.world}}}", *self.config.passes])
-                dcir.run_passes(module, pipeline)
-                status, text = "ok", dcir.print(module)
+                status, text = "ok", make()
             except DcirError as e:
                 status, text = "error", e.render()
             if self.world > 1:
@@ -158,14 +164,81 @@ class Engine:
             status, text = store.get(key).decode().split("\n", 1)
         if status == "error":
             raise DcirError(Diagnostic(f"rank 0 could not compile the step:\n{text}"))
-        module = dcir.parse(text, f"<{type(self.model).__name__} on {self.world} ranks>")
+        return text
+
+    def _capture(self, args: tuple, kwargs: dict) -> None:
+        begin = time.perf_counter()
+
+        def compile_step() -> str:
+            module = compile_to_ir(self.model, args, kwargs=kwargs, loss_fn=self.loss_fn)
+            pipeline = ",".join([f"zero3{{world_size={self.world}}}", *self.config.passes])
+            dcir.run_passes(module, pipeline)
+            return dcir.print(module)
+
+        self.base_text = self._from_rank0("program", compile_step)
+        self._install(dcir.parse(self.base_text, self._source_name()))
+        for p in self.model.parameters():  # the engine owns the parameters from here on
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.capture_s = time.perf_counter() - begin
+
+    def _source_name(self) -> str:
+        return f"<{type(self.model).__name__} on {self.world} ranks>"
+
+    def _install(self, module: dcir.Module) -> None:
         state = dict(self.model.named_buffers())
         self.program = lower(module, state, inductor=self.config.inductor, group=self.group,
                              store_prefix=self.store_prefix)
         self.module = module
-        for p in self.model.parameters():  # the engine owns the parameters from here on
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        self.capture_s = time.perf_counter() - begin
+
+    # ---- the optimization cycle -------------------------------------------------------------
+
+    def _pass_budget(self) -> int | None:
+        """The memory budget left to a schedule: the configured budget less what this
+        rank holds whatever the schedule (shards, gradient shards, optimizer state, buffers)."""
+        if self.config.memory_budget is None:
+            return None
+        m = self.memory()
+        trainable = sum(s.numel() * s.element_size() for s in self.shards.values() if s.requires_grad)
+        fixed = m["parameters"] + trainable + m["optimizer_state"] + m["buffers"]
+        if fixed >= self.config.memory_budget:
+            raise DcirError(Diagnostic(
+                f"rank {self.rank}: parameter shards, gradient shards, optimizer state and buffers take "
+                f"{format_bytes(fixed)}, which leaves nothing of the memory budget of "
+                f"{format_bytes(self.config.memory_budget)} for the step's own memory"))
+        return self.config.memory_budget - fixed
+
+    def _replan(self) -> None:
+        """Write the finished profile into the IR, plan the configured passes from it on
+        the captured schedule, and switch to the new program."""
+        peaks = self._profile.annotate()
+        self._profile, self._profiled = None, self.module
+        profiled = dcir.print(self.module)
+        budget = self._pass_budget()
+        record: dict = {"step": self.steps, "measured_peak": peaks,
+                        "predicted_peak_profiled": memory_peaks(self.module)}
+
+        def plan() -> str:
+            base = dcir.parse(self.base_text, self._source_name())
+            copy_profile(dcir.parse(profiled, self._source_name()), base)
+            passes = []
+            for p in parse_pipeline(",".join(self.config.optimize["passes"])):
+                if getattr(p, "budget", "n/a") is None and budget is not None:
+                    p = dataclasses.replace(p, budget=budget)
+                passes.append(p)
+            PassManager(passes).run(base)
+            return dcir.print(base)
+
+        module = dcir.parse(self._from_rank0(f"plan{self.steps}", plan), self._source_name())
+        before = estimate_module(dcir.parse(profiled))
+        after = estimate_module(module)
+        record.update(predicted_before_s=before.seconds, predicted_s=after.seconds, cost_source=after.source,
+                      predicted_peak=memory_peaks(module), budget=budget)
+        self._install(module)
+        self.optimize_log.append(record)
+
+    def profiled_ir(self) -> dcir.Module | None:
+        """The last profiled module (ops carry ``prof.*`` attributes), if any."""
+        return self._profiled
 
     # ---- the training step ---------------------------------------------------------------
 
@@ -175,8 +248,11 @@ class Engine:
             self._capture(args, kwargs)
         inputs = self.program._inputs(args, kwargs)
         self._check_inputs(inputs)
+        fn = self.program.forward_fn
+        if self._profile is not None:
+            fn = functools.partial(self._profile.run, "forward", self.program.forward_gm)
         with torch.no_grad():
-            loss, self._saved = self._run("forward", self.program.forward_fn, self.program.state, {}, *inputs)
+            loss, self._saved = self._run("forward", fn, self.program.state, {}, *inputs)
         return loss
 
     def _check_inputs(self, inputs: list) -> None:
@@ -205,8 +281,11 @@ class Engine:
         scale = 1.0 / self.config.gradient_accumulation_steps
         tangent = torch.full_like(loss, scale)
         grads: dict = {}
+        fn = self.program.backward_fn
+        if self._profile is not None:
+            fn = functools.partial(self._profile.run, "backward", self.program.backward_gm)
         with torch.no_grad():
-            self._run("backward", self.program.backward_fn, self.program.state, grads, *self._saved, tangent)
+            self._run("backward", fn, self.program.state, grads, *self._saved, tangent)
             self._saved = None
             for name, g in grads.items():
                 shard = self.shards[name]
@@ -221,6 +300,10 @@ class Engine:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
+        if self._profile is not None:
+            self._replan()
+        elif self.config.optimize is not None and self.steps in self.config.optimize["profile_at"]:
+            self._profile = Profile(self.module)  # the next step runs under the profiler
         self._check_budget()
         return True
 
@@ -261,11 +344,11 @@ class Engine:
         parameters now and at their peak (the runtime's, for the process); plus the
         full model's parameter bytes for comparison."""
         stats = self.ops.memory_stats()
-        grads = sum(s.grad.numel() * s.grad.elementformat_bytes() for s in self.shards.values() if s.grad is not None)
-        state = sum(t.numel() * t.elementformat_bytes() for st in self.optimizer.state.values()
+        grads = sum(s.grad.numel() * s.grad.element_size() for s in self.shards.values() if s.grad is not None)
+        state = sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
                     for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
-        buffers = sum(b.numel() * b.elementformat_bytes() for b in self.model.buffers())
-        params = sum(s.numel() * s.elementformat_bytes() for s in self.shards.values())
+        buffers = sum(b.numel() * b.element_size() for b in self.model.buffers())
+        params = sum(s.numel() * s.element_size() for s in self.shards.values())
         return {"parameters": params, "gradients": grads, "optimizer_state": state, "buffers": buffers,
                 "gathered_now": stats[1], "gathered_peak": stats[2], "full_parameters": self.full_bytes,
                 "collectives": stats[4], "sent": stats[5], "wait_s": stats[6] / 1e9}

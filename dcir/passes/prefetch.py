@@ -200,4 +200,4 @@ class Prefetch(Pass):
     def run(self, module: Module, stats: Counter) -> None:
         machine = calibrate(module, Machine())
         for func in module.functions.values():
-            run_moves(func, MOVES, machine, self.budget, stats, "prefetch")
+            run_moves(module, func, MOVES, machine, self.budget, stats, "prefetch")

@@ -1,0 +1,196 @@
+"""The profiler: run one lowered function op by op and measure each op.
+
+For every op of a DCIR function it measures
+
+* ``prof.time_us``: host wall time; for a collective, the real transfer: the start
+  is followed at once by a wait for completion, so the time is the transfer's own,
+  not hidden behind compute (the later ``comm.wait`` of the program then finds the
+  result ready);
+* ``prof.launch_us``: for a collective, the host time of starting it;
+* ``prof.mem``: the bytes live while the op runs, by following the storage of every
+  tensor the function receives or creates (a weak reference per storage: a storage
+  counts until it dies or ``mem.free`` empties it). Module state (parameter shards,
+  buffers) is not counted, as in the memory model (``dcir.memory``). On a GPU the
+  CUDA allocator's own figure is taken as well (``prof.cuda_mem``).
+
+Ranks agree: per op, the slowest rank's compute time and the fastest rank's transfer
+time (a rank that reaches a collective late sees only the transfer; the others also
+wait for it), and the largest bytes. Several runs are reduced to their median. So every
+rank writes the same numbers into its IR, and every rank's passes decide alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from dcir.cost import LAUNCH, TIME
+from dcir.ir import Function, Module
+from dcir_lowering.backend import OP_INDEX, _state_get
+
+MEM, PEAK, RUNS = "prof.mem", "prof.peak_bytes", "prof.runs"
+
+_STARTS = {"all_gather", "all_gather_coalesced", "reduce_scatter", "reduce_scatter_coalesced",
+           "all_reduce", "all_reduce_coalesced"}
+
+
+def _dcir_name(node: fx.Node) -> str | None:
+    name = getattr(node.target, "_qualified_op_name", "") if node.op == "call_function" else ""
+    return name.split("::", 1)[1] if name.startswith("dcir::") else None
+
+
+def _reads_state(node: fx.Node) -> bool:
+    """Module state (shards, buffers): held whatever the schedule, so not counted."""
+    return _dcir_name(node) == "get_shard" or node.target is _state_get
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+
+
+class _Recorder(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, n_ops: int):
+        super().__init__(gm, garbage_collect_values=True)
+        self.time = [0.0] * n_ops
+        self.launch = [0.0] * n_ops
+        self.mem = [0] * n_ops
+        self.cuda_mem = [0] * n_ops
+        self.storages: dict[int, weakref.ref] = {}
+        self.ready: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # collectives already waited
+        self.wait = torch.ops.dcir.wait if hasattr(torch.ops, "dcir") else None
+
+    def _track(self, out) -> None:
+        for t in _tensors(out):
+            s = t.untyped_storage()
+            ref = self.storages.get(s._cdata)
+            if ref is None or ref() is None:
+                self.storages[s._cdata] = weakref.ref(s)
+
+    def _live(self) -> int:
+        total = 0
+        for key, ref in list(self.storages.items()):
+            s = ref()
+            if s is None:
+                del self.storages[key]
+            else:
+                total += s.nbytes()
+        return total
+
+    def run_node(self, n: fx.Node):
+        k = n.meta.get(OP_INDEX)
+        name = _dcir_name(n)
+        if k is not None:  # what the op's operands hold counts while it runs (a free's included)
+            self.mem[k] = max(self.mem[k], self._live())
+        if name == "wait" and id(self.env[n.args[0]]) in self.ready:
+            out = self.env[n.args[0]]  # finished when it started (profiling)
+            begin = end = time.perf_counter()
+        else:
+            begin = time.perf_counter()
+            out = super().run_node(n)
+            end = time.perf_counter()
+            if name in _STARTS:
+                if k is not None:
+                    self.launch[k] += end - begin
+                for t in _tensors(out):
+                    self.wait(t)
+                    self.ready[id(t)] = t
+                end = time.perf_counter()
+        if n.op == "placeholder" or (n.op == "call_function" and not _reads_state(n)):
+            self._track(out)
+        if k is not None:
+            self.time[k] += end - begin
+            self.mem[k] = max(self.mem[k], self._live())
+            if torch.cuda.is_available() and any(t.is_cuda for t in _tensors(out)):
+                self.cuda_mem[k] = max(self.cuda_mem[k], torch.cuda.memory_allocated())
+        return out
+
+
+class Profile:
+    """Per-op measurements of the functions of one module, over one or more runs."""
+
+    def __init__(self, module: Module):
+        self.module = module
+        self.runs: dict[str, list[_Recorder]] = {}
+
+    def run(self, name: str, gm: fx.GraphModule, *args):
+        """Run function ``name`` (lowered as ``gm``) on ``args``, measuring; returns its result."""
+        rec = _Recorder(gm, len(self.module.functions[name].ops))
+        out = rec.run(*args)
+        self.runs.setdefault(name, []).append(rec)
+        return out
+
+    def annotate(self, group=None) -> dict[str, int]:
+        """Write the (rank-agreed, median) measurements into the module's ops as
+        attributes; returns the measured peak bytes per function."""
+        peaks = {}
+        for name, recs in self.runs.items():
+            func = self.module.functions[name]
+            time_s = [statistics.median(r.time[k] for r in recs) for k in range(len(func.ops))]
+            launch = [statistics.median(r.launch[k] for r in recs) for k in range(len(func.ops))]
+            mem = [max(r.mem[k] for r in recs) for k in range(len(func.ops))]
+            cuda = [max(r.cuda_mem[k] for r in recs) for k in range(len(func.ops))]
+            transfer = [k for k, op in enumerate(func.ops) if op.name.startswith("comm.") and op.name != "comm.wait"]
+            time_s, launch, mem, cuda = _agree(func, time_s, launch, mem, cuda, set(transfer), group)
+            for k, op in enumerate(func.ops):
+                for key in [key for key in op.attrs if key.startswith("prof.")]:
+                    del op.attrs[key]
+                op.attrs[TIME] = round(time_s[k] * 1e6, 2)
+                if k in transfer:
+                    op.attrs[LAUNCH] = round(launch[k] * 1e6, 2)
+                op.attrs[MEM] = int(mem[k])
+                if cuda[k]:
+                    op.attrs["prof.cuda_mem"] = int(cuda[k])
+            peaks[name] = max(mem, default=0)
+            func.attrs[PEAK] = peaks[name]
+            func.attrs[RUNS] = len(recs)
+        return peaks
+
+
+def _agree(func: Function, time_s, launch, mem, cuda, transfer: set[int], group):
+    """Every rank takes the same numbers: compute, the slowest rank's; transfers, the fastest's."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return time_s, launch, mem, cuda
+    n = len(func.ops)
+    slow = torch.tensor([*(0.0 if k in transfer else t for k, t in enumerate(time_s)), *launch,
+                         *map(float, mem), *map(float, cuda)], dtype=torch.float64)
+    fast = torch.tensor([t if k in transfer else 0.0 for k, t in enumerate(time_s)], dtype=torch.float64)
+    dist.all_reduce(slow, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(fast, op=dist.ReduceOp.MIN, group=group)
+    slow, fast = slow.tolist(), fast.tolist()
+    times = [fast[k] if k in transfer else slow[k] for k in range(n)]
+    return times, slow[n:2 * n], slow[2 * n:3 * n], slow[3 * n:4 * n]
+
+
+def _op_key(op) -> tuple:
+    if op.results:
+        return tuple(r.name for r in op.results)
+    return (op.name, op.symbol, tuple(v.name for v in op.operands))
+
+
+def copy_profile(src: Module, dst: Module) -> int:
+    """Copy the ``prof.*`` attributes of ``src``'s ops onto the same ops of ``dst`` (an
+    op is the same when it defines the same values, or does the same to the same
+    values): a profile of a rescheduled program annotates the schedule it came from.
+    Returns how many ops got a profile."""
+    copied = 0
+    for name, f in src.functions.items():
+        g = dst.functions.get(name)
+        if g is None:
+            continue
+        prof = {_op_key(op): {k: v for k, v in op.attrs.items() if k.startswith("prof.")} for op in f.ops}
+        for op in g.ops:
+            attrs = prof.get(_op_key(op))
+            if attrs:
+                op.attrs.update(attrs)
+                copied += 1
+        g.attrs.update({k: v for k, v in f.attrs.items() if k.startswith("prof.")})
+    return copied
