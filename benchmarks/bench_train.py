@@ -7,6 +7,10 @@
 Every system trains the same HF Llama (from a config, fp32) on the same batches:
 
 * ``dcir``: the Engine, plain ``zero3``, compute run op by op (eager lowering);
+* ``dcir-prefetch``, ``dcir-unshard``, ``dcir-optimized``: the Engine's optimization
+  cycle: the second step is profiled and ``prefetch``, ``unshard`` or all of
+  ``prefetch,unshard,bucket`` are planned from the profile (``dcir`` is profiled too,
+  with no passes, so every DCIR row has the cost model's predicted step time);
 * ``dcir-inductor``: the same program with the compute between collectives compiled
   by Inductor;
 * ``fsdp2``: PyTorch FSDP2, ``fully_shard`` per decoder layer and on the root;
@@ -46,7 +50,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SYSTEMS = ["floor", "eager", "dcir", "dcir-inductor", "fsdp2", "deepspeed"]
+SYSTEMS = ["floor", "eager", "dcir", "dcir-prefetch", "dcir-unshard", "dcir-optimized", "dcir-inductor",
+           "fsdp2", "deepspeed"]
 WORKLOAD = [("layers", 6), ("hidden", 256), ("seq", 128), ("batch", 4), ("vocab", 32000), ("accumulate", 1)]
 
 
@@ -87,6 +92,11 @@ def _launch_quiet(launch, args, world, env, log, timeout) -> int:
         os.close(saved[1])
 
 
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
 def summarize(runs: dict[str, list[dict]], ns) -> dict:
     tokens = ns.batch * ns.seq * ns.accumulate  # per rank and step
     rows = {}
@@ -101,6 +111,7 @@ def summarize(runs: dict[str, list[dict]], ns) -> dict:
             "tokens_per_s_per_rank": tokens / statistics.median(steps),
             "peak_rss_mib": max(m for r in results for m in r["peak_rss_mib"]),
             "exposed_comm_s": statistics.median(waits) if waits else None,
+            "predicted_s": _median([r.get("predicted_s") for r in results]),
         }
     floor = rows.get("floor", {}).get("step_s")
     for row in rows.values():
@@ -109,13 +120,15 @@ def summarize(runs: dict[str, list[dict]], ns) -> dict:
 
 
 def table(rows: dict, unavailable: dict) -> str:
-    head = f"{'system':<15}{'step s':>9}{'x floor':>9}{'tok/s/rank':>12}{'peak RSS MiB':>14}{'exposed comm s':>16}"
+    head = (f"{'system':<15}{'step s':>9}{'x floor':>9}{'tok/s/rank':>12}{'peak RSS MiB':>14}{'exposed comm s':>16}"
+            f"{'predicted s':>13}")
     lines = [head, "-" * len(head)]
     for system, r in rows.items():
         x = f"{r['x_floor']:.2f}" if r["x_floor"] else "-"
         comm = f"{r['exposed_comm_s']:.3f}" if r["exposed_comm_s"] is not None else "n/a"
+        pred = f"{r['predicted_s']:.3f}" if r.get("predicted_s") is not None else "n/a"
         lines.append(f"{system:<15}{r['step_s']:>9.3f}{x:>9}{r['tokens_per_s_per_rank']:>12,.0f}"
-                     f"{r['peak_rss_mib']:>14,.0f}{comm:>16}")
+                     f"{r['peak_rss_mib']:>14,.0f}{comm:>16}{pred:>13}")
     for system, why in unavailable.items():
         lines.append(f"{system:<15}  unavailable: {why}")
     return "\n".join(lines)

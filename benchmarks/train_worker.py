@@ -44,13 +44,21 @@ def peak_rss_mib() -> float:
 
 
 class Dcir:
-    def __init__(self, ns, inductor: bool):
+    """The Engine; after the first step, the next is profiled and ``passes`` are planned
+    from the profile (none: plain zero3, profiled for the cost model's prediction)."""
+
+    def __init__(self, ns, inductor: bool, passes: tuple[str, ...] = ()):
         import dcir
 
         self.engine = dcir.initialize(llama(ns), optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                                       config={"gradient_accumulation_steps": ns.accumulate, "inductor": inductor,
-                                              "timeout_s": 600},
+                                              "timeout_s": 600,
+                                              "optimize": {"passes": list(passes), "profile_at": [1]}},
                                       loss_fn=lambda out: out.loss)
+
+    def predicted_s(self) -> float | None:
+        log = self.engine.optimize_log
+        return log[-1]["predicted_s"] if log else None
 
     def micro_step(self, batch):
         loss = self.engine(**batch)
@@ -116,11 +124,18 @@ class Floor(_Plain):
         super().__init__(torch.compile(llama(ns)) if compiled else llama(ns), ns)
 
 
+#: DCIR with profile-guided passes
+SCHEDULES = {"dcir-prefetch": ("prefetch",), "dcir-unshard": ("unshard",),
+             "dcir-optimized": ("prefetch", "unshard", "bucket")}
+
+
 def make(system: str, ns):
     if system == "dcir":
         return Dcir(ns, inductor=False)
     if system == "dcir-inductor":
         return Dcir(ns, inductor=True)
+    if system in SCHEDULES:
+        return Dcir(ns, inductor=False, passes=SCHEDULES[system])
     if system == "fsdp2":
         return Fsdp2(ns)
     if system == "deepspeed":
@@ -158,7 +173,8 @@ def main() -> None:
         if step >= ns.warmup:
             times.append(elapsed)
             waits.append(waited)
-    per_rank = {"times": times, "waits": waits, "peak_rss_mib": peak_rss_mib()}
+    predicted = runner.predicted_s() if hasattr(runner, "predicted_s") else None
+    per_rank = {"times": times, "waits": waits, "peak_rss_mib": peak_rss_mib(), "predicted_s": predicted}
     everyone = [per_rank]
     if distributed:
         everyone = [None] * world
@@ -170,7 +186,8 @@ def main() -> None:
             waits = [max(r["waits"][i] for r in everyone) for i in range(ns.steps)]
         with open(ns.out, "w") as f:
             json.dump({"system": ns.system, "world": world, "step_s": steps, "wait_s": waits,
-                       "peak_rss_mib": [r["peak_rss_mib"] for r in everyone]}, f)
+                       "peak_rss_mib": [r["peak_rss_mib"] for r in everyone],
+                       "predicted_s": everyone[0]["predicted_s"]}, f)
     if distributed:
         dist.barrier()
         os._exit(0)  # skip process-group teardown: it is not what is measured

@@ -96,6 +96,24 @@ CASES = {
     "hf_llama": (tiny_llama, _llama_batch, lambda out: out.loss, {}),
     "hf_llama_accumulate2": (tiny_llama, _llama_batch, lambda out: out.loss, {"gradient_accumulation_steps": 2}),
 }
+# the schedule passes, alone and together, as static passes after zero3
+_SCHEDULE = ["prefetch", "unshard", "bucket"]
+for _k in range(1, 1 << len(_SCHEDULE)):
+    _chosen = [p for i, p in enumerate(_SCHEDULE) if _k >> i & 1]
+    CASES["transformer_" + "_".join(_chosen)] = (TinyTransformer, _transformer_batch, None, {"passes": _chosen})
+CASES.update({
+    "mlp_prefetch_unshard_bucket": (mlp, _mlp_batch, _squared, {"passes": _SCHEDULE}),
+    "tied_frozen_prefetch_unshard_bucket": (Tied, _tied_batch, None, {"passes": _SCHEDULE}),
+    # the optimization cycle: profiled after steps 1 and 3, planned from the profile
+    "hf_llama_optimize": (tiny_llama, _llama_batch, lambda out: out.loss,
+                          {"optimize": {"passes": _SCHEDULE, "profile_at": [1, 3]}}),
+    "hf_llama_accumulate2_optimize": (tiny_llama, _llama_batch, lambda out: out.loss,
+                                      {"gradient_accumulation_steps": 2,
+                                       "optimize": {"passes": _SCHEDULE, "profile_at": [1]}}),
+    # ... within a memory budget that leaves the schedule little room
+    "transformer_optimize_budget": (TinyTransformer, _transformer_batch, None,
+                                    {"memory_budget": 1_200_000, "optimize": {"passes": _SCHEDULE, "profile_at": [1]}}),
+})
 
 ROWS = 2  # per rank and micro-step
 STEPS = 5
@@ -165,7 +183,7 @@ def run_case(name: str, rank: int, world: int) -> dict:
     ir_text = str(engine.ir())
     return {"max_rel_err": worst, "worst_param": where, "memory": {**memory, "optimizer_state": optimizer_state},
             "full_optimizer_state": 2 * sum(p.numel() * 4 for p in ref.parameters() if p.requires_grad),
-            "ir": ir_text if rank == 0 else ""}
+            "ir": ir_text if rank == 0 else "", "optimize": engine.optimize_log}
 
 
 def equivalence(out: str, cases: list[str]) -> None:
