@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, replace
 
 from dcir import ops as registry
-from dcir.ir import Function, Module, Op, PendingType, ShardType, TensorType
+from dcir.ir import Function, Module, Op, ShardType, TensorType
 
 #: The profile's attributes: host time of an op (for an async op, its transfer time)
 #: and the host time spent starting an async op.
@@ -195,5 +195,13 @@ def estimate_module(module: Module, machine: Machine | None = None) -> Estimate:
     return total or Estimate(0.0, 0.0, 0.0, 0.0, "analytic", [])
 
 
-def pending_of(op: Op) -> bool:
-    return any(isinstance(r.type, PendingType) for r in op.results)
+def source(module: Module) -> str:
+    """Where the cost model's numbers for ``module`` come from: "profile", "analytic"
+    or "profile+analytic" (some ops profiled)."""
+    ops = [op for _, op in module.ops()]
+    return _source(sum(isinstance(op.attrs.get(TIME), (int, float)) for op in ops), len(ops))
+
+
+def note_source(module: Module, stats, name: str) -> None:
+    """Count, in a pass's statistics, which cost model it decided with."""
+    stats[f"{name}: costs from {source(module).replace('+', ' and ')}"] += 1

@@ -160,8 +160,8 @@ def run_moves(module: Module, func: Function, moves: list[Move], machine: Machin
                         sweep.charge(*move.cost(sweep, i, group, pos))
                     plan.append((group, pos))
                     stats[f"{prefix}: {move.name} moved, stopped by '{why}'"] += 1
-            if group:
-                sweep.placed[i] = pos if pos is not None else group[0]
+            if group:  # a later group placed here goes after this one
+                sweep.placed[i] = pos if pos is not None else i + 1
             if is_transfer(op):  # the channel runs transfers one at a time, in issue order
                 issued = sweep.time_at(pos if pos is not None and move.direction == "earlier" else i)
                 sweep.channel = max(sweep.channel, issued) + sweep.seconds[i]

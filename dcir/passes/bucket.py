@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from dcir.cost import Machine, calibrate, estimate, payload
+from dcir.cost import Machine, calibrate, note_source, estimate, payload
 from dcir.ir import Function, Module, Op
 from dcir.memory import Bytes, saved_storage, timeline
 from dcir.passes import Pass
@@ -86,6 +86,7 @@ class Bucket(Pass):
 
     def run(self, module: Module, stats: Counter) -> None:
         machine = calibrate(module, Machine())
+        note_source(module, stats, "bucket")
         saved = saved_storage(module)
         for func in module.functions.values():
             args = saved if func.name == "backward" else None

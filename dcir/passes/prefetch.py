@@ -48,7 +48,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from dcir import ops as registry
-from dcir.cost import Machine, calibrate
+from dcir.cost import Machine, calibrate, note_source
 from dcir.ir import Module, Op
 from dcir.memory import Bytes, device_bytes
 from dcir.passes import Pass
@@ -199,5 +199,6 @@ class Prefetch(Pass):
 
     def run(self, module: Module, stats: Counter) -> None:
         machine = calibrate(module, Machine())
+        note_source(module, stats, "prefetch")
         for func in module.functions.values():
             run_moves(module, func, MOVES, machine, self.budget, stats, "prefetch")

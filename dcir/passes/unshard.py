@@ -45,7 +45,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from dcir.cost import Machine, calibrate, op_seconds
+from dcir.cost import Machine, calibrate, note_source, op_seconds
 from dcir.ir import Function, Module, Op, Value
 from dcir.memory import Bytes, owners, timelines
 from dcir.passes import Pass
@@ -114,6 +114,7 @@ class Unshard(Pass):
         if f is None or b is None or len(b.args) != len(f.returns):
             return
         machine = calibrate(module, Machine())
+        note_source(module, stats, "unshard")
         fws, bws = _gathers(f), _gathers(b)
         ranked = []
         for name, fw in fws.items():
