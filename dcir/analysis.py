@@ -31,12 +31,14 @@ def dependency_graph(func: Function) -> nx.DiGraph:
     Edges carry ``kind``: ``"data"`` (a result feeds an operand), ``"state"`` (reads and
     writes of the same symbol keep their order), ``"collective"`` (collectives keep
     their order on every rank) and ``"free"`` (a ``mem.free`` follows every reader of
-    what it frees). Any topological order of this graph is a valid schedule.
+    what it frees or of a view of it, and the wait of every async op that reads it). Any topological order of this graph is a valid schedule.
     """
     g = nx.DiGraph()
     g.add_nodes_from(range(len(func.ops)))
+    owner = storage_owners(func)
     where: dict[Value, int] = {}
-    readers: dict[Value, list[int]] = {}
+    readers: dict[Value, list[int]] = {}  # storage owner -> ops that read it (an async read ends at its wait)
+    started: dict[Value, Op] = {}         # pending value -> the async op that yields it
     last_write: dict[str, int] = {}
     reads_since_write: dict[str, list[int]] = {}
     last_collective = None
@@ -45,10 +47,15 @@ def dependency_graph(func: Function) -> nx.DiGraph:
         for v in op.operands:
             if v in where:
                 g.add_edge(where[v], i, kind="data")
-            readers.setdefault(v, []).append(i)
+            readers.setdefault(owner.get(v, v), []).append(i)
+            if v in started and op.name == "comm.wait":
+                for src in started.pop(v).operands:
+                    readers.setdefault(owner.get(src, src), []).append(i)
+        if d is not None and d.has(registry.ASYNC):
+            started.update(dict.fromkeys(op.results, op))
         if d is not None and d.has(registry.FREES):
             for v in op.operands:
-                for r in readers.get(v, ()):
+                for r in readers.get(owner.get(v, v), ()):
                     if r != i:
                         g.add_edge(r, i, kind="free")
         if op.symbol is not None and d is not None:

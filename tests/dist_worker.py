@@ -112,7 +112,7 @@ CASES.update({
                                        "optimize": {"passes": _SCHEDULE, "profile_at": [1]}}),
     # ... within a memory budget that leaves the schedule little room
     "transformer_optimize_budget": (TinyTransformer, _transformer_batch, None,
-                                    {"memory_budget": 1_200_000, "optimize": {"passes": _SCHEDULE, "profile_at": [1]}}),
+                                    {"memory_budget": 540_000, "optimize": {"passes": _SCHEDULE, "profile_at": [1]}}),
 })
 
 ROWS = 2  # per rank and micro-step

@@ -20,7 +20,12 @@ from dcir_runtime.launch import launch
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "dist_worker.py")
-CASES = ["mlp", "mlp_accumulate2", "tied_frozen", "transformer", "hf_llama", "hf_llama_accumulate2"]
+CASES = ["mlp", "mlp_accumulate2", "tied_frozen", "transformer", "hf_llama", "hf_llama_accumulate2",
+         "hf_llama_optimize", "hf_llama_accumulate2_optimize", "transformer_prefetch_unshard_bucket"]
+# every combination of the schedule passes, and the optimization cycle within a budget (world 2)
+SCHEDULE_CASES = [f"transformer_{c}" for c in ("prefetch", "unshard", "bucket", "prefetch_unshard",
+                                                "prefetch_bucket", "unshard_bucket")] + [
+    "mlp_prefetch_unshard_bucket", "tied_frozen_prefetch_unshard_bucket", "transformer_optimize_budget"]
 # Inductor reassociates float sums inside its fused kernels, so gradients differ from
 # eager in the last bits and AdamW turns that into ~2e-5 of a weight's scale in 5 steps
 # (1.7e-5 measured); the eager lowering runs the captured ops as they are (bit for bit).
@@ -50,13 +55,24 @@ def test_sharded_training_matches_eager(world, tmp_path, capfd):
     (≤ 1e-5 relative; measured: bit for bit); each rank holds 1/N of the parameters
     and optimizer state; the engine's program is text dcir-opt takes unchanged."""
     out_file = tmp_path / "results.json"
-    inductor = list(INDUCTOR_CASES) if world == 2 else []
-    code, out = _run(capfd, world, "equivalence", str(out_file), *CASES, *inductor, timeout_s=600)
+    extra = list(INDUCTOR_CASES) + SCHEDULE_CASES if world == 2 else []
+    code, out = _run(capfd, world, "equivalence", str(out_file), *CASES, *extra, timeout_s=600)
     assert code == 0, out
     results = json.loads(out_file.read_text())
-    for case in CASES + inductor:
+    for case in CASES + extra:
         r = results[case]
         assert r["max_rel_err"] <= INDUCTOR_CASES.get(case, 1e-5), (case, r["worst_param"], r["max_rel_err"])
+        for cycle in r["optimize"]:
+            # the memory model's peak of the profiled schedule against the measured one
+            for fn, measured in cycle["measured_peak"].items():
+                predicted = cycle["predicted_peak_profiled"][fn]
+                assert abs(predicted - measured) <= 0.1 * measured, (case, fn, predicted, measured)
+            # the planned schedule stays within the budget the passes were given
+            if cycle["budget"] is not None:
+                assert max(cycle["predicted_peak"].values()) <= cycle["budget"], (case, cycle)
+            assert cycle["predicted_s"] <= cycle["predicted_before_s"] * 1.001, (case, cycle)
+    if world == 2:
+        assert results["transformer_optimize_budget"]["optimize"][0]["budget"] is not None
         m = r["memory"]
         # 1/N, up to padding: at most one element per rank per parameter tensor
         assert m["parameters"] * world >= m["full_parameters"]

@@ -1,0 +1,98 @@
+"""The memory and cost models, and the schedule passes under arbitrary profiles."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+import dcir
+from dcir.cost import Machine, estimate, estimate_module, source
+from dcir.diagnostics import DcirError
+from dcir.memory import parse_bytes, peaks, timeline
+from dcir.passes import PassManager, parse_pipeline
+from test_backend import tiny_llama
+
+TWO_GATHERS = """
+module @m attributes {world_size = 2} {
+  param @w : shard<f32[64, 64], 2> {trainable}
+  func @forward(%x: f32[64, 64]) -> (f32[]) {
+    %w_shard = param.get @w : shard<f32[64, 64], 2>
+    %p = comm.all_gather(%w_shard) {prof.time_us = 100.0} : pending<f32[64, 64]>
+    %a = aten.relu.default(%x) {prof.time_us = 60.0} : f32[64, 64]
+    %w = comm.wait(%p) {prof.time_us = 1.0} : f32[64, 64]
+    %wt = aten.t.default(%w) {prof.time_us = 1.0} : f32[64, 64]
+    %y = aten.mm.default(%a, %wt) {prof.time_us = 50.0} : f32[64, 64]
+    mem.free(%w) {prof.time_us = 1.0}
+    %loss = aten.sum.default(%y) {prof.time_us = 5.0} : f32[]
+    return %loss
+  }
+}
+"""
+
+
+def test_memory_model_follows_storage_through_views_and_waits():
+    m = dcir.parse(TWO_GATHERS)
+    t = timeline(m.functions["forward"])
+    kib16 = 64 * 64 * 4
+    assert t.entry == kib16                                   # the argument
+    assert t.during[1] == 2 * kib16                           # the gathered buffer, from its start
+    assert t.during[4] == 3 * kib16                           # t() is a view: no new storage
+    assert t.during[5] == 4 * kib16                           # the matmul's result
+    assert t.after[6] == 2 * kib16                            # %a went after its last use, %w (and its view) at the free
+    assert t.peak == 4 * kib16 and t.peak_op == 5
+
+
+def test_cost_model_overlaps_the_transfer_with_compute():
+    m = dcir.parse(TWO_GATHERS)
+    e = estimate(m.functions["forward"], Machine())
+    # the 100 us transfer runs behind relu's 60 us: 40 us of it is exposed
+    assert e.exposed_s == pytest.approx(40e-6)
+    assert e.source == "profile+analytic"
+    bare = dcir.parse(TWO_GATHERS.replace("{prof.time_us = 100.0}", "").replace("prof.time_us", "other.time_us"))
+    assert source(bare) == "analytic" and estimate_module(bare).source == "analytic"
+
+
+def test_sizes_parse():
+    assert parse_bytes("2GiB") == 2 * 2**30 and parse_bytes("512MB") == 512 * 10**6 and parse_bytes("4096") == 4096
+    with pytest.raises(ValueError, match="is not a size"):
+        parse_bytes("lots")
+
+
+@pytest.fixture(scope="module")
+def llama_zero3() -> str:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (2, 16))
+    m = dcir.compile_to_ir(tiny_llama(), (), kwargs={"input_ids": ids, "labels": ids.clone()},
+                           loss_fn=lambda out: out.loss)
+    dcir.run_passes(m, "zero3{world_size=2}")
+    return dcir.print(m)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_passes_are_valid_and_within_budget_under_any_profile(llama_zero3, seed):
+    """Random op costs (from 1 us to ms), random pipelines and budgets: every output
+    verifies (the pass manager checks), and never goes over a budget the input was within."""
+    rng = random.Random(seed)
+    m = dcir.parse(llama_zero3)
+    for _, op in m.ops():
+        op.attrs["prof.time_us"] = round(rng.expovariate(1 / rng.choice([1, 10, 100, 1000])), 2)
+    before = max(peaks(m).values())
+    budget = rng.choice([None, before, int(before * 1.1), int(before * 1.5)])
+    chosen = rng.sample(["prefetch", "unshard", "bucket"], rng.randint(1, 3))
+    spec = ",".join(p + (f"{{budget={budget}}}" if budget else "") for p in chosen)
+    PassManager(parse_pipeline(spec)).run(m)
+    if budget is not None:
+        assert max(peaks(m).values()) <= budget, spec
+
+
+def test_the_schedule_budget_leaves_room_for_the_step(tmp_path):
+    from dcir_runtime import initialize
+
+    engine = initialize(torch.nn.Linear(8, 8), config={"memory_budget": "1GiB"})
+    assert engine._pass_budget() > 0
+    engine.config = dataclasses.replace(engine.config, memory_budget=100)
+    with pytest.raises(DcirError, match="parameter shards, gradient shards, optimizer state and buffers take"):
+        engine._pass_budget()
