@@ -56,6 +56,13 @@ class Dcir:
                                               "optimize": {"passes": list(passes), "profile_at": [1]}},
                                       loss_fn=lambda out: out.loss)
 
+    def save_profile(self, path: str) -> None:
+        """The last profiled module (prof.* attributes on every op), for dcir-opt."""
+        profiled = self.engine.profiled_ir()
+        if profiled is not None:
+            with open(path, "w") as f:
+                f.write(str(profiled))
+
     def predicted_s(self) -> float | None:
         log = self.engine.optimize_log
         return log[-1]["predicted_s"] if log else None
@@ -180,6 +187,8 @@ def main() -> None:
         everyone = [None] * world
         dist.all_gather_object(everyone, per_rank)
     if rank == 0:
+        if hasattr(runner, "save_profile"):
+            runner.save_profile(os.path.splitext(ns.out)[0] + ".dcir")
         steps = [max(r["times"][i] for r in everyone) for i in range(ns.steps)]
         waits = None
         if everyone[0]["waits"][0] is not None:

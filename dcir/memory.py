@@ -143,11 +143,30 @@ def saved_storage(module: Module) -> dict[Value, tuple[object, int]]:
     return out
 
 
+#: A buffer that holds a gathered copy of a parameter (``unshard`` across micro-steps):
+#: ``buffer @w.unsharded : f32[4, 8] {unshard.of = @w}``. It is the schedule's memory.
+UNSHARD_OF = "unshard.of"
+
+
+def resident(module: Module) -> int:
+    """Bytes the schedule holds between calls: gathered copies of parameters."""
+    return sum(d.full_type.nbytes for d in module.decls.values() if UNSHARD_OF in d.attrs)
+
+
 def timelines(module: Module) -> dict[str, Timeline]:
     """The memory model of every function of ``module``, saved values shared as
-    ``@forward`` made them."""
+    ``@forward`` made them, gathered copies of parameters held throughout."""
     saved = saved_storage(module)
-    return {name: timeline(f, saved if name == "backward" else None) for name, f in module.functions.items()}
+    held = resident(module)
+    out = {}
+    for name, f in module.functions.items():
+        t = timeline(f, saved if name == "backward" else None)
+        if held:
+            t.entry += held
+            t.during = [x + held for x in t.during]
+            t.after = [x + held for x in t.after]
+        out[name] = t
+    return out
 
 
 def peaks(module: Module) -> dict[str, int]:

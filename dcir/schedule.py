@@ -24,7 +24,7 @@ from typing import Callable
 from dcir.cost import Machine, is_transfer, op_seconds
 from dcir.analysis import dependency_graph
 from dcir.ir import Function, Module, Op
-from dcir.memory import owners, saved_storage, timeline
+from dcir.memory import owners, timeline, timelines
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class Sweep:
     func: Function
     machine: Machine
     budget: int | None
-    arg_storage: dict | None = None                    # see dcir.memory.timeline
+    during_at_start: list[int] | None = None          # bytes per op (default: the function alone)
     start: list[float] = field(default_factory=list)   # host time at which op i starts (no stalls)
     during: list[int] = field(default_factory=list)    # bytes live while op i runs
     index: dict = field(default_factory=dict)          # op -> position
@@ -78,7 +78,7 @@ class Sweep:
             if not is_transfer(op):
                 t += self.seconds[i]
         self.start.append(t)
-        self.during = list(timeline(self.func, self.arg_storage).during)
+        self.during = list(self.during_at_start or timeline(self.func).during)
         self.graph = dependency_graph(self.func)
         self.owner = owners(self.func)
 
@@ -141,7 +141,7 @@ def run_moves(module: Module, func: Function, moves: list[Move], machine: Machin
     """Apply ``moves`` to ``func`` one after the other; each decides its groups in
     schedule order against a fresh analysis, then applies them together."""
     for move in moves:
-        sweep = Sweep(func, machine, budget, saved_storage(module) if func.name == "backward" else None)
+        sweep = Sweep(func, machine, budget, timelines(module)[func.name].during)
         limits = move.limits + ((budget_limit(move),) if move.cost is not None and budget is not None else ())
         plan: list[tuple[list[int], int]] = []
         for i, op in enumerate(list(func.ops)):

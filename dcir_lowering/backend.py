@@ -234,6 +234,13 @@ class Program:
     backward_gm: fx.GraphModule
     forward_fn: object
     backward_fn: object
+    unshard_gm: fx.GraphModule | None = None  # fills the gathered copies (``unshard`` across micro-steps)
+
+    def unshard(self) -> None:
+        """Gather the copies ``@unshard`` fills: once per optimizer step, before its
+        first micro-step (the parameters change only at the step)."""
+        if self.unshard_gm is not None:
+            self.unshard_gm(self.state, {})
 
     def forward(self, *args, **kwargs):
         out = self.forward_fn(self.state, {}, *self._inputs(args, kwargs))
@@ -264,6 +271,7 @@ class Program:
 
     @torch.no_grad()
     def train_step(self, *args, **kwargs) -> torch.Tensor:
+        self.unshard()
         loss, saved = self.forward(*args, **kwargs)
         for fqn, g in self.backward(saved).items():
             p = self.state[fqn]
@@ -281,7 +289,7 @@ def lower(module: Module, state: dict, *, inductor: bool = False, group: str | N
     ``store_prefix + FQN`` (from ``state`` when it has them). ``inductor`` compiles the compute (between the
     collectives, see ``compile_compute``)."""
     verify(module)
-    state = {**constants(module), **state}
+    state = {**constants(module), **gathered_copies(module), **state}
     missing = [name for name, d in module.decls.items()
                if name not in state and not (group is not None and isinstance(d.type, ShardType))]
     if missing:
@@ -289,12 +297,13 @@ def lower(module: Module, state: dict, *, inductor: bool = False, group: str | N
     in_state = any(isinstance(d.type, ShardType) and name in state for name, d in module.decls.items())
     fw = lower_function(module, "forward", group, in_state, store_prefix)
     bw = lower_function(module, "backward", group, in_state, store_prefix)
+    unshard = lower_function(module, "unshard", group, in_state, store_prefix) if "unshard" in module.functions else None
     run_fw, run_bw = fw, bw
     if inductor and group is not None:
         run_fw, run_bw = compile_compute(fw), compile_compute(bw)
     elif inductor:
         run_fw, run_bw = torch.compile(fw, dynamic=False), torch.compile(bw, dynamic=False)
-    return Program(module, state, fw, bw, run_fw, run_bw)
+    return Program(module, state, fw, bw, run_fw, run_bw, unshard)
 
 
 _STATE_CALLS = (_state_get, _state_set, _grad_set)
@@ -371,6 +380,13 @@ def constants(module: Module) -> dict:
             t = decl.type
             out[name] = torch.tensor(list(decl.attrs["value"]), dtype=torch_dtype(t.dtype)).reshape(t.shape)
     return out
+
+
+def gathered_copies(module: Module) -> dict:
+    """Storage for the buffers that hold gathered copies of parameters (filled by ``@unshard``)."""
+    from dcir.memory import UNSHARD_OF
+    return {name: torch.empty(d.type.shape, dtype=torch_dtype(d.type.dtype))
+            for name, d in module.decls.items() if UNSHARD_OF in d.attrs}
 
 
 def state_of(model: torch.nn.Module) -> dict:

@@ -39,6 +39,7 @@ from dcir.ir import TensorType
 from dcir.cost import estimate_module
 from dcir.memory import format_bytes, peaks as memory_peaks
 from dcir.passes import PassManager, parse_pipeline
+from dcir.passes.zero3 import Zero3
 from dcir_lowering.backend import Program, lower
 from dcir_lowering.frontend import compile_to_ir
 from dcir_runtime import native
@@ -120,6 +121,8 @@ class Engine:
         self._profile: Profile | None = None
         self._profiled: dcir.Module | None = None
         self.optimize_log: list[dict] = []
+        self._budget_cut = 0                 # taken off the passes' budget after a step went over
+        self._replanned_for_memory = False
 
     def __del__(self):
         ops = getattr(self, "ops", None)
@@ -171,8 +174,7 @@ class Engine:
 
         def compile_step() -> str:
             module = compile_to_ir(self.model, args, kwargs=kwargs, loss_fn=self.loss_fn)
-            pipeline = ",".join([f"zero3{{world_size={self.world}}}", *self.config.passes])
-            dcir.run_passes(module, pipeline)
+            dcir.run_passes(module, [Zero3(world_size=self.world), *self._passes(self.config.passes)])
             return dcir.print(module)
 
         self.base_text = self._from_rank0("program", compile_step)
@@ -192,6 +194,18 @@ class Engine:
 
     # ---- the optimization cycle -------------------------------------------------------------
 
+    def _passes(self, specs: list[str], budget: int | None = None) -> list:
+        """The passes of ``specs``, with what the engine knows filled in where the spec
+        leaves it open: the memory ``budget``, and the micro-steps per optimizer step."""
+        out = []
+        for p in parse_pipeline(",".join(specs)):
+            if getattr(p, "budget", "n/a") is None and budget is not None:
+                p = dataclasses.replace(p, budget=budget)
+            if getattr(p, "micro_steps", None) == 1:
+                p = dataclasses.replace(p, micro_steps=self.config.gradient_accumulation_steps)
+            out.append(p)
+        return out
+
     def _pass_budget(self) -> int | None:
         """The memory budget left to a schedule: the configured budget less what this
         rank holds whatever the schedule (shards, gradient shards, optimizer state, buffers)."""
@@ -200,12 +214,12 @@ class Engine:
         m = self.memory()
         trainable = sum(s.numel() * s.element_size() for s in self.shards.values() if s.requires_grad)
         fixed = m["parameters"] + trainable + m["optimizer_state"] + m["buffers"]
-        if fixed >= self.config.memory_budget:
+        if fixed + self._budget_cut >= self.config.memory_budget:
             raise DcirError(Diagnostic(
                 f"rank {self.rank}: parameter shards, gradient shards, optimizer state and buffers take "
                 f"{format_bytes(fixed)}, which leaves nothing of the memory budget of "
                 f"{format_bytes(self.config.memory_budget)} for the step's own memory"))
-        return self.config.memory_budget - fixed
+        return self.config.memory_budget - fixed - self._budget_cut
 
     def _replan(self) -> None:
         """Write the finished profile into the IR, plan the configured passes from it on
@@ -220,20 +234,21 @@ class Engine:
         def plan() -> str:
             base = dcir.parse(self.base_text, self._source_name())
             copy_profile(dcir.parse(profiled, self._source_name()), base)
-            passes = []
-            for p in parse_pipeline(",".join(self.config.optimize["passes"])):
-                if getattr(p, "budget", "n/a") is None and budget is not None:
-                    p = dataclasses.replace(p, budget=budget)
-                passes.append(p)
-            PassManager(passes).run(base)
+            PassManager(self._passes(self.config.optimize["passes"], budget)).run(base)
             return dcir.print(base)
 
         module = dcir.parse(self._from_rank0(f"plan{self.steps}", plan), self._source_name())
         before = estimate_module(dcir.parse(profiled))
         after = estimate_module(module)
-        record.update(predicted_before_s=before.seconds, predicted_s=after.seconds, cost_source=after.source,
-                      predicted_peak=memory_peaks(module), budget=budget)
-        self._install(module)
+        # settle: a plan the cost model finds no faster than the running schedule is not taken
+        # (unless memory forced this cycle: then the plan within the smaller budget is)
+        take = after.seconds < before.seconds or self._replanned_for_memory
+        record.update(predicted_before_s=before.seconds, predicted_s=after.seconds if take else before.seconds,
+                      planned_s=after.seconds, cost_source=after.source, budget=budget, switched=take,
+                      predicted_peak=memory_peaks(module if take else self.module))
+        if take:
+            self._install(module)
+            self.ops.reset_peak()  # the new schedule's gathered peak is measured afresh
         self.optimize_log.append(record)
 
     def profiled_ir(self) -> dcir.Module | None:
@@ -248,6 +263,9 @@ class Engine:
             self._capture(args, kwargs)
         inputs = self.program._inputs(args, kwargs)
         self._check_inputs(inputs)
+        if self.micro_steps % self.config.gradient_accumulation_steps == 0:
+            with torch.no_grad():  # the first micro-step of a step: gathered copies, if any
+                self._run("unshard", lambda: self.program.unshard())
         fn = self.program.forward_fn
         if self._profile is not None:
             fn = functools.partial(self._profile.run, "forward", self.program.forward_gm)
@@ -308,15 +326,29 @@ class Engine:
         return True
 
     def _check_budget(self) -> None:
+        """After a step: over the memory budget is an error, unless the optimization
+        cycle can plan again within less (once: the overshoot, agreed across ranks,
+        comes off the budget the passes get, and the next step is profiled)."""
         budget = self.config.memory_budget
         if budget is None:
             return
         m = self.memory()
         held = m["parameters"] + m["optimizer_state"] + m["buffers"] + m["gathered_peak"]
-        if held > budget:
-            raise DcirError(Diagnostic(
-                f"rank {self.rank} holds {format_bytes(held)} (parameters, optimizer state, buffers and the "
-                f"peak of gathered parameters), over the memory budget of {format_bytes(budget)}"))
+        over = held - budget
+        if self.config.optimize is not None and self.world > 1:
+            agreed = torch.tensor([float(over)], dtype=torch.float64)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            over = int(agreed.item())
+        if over <= 0:
+            return
+        if self.config.optimize is not None and not self._replanned_for_memory and self.optimize_log:
+            self._replanned_for_memory = True
+            self._budget_cut += over
+            self._profile = self._profile or Profile(self.module)
+            return
+        raise DcirError(Diagnostic(
+            f"rank {self.rank} holds {format_bytes(held)} (parameters, optimizer state, buffers and the "
+            f"peak of gathered parameters), over the memory budget of {format_bytes(budget)}"))
 
     # ---- state ---------------------------------------------------------------------------
 

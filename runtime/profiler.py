@@ -13,9 +13,10 @@ For every op of a DCIR function it measures
   buffers) is not counted, as in the memory model (``dcir.memory``). On a GPU the
   CUDA allocator's own figure is taken as well (``prof.cuda_mem``).
 
-Ranks agree: per op, the slowest rank's compute time and the fastest rank's transfer
-time (a rank that reaches a collective late sees only the transfer; the others also
-wait for it), and the largest bytes. Several runs are reduced to their median. So every
+Ranks agree: per op, the ranks' mean compute time (the largest of each op would add
+up to more than any rank's step), the fastest rank's transfer time (a rank that
+reaches a collective late sees only the transfer; the others also wait for it), and
+the largest bytes. Several runs are reduced to their median. So every
 rank writes the same numbers into its IR, and every rank's passes decide alike.
 """
 
@@ -156,18 +157,20 @@ class Profile:
 
 
 def _agree(func: Function, time_s, launch, mem, cuda, transfer: set[int], group):
-    """Every rank takes the same numbers: compute, the slowest rank's; transfers, the fastest's."""
+    """Every rank takes the same numbers: compute, the ranks' mean; transfers, the fastest's; bytes, the most."""
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return time_s, launch, mem, cuda
-    n = len(func.ops)
-    slow = torch.tensor([*(0.0 if k in transfer else t for k, t in enumerate(time_s)), *launch,
-                         *map(float, mem), *map(float, cuda)], dtype=torch.float64)
+    n, world = len(func.ops), dist.get_world_size(group)
+    mean = torch.tensor([*(0.0 if k in transfer else t for k, t in enumerate(time_s)), *launch],
+                        dtype=torch.float64)
+    most = torch.tensor([*map(float, mem), *map(float, cuda)], dtype=torch.float64)
     fast = torch.tensor([t if k in transfer else 0.0 for k, t in enumerate(time_s)], dtype=torch.float64)
-    dist.all_reduce(slow, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(mean, op=dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
     dist.all_reduce(fast, op=dist.ReduceOp.MIN, group=group)
-    slow, fast = slow.tolist(), fast.tolist()
-    times = [fast[k] if k in transfer else slow[k] for k in range(n)]
-    return times, slow[n:2 * n], slow[2 * n:3 * n], slow[3 * n:4 * n]
+    mean, most, fast = (mean / world).tolist(), most.tolist(), fast.tolist()
+    times = [fast[k] if k in transfer else mean[k] for k in range(n)]
+    return times, mean[n:], most[:n], most[n:]
 
 
 def _op_key(op) -> tuple:

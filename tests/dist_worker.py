@@ -104,6 +104,8 @@ for _k in range(1, 1 << len(_SCHEDULE)):
 CASES.update({
     "mlp_prefetch_unshard_bucket": (mlp, _mlp_batch, _squared, {"passes": _SCHEDULE}),
     "tied_frozen_prefetch_unshard_bucket": (Tied, _tied_batch, None, {"passes": _SCHEDULE}),
+    # unshard across the micro-steps of an optimizer step (micro_steps comes from the config)
+    "mlp_accumulate2_unshard": (mlp, _mlp_batch, _squared, {"gradient_accumulation_steps": 2, "passes": ["unshard"]}),
     # the optimization cycle: profiled after steps 1 and 3, planned from the profile
     "hf_llama_optimize": (tiny_llama, _llama_batch, lambda out: out.loss,
                           {"optimize": {"passes": _SCHEDULE, "profile_at": [1, 3]}}),

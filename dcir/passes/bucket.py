@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from dcir.cost import Machine, calibrate, note_source, estimate, payload
 from dcir.ir import Function, Module, Op
-from dcir.memory import Bytes, saved_storage, timeline
+from dcir.memory import Bytes, timelines
 from dcir.passes import Pass
 
 _GATHERS = ("comm.all_gather", "comm.all_gather_coalesced")
@@ -70,6 +70,12 @@ def _merge(func: Function, a: Op, b: Op, gather: bool) -> list[Op] | None:
     return [*ops[:ia], *between, merged, *ops[ib + 1:]]
 
 
+def _together(func: Function, a: Op, b: Op) -> bool:
+    """Whether only shard reads run between the starts ``a`` and ``b``."""
+    ops = func.ops
+    return all(op.name == "param.get" for op in ops[ops.index(a) + 1:ops.index(b)])
+
+
 def _owners_of(ops: list[Op]) -> None:
     for op in ops:
         for i, r in enumerate(op.results):
@@ -87,13 +93,16 @@ class Bucket(Pass):
     def run(self, module: Module, stats: Counter) -> None:
         machine = calibrate(module, Machine())
         note_source(module, stats, "bucket")
-        saved = saved_storage(module)
-        for func in module.functions.values():
-            args = saved if func.name == "backward" else None
-            for kinds, gather in ((_GATHERS, True), (_REDUCTIONS, False)):
-                self._bucket(func, kinds, gather, machine, args, stats)
+        self.merge(module, machine, stats, "bucket")
 
-    def _bucket(self, func, kinds, gather, machine, args, stats) -> None:
+    def merge(self, module: Module, machine: Machine, stats: Counter, prefix: str, adjacent: bool = False) -> None:
+        """Merge where it pays; ``adjacent``: only collectives that already start together
+        (nothing but shard reads between them), which moves nothing (``prefetch`` fuses so)."""
+        for func in module.functions.values():
+            for kinds, gather in ((_GATHERS, True), (_REDUCTIONS, False)):
+                self._bucket(module, func, kinds, gather, machine, stats, prefix, adjacent)
+
+    def _bucket(self, module, func, kinds, gather, machine, stats, prefix, adjacent) -> None:
         best = estimate(func, machine).seconds
         current = None
         for op in [op for op in func.ops if op.name in kinds]:
@@ -101,27 +110,30 @@ class Bucket(Pass):
                 current = op
                 continue
             what = "all_gather" if gather else "reduce_scatter"
+            if adjacent and not _together(func, current, op):
+                current = op
+                continue
             merged_ops = _merge(func, current, op, gather)
             if merged_ops is None:
-                stats[f"bucket: {what} not merged (order)"] += 1
+                stats[f"{prefix}: {what} not merged (order)"] += 1
                 current = op
                 continue
             merged = next(o for o in merged_ops if o.name.endswith("_coalesced") and set(o.results) >= set(op.results))
             if self.max_bytes is not None and payload(merged) > self.max_bytes:
                 _owners_of([current, op])
-                stats[f"bucket: {what} not merged (max_bytes)"] += 1
+                stats[f"{prefix}: {what} not merged (max_bytes)"] += 1
                 current = op
                 continue
             old = func.ops
             func.ops = merged_ops
             seconds = estimate(func, machine).seconds
-            fits = self.budget is None or timeline(func, args).peak <= self.budget
+            fits = self.budget is None or timelines(module)[func.name].peak <= self.budget
             if seconds < best and fits:
                 best = seconds
                 current = merged
-                stats[f"bucket: {what} merged"] += 1
+                stats[f"{prefix}: {what} merged"] += 1
             else:
                 func.ops = old
                 _owners_of(old)
-                stats[f"bucket: {what} not merged ({'memory budget' if not fits else 'not faster'})"] += 1
+                stats[f"{prefix}: {what} not merged ({'memory budget' if not fits else 'not faster'})"] += 1
                 current = op

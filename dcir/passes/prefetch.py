@@ -18,6 +18,12 @@ the critical path. This pass moves, in schedule order:
   model (``transfer hidden``), and never past ``dependencies`` or the ``memory
   budget`` (the full gradient stays live until the wait).
 
+Then, with ``fuse`` (the default), gathers (or reductions) that now start together
+(only shard reads between them) are fused into one coalesced collective where the
+cost model predicts a faster function: each collective pays a fixed latency, and
+gathers stacked at one point by ``gathers keep their order`` would pay it one after
+the other. Nothing moves for that; ``bucket`` also merges collectives further apart.
+
 Costs are the profile's (``prof.time_us``) when the module has one, else the analytic
 model's (``dcir.cost``); ``--pass-statistics`` counts, per move, which limit
 stopped it. ``budget`` is per rank, for the bytes the memory model counts (see
@@ -52,6 +58,7 @@ from dcir.cost import Machine, calibrate, note_source
 from dcir.ir import Module, Op
 from dcir.memory import Bytes, device_bytes
 from dcir.passes import Pass
+from dcir.passes.bucket import Bucket
 from dcir.schedule import AFTER_DEPENDENCIES, BEFORE_DEPENDENTS, Limit, Move, Sweep, run_moves
 
 
@@ -196,9 +203,13 @@ class Prefetch(Pass):
     name = "prefetch"
     #: the most bytes the memory model may count at any op (per rank); none: no limit
     budget: Bytes | None = None
+    #: fuse collectives that end up starting together into one, where the cost model says it pays
+    fuse: bool = True
 
     def run(self, module: Module, stats: Counter) -> None:
         machine = calibrate(module, Machine())
         note_source(module, stats, "prefetch")
         for func in module.functions.values():
             run_moves(module, func, MOVES, machine, self.budget, stats, "prefetch")
+        if self.fuse:
+            Bucket(budget=self.budget).merge(module, machine, stats, "prefetch", adjacent=True)

@@ -13,6 +13,15 @@ communication saved per byte held, the backward gather's transfer time (profiled
 and taken in that order while the memory model keeps both functions within
 ``budget``. Without a budget every candidate is kept gathered.
 
+With ``micro_steps`` > 1 (gradient accumulation; the Engine passes its own), kept
+parameters stay gathered across the micro-steps of an optimizer step: each gets a
+buffer for its gathered copy (``buffer @w.unsharded : f32[4, 8] {unshard.of = @w}``),
+a new function ``@unshard`` gathers them all (the Engine runs it before the first
+micro-step of every optimizer step), and every gather of them in ``@forward`` and
+``@backward`` becomes a read of the copy. Ranked by the transfer time saved per step
+per byte; a copy is held at every op, so it is taken while the larger function peak
+plus the copies stays within ``budget``.
+
 Before -> after::
 
     func @forward(%x) -> (f32[], f32[2, 8]) {
@@ -46,8 +55,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from dcir.cost import Machine, calibrate, note_source, op_seconds
-from dcir.ir import Function, Module, Op, Value
-from dcir.memory import Bytes, owners, timelines
+from dcir.ir import Decl, Function, Module, Op, PendingType, SymbolRef, Value
+from dcir.memory import UNSHARD_OF, Bytes, owners, timelines
 from dcir.passes import Pass
 
 
@@ -103,19 +112,75 @@ def _users(func: Function, v: Value) -> list[Op]:
     return [op for op in func.ops if v in op.operands]
 
 
+def _resident(module: Module, name: str, gathers: list[_Gather]) -> str:
+    """Read the parameter from its gathered copy: declare ``buffer @<p>.unsharded``,
+    filled by ``@unshard``; every gather of it becomes a read of the copy."""
+    decl = module.decls[name]
+    copy = name + ".unsharded"
+    while copy in module.decls:
+        copy += "_"
+    module.decls[copy] = Decl("buffer", copy, decl.full_type, {UNSHARD_OF: SymbolRef(name)})
+    for func in module.functions.values():
+        for g in (x for x in gathers if x.start in func.ops):
+            gone = {g.start, g.wait}
+            if all(u is g.start for u in _users(func, g.get.results[0])):
+                gone.add(g.get)
+            read = Op("param.get", [], [g.full], symbol=copy)
+            ops = []
+            for op in func.ops:
+                if op is g.start:
+                    ops.append(read)
+                if op in gone:
+                    continue
+                if op is g.free:  # state is not the schedule's to release
+                    op.operands = [v for v in op.operands if v is not g.full]
+                    if not op.operands:
+                        continue
+                ops.append(op)
+            func.ops = ops
+    return copy
+
+
+def _unshard_function(module: Module, copies: list[tuple[str, str]]) -> None:
+    """``@unshard``: gathers each kept parameter into its copy; the Engine runs it
+    before the first micro-step of every optimizer step."""
+    func = Function("unshard")
+    for name, copy in copies:
+        decl = module.decls[name]
+        base = name.replace(".", "_")
+        shard = Value(func.fresh_name(base + "_shard"), decl.type)
+        func.ops.append(Op("param.get", [], [shard], symbol=name))
+        pending = Value(func.fresh_name(base + "_pending"), PendingType(decl.full_type))
+        func.ops.append(Op("comm.all_gather", [shard], [pending]))
+        full = Value(func.fresh_name(base), decl.full_type)
+        func.ops.append(Op("comm.wait", [pending], [full]))
+        func.ops.append(Op("param.set", [full], [], symbol=copy))
+        func.ops.append(Op("mem.free", [full]))
+    module.functions["unshard"] = func
+
+
 @dataclass(frozen=True)
 class Unshard(Pass):
     name = "unshard"
     #: the most bytes the memory model may count at any op of either function (per rank); none: no limit
     budget: Bytes | None = None
+    #: micro-steps per optimizer step; above 1, kept parameters stay gathered across them
+    micro_steps: int = 1
+
+    def __post_init__(self):
+        if self.micro_steps < 1:
+            raise ValueError("micro_steps must be at least 1")
 
     def run(self, module: Module, stats: Counter) -> None:
         f, b = module.functions.get("forward"), module.functions.get("backward")
-        if f is None or b is None or len(b.args) != len(f.returns):
+        if f is None or b is None or len(b.args) != len(f.returns) or "unshard" in module.functions:
             return
         machine = calibrate(module, Machine())
         note_source(module, stats, "unshard")
         fws, bws = _gathers(f), _gathers(b)
+        if self.micro_steps > 1:
+            self._across_micro_steps(module, fws, bws, machine, stats)
+            return
         ranked = []
         for name, fw in fws.items():
             bw = bws.get(name)
@@ -146,3 +211,29 @@ class Unshard(Pass):
             stats["unshard: parameters kept gathered from forward to backward"] += 1
         for name, fw, bw in sorted(kept, key=lambda c: fpos[c[1].start]):
             _keep(module, name, fw, bw)
+
+    def _across_micro_steps(self, module: Module, fws, bws, machine: Machine, stats: Counter) -> None:
+        """Every micro-step's gathers of a kept parameter become reads of a copy
+        gathered once per optimizer step; the copy is held all the time."""
+        ranked = []
+        for name in sorted(set(fws) | set(bws)):
+            gathers = fws.get(name, []) + bws.get(name, [])
+            if any(g.free is None for g in gathers):
+                continue
+            once = sum(op_seconds(g.start, machine)[0] for g in gathers)
+            saved = once * self.micro_steps - op_seconds(gathers[0].start, machine)[0]
+            nbytes = module.decls[name].full_type.nbytes
+            ranked.append((saved / max(nbytes, 1), name, gathers))
+        ranked.sort(key=lambda c: (-c[0], c[1]))
+        worst = max(t.peak for t in timelines(module).values())
+        copies = []
+        for _, name, gathers in ranked:
+            nbytes = module.decls[name].full_type.nbytes
+            if self.budget is not None and worst + nbytes > self.budget:
+                stats["unshard: parameters left sharded (memory budget)"] += 1
+                continue
+            worst += nbytes  # held at every op, over the peak of either function at worst
+            copies.append((name, _resident(module, name, gathers)))
+            stats["unshard: parameters kept gathered across micro-steps"] += 1
+        if copies:
+            _unshard_function(module, copies)
