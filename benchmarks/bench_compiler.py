@@ -29,8 +29,8 @@ AOTAutograd would capture it, sharded ZeRO-3 style across ``world_size`` ranks:
 
 Value names follow FX (``%mm_123``, ``%view_45``, ``%pow_3``); the generator is
 deterministic and emits the printer's canonical form. With the defaults an 80-layer
-step is 96,903 ops (1,208 a layer, 263 for embedding, rotary tables, mask, final
-norm, head and loss). One micro-batch gives 53,928 ops (41,566 with ``free="params"``):
+step is 93,701 ops (1,168 a layer, 261 for embedding, rotary tables, mask, final
+norm, head and loss). One micro-batch gives 52,327 ops (41,566 with ``free="params"``):
 a realistic 80-layer step is ~600-650 ops a layer per pass, so the ~100k-op size this
 benchmark targets comes from the two accumulated micro-batches.
 
@@ -67,6 +67,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import dcir  # noqa: E402
 from dcir import aten as _aten  # noqa: E402
 from dcir.ir import DType  # noqa: E402
+from dcir.ops import STORAGE_SHARING  # noqa: E402
 from dcir.printer import attr_value  # noqa: E402
 
 TARGET_S = 5.0
@@ -139,6 +140,8 @@ _VIEW_CACHE: dict[str, bool] = {}
 def _is_view(op_name: str) -> bool:
     """Whether the op's result aliases its first (tensor) operand, per torch's schema."""
     v = _VIEW_CACHE.get(op_name)
+    if v is None and op_name.startswith(STORAGE_SHARING):
+        v = _VIEW_CACHE[op_name] = True  # shares storage though the schema does not say so
     if v is None:
         sch = _aten.schema(op_name)
         if sch is None:

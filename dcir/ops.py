@@ -269,7 +269,7 @@ def has_trait(op: Op, trait: str) -> bool:
 
 #: ops whose result shares its operand's storage though their schema does not say so
 #: (``_unsafe_view`` is ``view`` without the alias annotation)
-_STORAGE_SHARING = ("aten._unsafe_view.",)
+STORAGE_SHARING = ("aten._unsafe_view.",)
 
 
 def views(op: Op) -> dict[int, int]:
@@ -277,7 +277,7 @@ def views(op: Op) -> dict[int, int]:
     Which schema arguments an op gives decides it, never their values."""
     if not op.name.startswith("aten."):
         return {}
-    if op.name.startswith(_STORAGE_SHARING):
+    if op.name.startswith(STORAGE_SHARING):
         return {0: 0}
     keys = tuple(k for k in op.attrs if "." not in k and k not in COMMON_ATTRS)
     return dict(_view_pairs(op.name, len(op.operands), keys, len(op.results)))
