@@ -184,14 +184,16 @@ def estimate(func: Function, machine: Machine) -> Estimate:
     return Estimate(now, compute, comm, exposed, _source(profiled, counted), finish)
 
 
-def estimate_module(module: Module, machine: Machine | None = None) -> Estimate:
-    """The whole step (every function, one after the other), alpha-beta calibrated
-    to the module's profile when it has one."""
+def estimate_module(module: Module, machine: Machine | None = None, micro_steps: int = 1) -> Estimate:
+    """One optimizer step: ``@forward`` and ``@backward`` once per micro-step, any other
+    function (``@unshard``) once; alpha-beta calibrated to the module's profile when it
+    has one."""
     machine = calibrate(module, machine)
     total = None
-    for f in module.functions.values():
+    for name, f in module.functions.items():
         e = estimate(f, machine)
-        total = e if total is None else total + e
+        for _ in range(micro_steps if name in ("forward", "backward") else 1):
+            total = e if total is None else total + e
     return total or Estimate(0.0, 0.0, 0.0, 0.0, "analytic", [])
 
 

@@ -238,8 +238,9 @@ class Engine:
             return dcir.print(base)
 
         module = dcir.parse(self._from_rank0(f"plan{self.steps}", plan), self._source_name())
-        before = estimate_module(dcir.parse(profiled))
-        after = estimate_module(module)
+        micro = self.config.gradient_accumulation_steps
+        before = estimate_module(dcir.parse(profiled), micro_steps=micro)
+        after = estimate_module(module, micro_steps=micro)
         # settle: a plan the cost model finds no faster than the running schedule is not taken
         # (unless memory forced this cycle: then the plan within the smaller budget is)
         take = after.seconds < before.seconds or self._replanned_for_memory
