@@ -69,6 +69,13 @@ void track_gathered(const at::Tensor& buffer) {
   auto* impl = buffer.storage().unsafeGetStorageImpl();
   int64_t bytes = static_cast<int64_t>(buffer.storage().nbytes());
   std::lock_guard<std::mutex> g(mu);
+  auto it = gathered.find(impl);
+  if (it != gathered.end()) {
+    if (!it->second.first.expired()) return;  // tracked already
+    // a buffer dropped without mem.free, whose address the allocator gave to this one
+    stats.gathered_bytes -= it->second.second;
+    gathered.erase(it);
+  }
   gathered.emplace(impl, std::make_pair(buffer.storage().getWeakStorageImpl(), bytes));
   stats.gathered_bytes += bytes;
   stats.peak_gathered_bytes = std::max(stats.peak_gathered_bytes, stats.gathered_bytes);

@@ -118,11 +118,13 @@ class Engine:
         self.steps = 0
         self.capture_s = 0.0
         self.base_text = ""
+        self.captured_peak: dict[str, int] = {}
         self._profile: Profile | None = None
         self._profiled: dcir.Module | None = None
         self.optimize_log: list[dict] = []
         self._budget_cut = 0                 # taken off the passes' budget after a step went over
         self._replanned_for_memory = False
+        self._cut_applied = False
 
     def __del__(self):
         ops = getattr(self, "ops", None)
@@ -178,7 +180,9 @@ class Engine:
             return dcir.print(module)
 
         self.base_text = self._from_rank0("program", compile_step)
-        self._install(dcir.parse(self.base_text, self._source_name()))
+        module = dcir.parse(self.base_text, self._source_name())
+        self.captured_peak = memory_peaks(module)  # what a plan starts from
+        self._install(module)
         for p in self.model.parameters():  # the engine owns the parameters from here on
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.capture_s = time.perf_counter() - begin
@@ -206,14 +210,18 @@ class Engine:
             out.append(p)
         return out
 
+    def _fixed_bytes(self, m: dict) -> int:
+        """What a rank holds whatever the schedule: parameter shards, gradient shards (held
+        through the backward and the optimizer step), optimizer state, buffers."""
+        trainable = sum(s.numel() * s.element_size() for s in self.shards.values() if s.requires_grad)
+        return m["parameters"] + trainable + m["optimizer_state"] + m["buffers"]
+
     def _pass_budget(self) -> int | None:
         """The memory budget left to a schedule: the configured budget less what this
         rank holds whatever the schedule (shards, gradient shards, optimizer state, buffers)."""
         if self.config.memory_budget is None:
             return None
-        m = self.memory()
-        trainable = sum(s.numel() * s.element_size() for s in self.shards.values() if s.requires_grad)
-        fixed = m["parameters"] + trainable + m["optimizer_state"] + m["buffers"]
+        fixed = self._fixed_bytes(self.memory())
         if fixed + self._budget_cut >= self.config.memory_budget:
             raise DcirError(Diagnostic(
                 f"rank {self.rank}: parameter shards, gradient shards, optimizer state and buffers take "
@@ -228,12 +236,16 @@ class Engine:
         self._profile, self._profiled = None, self.module
         profiled = dcir.print(self.module)
         budget = self._pass_budget()
-        record: dict = {"step": self.steps, "measured_peak": peaks,
+        record: dict = {"step": self.steps, "measured_peak": peaks, "captured_peak": self.captured_peak,
                         "predicted_peak_profiled": memory_peaks(self.module)}
 
+        # the captured schedule keeps every profile: an op this run did not measure (a
+        # collective the plan had merged) keeps its figure from an earlier run
+        base = dcir.parse(self.base_text, self._source_name())
+        copy_profile(dcir.parse(profiled, self._source_name()), base)
+        self.base_text = dcir.print(base)
+
         def plan() -> str:
-            base = dcir.parse(self.base_text, self._source_name())
-            copy_profile(dcir.parse(profiled, self._source_name()), base)
             PassManager(self._passes(self.config.optimize["passes"], budget)).run(base)
             return dcir.print(base)
 
@@ -243,9 +255,12 @@ class Engine:
         after = estimate_module(module, micro_steps=micro)
         # settle: a plan the cost model finds no faster than the running schedule is not taken
         # (unless memory forced this cycle: then the plan within the smaller budget is)
-        take = after.seconds < before.seconds or self._replanned_for_memory
+        forced = self._replanned_for_memory and self._budget_cut > 0 and not self._cut_applied
+        self._cut_applied = self._cut_applied or forced
+        take = after.seconds < before.seconds or forced
         record.update(predicted_before_s=before.seconds, predicted_s=after.seconds if take else before.seconds,
                       planned_s=after.seconds, cost_source=after.source, budget=budget, switched=take,
+                      reason="memory" if forced else "faster" if take else "kept",
                       predicted_peak=memory_peaks(module if take else self.module))
         if take:
             self._install(module)
@@ -334,7 +349,7 @@ class Engine:
         if budget is None:
             return
         m = self.memory()
-        held = m["parameters"] + m["optimizer_state"] + m["buffers"] + m["gathered_peak"]
+        held = self._fixed_bytes(m) + m["gathered_peak"]
         over = held - budget
         if self.config.optimize is not None and self.world > 1:
             agreed = torch.tensor([float(over)], dtype=torch.float64)
@@ -348,8 +363,8 @@ class Engine:
             self._profile = self._profile or Profile(self.module)
             return
         raise DcirError(Diagnostic(
-            f"rank {self.rank} holds {format_bytes(held)} (parameters, optimizer state, buffers and the "
-            f"peak of gathered parameters), over the memory budget of {format_bytes(budget)}"))
+            f"rank {self.rank} holds {format_bytes(held)} (parameters, gradients, optimizer state, buffers "
+            f"and the peak of gathered parameters), over the memory budget of {format_bytes(budget)}"))
 
     # ---- state ---------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ middle of the second step; the others must fail with RankFailure (exit code 17).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import json
 import os
@@ -115,7 +116,13 @@ CASES.update({
     # ... within a memory budget that leaves the schedule little room
     "transformer_optimize_budget": (TinyTransformer, _transformer_batch, None,
                                     {"memory_budget": 540_000, "optimize": {"passes": _SCHEDULE, "profile_at": [1]}}),
+    "transformer_optimize_shrink": (TinyTransformer, _transformer_batch, None,
+                                    {"memory_budget": 540_000, "optimize": {"passes": _SCHEDULE, "profile_at": [1]}}),
 })
+# after this many optimizer steps the case's memory budget shrinks to one byte under what
+# the rank holds (memory changes under a planned schedule: the engine must profile again
+# and plan within less)
+SHRINK = {"transformer_optimize_shrink": 3}
 
 ROWS = 2  # per rank and micro-step
 STEPS = 5
@@ -172,6 +179,9 @@ def run_case(name: str, rank: int, world: int) -> dict:
             loss = engine(*args, **kwargs)
             engine.backward(loss)
             engine.step()
+        if name in SHRINK and engine.steps == SHRINK[name]:
+            held = engine._fixed_bytes(engine.memory()) + engine.memory()["gathered_peak"]
+            engine.config = dataclasses.replace(engine.config, memory_budget=held - 1)
         memory = memory or engine.memory()
         opt.step()
     full = engine.full_parameters()
