@@ -21,8 +21,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-from dcir.cost import Machine, is_transfer, op_seconds
 from dcir.analysis import dependency_graph
+from dcir.cost import Machine, is_transfer, op_seconds
 from dcir.ir import Function, Module, Op
 from dcir.memory import owners, timeline, timelines
 

@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 
 import dcir
+from dcir.cost import estimate_module
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import TensorType
-from dcir.cost import estimate_module
 from dcir.memory import format_bytes, peaks as memory_peaks
 from dcir.passes import PassManager, parse_pipeline
 from dcir.passes.zero3 import Zero3

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from dcir.cost import Machine, calibrate, note_source, estimate, payload
+from dcir.cost import Machine, calibrate, estimate, note_source, payload
 from dcir.ir import Function, Module, Op
 from dcir.memory import Bytes, timelines
 from dcir.passes import Pass
