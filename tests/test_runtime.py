@@ -147,6 +147,10 @@ def test_meta_kernels_trace_the_ops():
     ({"gradient_accumulation_steps": 0}, "bad value for 'gradient_accumulation_steps': 0; a whole number >= 1"),
     ({"memory_budget": "2 gigs"}, "bad value for 'memory_budget': '2 gigs' is not a size"),
     ({"timeout_s": -1}, "bad value for 'timeout_s': -1; a number of seconds > 0"),
+    ({"optimize": {"passes": ["prefetch"], "every": 2}},
+     "bad value for 'optimize': unknown key 'every' in 'optimize'; valid keys: passes, profile_at"),
+    ({"optimize": {"profile_at": [0]}}, "bad value for 'optimize': 'profile_at' is [0]; a non-empty list of optimizer steps >= 1"),
+    ({"optimize": ["prefetch"]}, "bad value for 'optimize': ['prefetch']; an object like"),
     ([1, 2], "the config must be a JSON object (a dict), not list"),
 ])
 def test_bad_config_names_the_key_and_the_valid_values(config, message):
