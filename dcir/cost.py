@@ -135,13 +135,12 @@ class Estimate:
     comm_s: float       # transfer time on the channel
     exposed_s: float    # compute stream stalled in comm.wait
     source: str         # "profile", "analytic" or "profile+analytic"
-    finish: list[float]  # when each op finishes on the compute stream
 
     def __add__(self, other: "Estimate") -> "Estimate":
         sources = {self.source, other.source}
         source = sources.pop() if len(sources) == 1 else "profile+analytic"
         return Estimate(self.seconds + other.seconds, self.compute_s + other.compute_s,
-                        self.comm_s + other.comm_s, self.exposed_s + other.exposed_s, source, [])
+                        self.comm_s + other.comm_s, self.exposed_s + other.exposed_s, source)
 
 
 def _source(profiled: int, total: int) -> str:
@@ -155,7 +154,6 @@ def estimate(func: Function, machine: Machine) -> Estimate:
     now = channel = 0.0
     compute = comm = exposed = 0.0
     ready: dict = {}
-    finish = []
     profiled = counted = 0
     for op in func.ops:
         seconds, from_profile = op_seconds(op, machine)
@@ -180,8 +178,7 @@ def estimate(func: Function, machine: Machine) -> Estimate:
         else:
             now += seconds
             compute += seconds
-        finish.append(now)
-    return Estimate(now, compute, comm, exposed, _source(profiled, counted), finish)
+    return Estimate(now, compute, comm, exposed, _source(profiled, counted))
 
 
 def estimate_module(module: Module, machine: Machine | None = None, micro_steps: int = 1) -> Estimate:
@@ -194,7 +191,7 @@ def estimate_module(module: Module, machine: Machine | None = None, micro_steps:
         e = estimate(f, machine)
         for _ in range(micro_steps if name in ("forward", "backward") else 1):
             total = e if total is None else total + e
-    return total or Estimate(0.0, 0.0, 0.0, 0.0, "analytic", [])
+    return total or Estimate(0.0, 0.0, 0.0, 0.0, "analytic")
 
 
 def source(module: Module) -> str:

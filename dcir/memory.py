@@ -39,8 +39,6 @@ class Timeline:
     entry: int                 # bytes live at entry: the arguments
     during: list[int]          # bytes live while op i runs
     after: list[int]           # bytes live after op i (its releases done)
-    allocs: list[int]          # bytes op i allocates
-    releases: list[list[Value]]  # the storage owners released after op i
 
     @property
     def peak(self) -> int:
@@ -125,7 +123,7 @@ def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None
         during.append(live + allocs[i])
         live += allocs[i] - sum(size[v] for v in releases[i])
         after.append(live)
-    return Timeline(func, entry, during, after, allocs, releases)
+    return Timeline(func, entry, during, after)
 
 
 def saved_storage(module: Module) -> dict[Value, tuple[object, int]]:

@@ -281,7 +281,7 @@ class Engine:
         self._check_inputs(inputs)
         if self.micro_steps % self.config.gradient_accumulation_steps == 0:
             with torch.no_grad():  # the first micro-step of a step: gathered copies, if any
-                self._run("unshard", lambda: self.program.unshard())
+                self._run("unshard", self.program.unshard)
         fn = self.program.forward_fn
         if self._profile is not None:
             fn = functools.partial(self._profile.run, "forward", self.program.forward_gm)
