@@ -182,14 +182,17 @@ def estimate(func: Function, machine: Machine) -> Estimate:
 
 
 def estimate_module(module: Module, machine: Machine | None = None, micro_steps: int = 1) -> Estimate:
-    """One optimizer step: ``@forward`` and ``@backward`` once per micro-step, any other
-    function (``@unshard``) once; alpha-beta calibrated to the module's profile when it
-    has one."""
+    """One optimizer step: ``@forward`` and ``@backward`` once per micro-step (``@backward``
+    once less when the module has a ``@backward_last`` for the last one), any other
+    function (``@unshard``, ``@backward_last``) once; alpha-beta calibrated to the
+    module's profile when it has one."""
     machine = calibrate(module, machine)
     total = None
+    last = "backward_last" in module.functions
+    runs = {"forward": micro_steps, "backward": micro_steps - 1 if last else micro_steps}
     for name, f in module.functions.items():
         e = estimate(f, machine)
-        for _ in range(micro_steps if name in ("forward", "backward") else 1):
+        for _ in range(runs.get(name, 1)):
             total = e if total is None else total + e
     return total or Estimate(0.0, 0.0, 0.0, 0.0, "analytic")
 

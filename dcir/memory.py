@@ -126,18 +126,26 @@ def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None
     return Timeline(func, entry, during, after)
 
 
+#: The functions that take ``@forward``'s saved values: ``@backward``, and ``@backward_last``
+#: (the last micro-step's, when ``zero1`` reduces once per optimizer step).
+BACKWARDS = ("backward", "backward_last")
+
+
 def saved_storage(module: Module) -> dict[Value, tuple[object, int]]:
-    """For ``@backward``'s saved arguments, the storage ``@forward`` returned them in:
-    two saved values that are views of one tensor are one storage, of that tensor's size."""
-    fw, bw = module.functions.get("forward"), module.functions.get("backward")
-    if fw is None or bw is None or len(bw.args) != len(fw.returns):
-        return {}
-    owner = owners(fw)
+    """For the saved arguments of ``@backward`` (and ``@backward_last``), the storage
+    ``@forward`` returned them in: two saved values that are views of one tensor are
+    one storage, of that tensor's size."""
+    fw = module.functions.get("forward")
     out = {}
-    for ret, arg in zip(fw.returns[1:], bw.args[:-1]):
-        base = owner.get(ret, ret)
-        state = isinstance(base.owner, Op) and base.owner.name == "param.get"  # not the schedule's
-        out[arg] = (base, 0 if state else device_bytes(base))
+    for name in BACKWARDS:
+        bw = module.functions.get(name)
+        if fw is None or bw is None or len(bw.args) != len(fw.returns):
+            continue
+        owner = owners(fw)
+        for ret, arg in zip(fw.returns[1:], bw.args[:-1]):
+            base = owner.get(ret, ret)
+            state = isinstance(base.owner, Op) and base.owner.name == "param.get"  # not the schedule's
+            out[arg] = (base, 0 if state else device_bytes(base))
     return out
 
 
@@ -145,10 +153,15 @@ def saved_storage(module: Module) -> dict[Value, tuple[object, int]]:
 #: ``buffer @w.unsharded : f32[4, 8] {unshard.of = @w}``. It is the schedule's memory.
 UNSHARD_OF = "unshard.of"
 
+#: A buffer that sums a parameter's full gradient across micro-steps (``zero1``):
+#: ``buffer @w.grad_acc : f32[4, 8] {grad_acc.of = @w}``. It is the schedule's memory too.
+GRAD_ACC_OF = "grad_acc.of"
+
 
 def resident(module: Module) -> int:
-    """Bytes the schedule holds between calls: gathered copies of parameters."""
-    return sum(d.full_type.nbytes for d in module.decls.values() if UNSHARD_OF in d.attrs)
+    """Bytes the schedule holds between calls: gathered copies of parameters, and
+    gradient accumulators (``zero1``)."""
+    return sum(d.full_type.nbytes for d in module.decls.values() if UNSHARD_OF in d.attrs or GRAD_ACC_OF in d.attrs)
 
 
 def timelines(module: Module) -> dict[str, Timeline]:
@@ -158,7 +171,7 @@ def timelines(module: Module) -> dict[str, Timeline]:
     held = resident(module)
     out = {}
     for name, f in module.functions.items():
-        t = timeline(f, saved if name == "backward" else None)
+        t = timeline(f, saved if name in BACKWARDS else None)
         if held:
             t.entry += held
             t.during = [x + held for x in t.during]

@@ -235,6 +235,15 @@ class Program:
     forward_fn: object
     backward_fn: object
     unshard_gm: fx.GraphModule | None = None  # fills the gathered copies (``unshard`` across micro-steps)
+    backward_last_gm: fx.GraphModule | None = None  # the last micro-step's backward (``zero1``)
+    backward_last_fn: object = None
+
+    def backward_for(self, last: bool) -> tuple[str, fx.GraphModule, object]:
+        """(name, graph, callable) of the backward to run: ``@backward_last`` in the last
+        micro-step of an optimizer step when the module has one, else ``@backward``."""
+        if last and self.backward_last_gm is not None:
+            return "backward_last", self.backward_last_gm, self.backward_last_fn
+        return "backward", self.backward_gm, self.backward_fn
 
     def unshard(self) -> None:
         """Gather the copies ``@unshard`` fills: once per optimizer step, before its
@@ -261,12 +270,13 @@ class Program:
                 raise TypeError(f"the captured step takes an input {name!r} that this call does not give")
         return out
 
-    def backward(self, saved, tangent: torch.Tensor | None = None) -> dict:
+    def backward(self, saved, tangent: torch.Tensor | None = None, last: bool = True) -> dict:
+        """Gradients by FQN; ``last``: this is the last micro-step of an optimizer step."""
         loss_type = self.module.functions["forward"].result_types[0]
         if tangent is None:
             tangent = torch.ones(loss_type.shape, dtype=torch_dtype(loss_type.dtype))
         grads: dict = {}
-        self.backward_fn(self.state, grads, *saved, tangent)
+        self.backward_for(last)[2](self.state, grads, *saved, tangent)
         return grads
 
     @torch.no_grad()
@@ -289,7 +299,8 @@ def lower(module: Module, state: dict, *, inductor: bool = False, group: str | N
     ``store_prefix + FQN`` (from ``state`` when it has them). ``inductor`` compiles the compute (between the
     collectives, see ``compile_compute``)."""
     verify(module)
-    state = {**constants(module), **gathered_copies(module), **state}
+    device = next((t.device for t in state.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    state = {**constants(module), **gathered_copies(module, device), **state}
     missing = [name for name, d in module.decls.items()
                if name not in state and not (group is not None and isinstance(d.type, ShardType))]
     if missing:
@@ -297,13 +308,16 @@ def lower(module: Module, state: dict, *, inductor: bool = False, group: str | N
     in_state = any(isinstance(d.type, ShardType) and name in state for name, d in module.decls.items())
     fw = lower_function(module, "forward", group, in_state, store_prefix)
     bw = lower_function(module, "backward", group, in_state, store_prefix)
-    unshard = lower_function(module, "unshard", group, in_state, store_prefix) if "unshard" in module.functions else None
-    run_fw, run_bw = fw, bw
-    if inductor and group is not None:
-        run_fw, run_bw = compile_compute(fw), compile_compute(bw)
-    elif inductor:
-        run_fw, run_bw = torch.compile(fw, dynamic=False), torch.compile(bw, dynamic=False)
-    return Program(module, state, fw, bw, run_fw, run_bw, unshard)
+    extra = {name: lower_function(module, name, group, in_state, store_prefix) if name in module.functions else None
+             for name in ("unshard", "backward_last")}
+    last = extra["backward_last"]
+
+    def compiled(gm):
+        if gm is None or not inductor:
+            return gm
+        return compile_compute(gm) if group is not None else torch.compile(gm, dynamic=False)
+
+    return Program(module, state, fw, bw, compiled(fw), compiled(bw), extra["unshard"], last, compiled(last))
 
 
 _STATE_CALLS = (_state_get, _state_set, _grad_set)
@@ -382,11 +396,15 @@ def constants(module: Module) -> dict:
     return out
 
 
-def gathered_copies(module: Module) -> dict:
-    """Storage for the buffers that hold gathered copies of parameters (filled by ``@unshard``)."""
-    from dcir.memory import UNSHARD_OF
-    return {name: torch.empty(d.type.shape, dtype=torch_dtype(d.type.dtype))
-            for name, d in module.decls.items() if UNSHARD_OF in d.attrs}
+def gathered_copies(module: Module, device: torch.device | str = "cpu") -> dict:
+    """Storage for the buffers the schedule owns: gathered copies of parameters (filled
+    by ``@unshard``) and gradient accumulators (``zero1``, zero at the start)."""
+    from dcir.memory import GRAD_ACC_OF, UNSHARD_OF
+    out = {}
+    for name, d in module.decls.items():
+        if UNSHARD_OF in d.attrs or GRAD_ACC_OF in d.attrs:
+            out[name] = torch.zeros(d.type.shape, dtype=torch_dtype(d.type.dtype), device=device)
+    return out
 
 
 def state_of(model: torch.nn.Module) -> dict:

@@ -15,8 +15,9 @@ from dcir.memory import parse_bytes
 
 @dataclass(frozen=True)
 class Config:
-    #: ZeRO stage: 3 shards parameters, gradients and optimizer state (the ``zero3``
-    #: pass). Stages 1 and 2 come as their own passes later.
+    #: ZeRO stage, the pass that shards the step: 3 shards parameters, gradients and
+    #: optimizer state (``zero3``); 2 keeps parameters replicated (``zero2``); 1 also
+    #: reduces gradients once per optimizer step under accumulation (``zero1``)
     zero_stage: int = 3
     #: passes run after the stage's own, as pipeline specs (``"dce"``, ``"canonicalize"``)
     passes: list = field(default_factory=list)
@@ -64,9 +65,9 @@ class Config:
 
 
 def _stage(v):
-    if v != 3 or isinstance(v, bool):
-        raise ValueError(f"{v!r}; valid: 3 (ZeRO-1 and ZeRO-2 are not implemented yet)")
-    return 3
+    if v not in (1, 2, 3) or isinstance(v, bool):
+        raise ValueError(f"{v!r}; valid: 1, 2, 3")
+    return v
 
 
 def _passes(v):

@@ -39,6 +39,8 @@ from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import TensorType
 from dcir.memory import format_bytes, peaks as memory_peaks
 from dcir.passes import PassManager, parse_pipeline
+from dcir.passes.zero1 import Zero1
+from dcir.passes.zero2 import Zero2
 from dcir.passes.zero3 import Zero3
 from dcir_lowering.backend import Program, lower
 from dcir_lowering.frontend import compile_to_ir
@@ -176,7 +178,7 @@ class Engine:
 
         def compile_step() -> str:
             module = compile_to_ir(self.model, args, kwargs=kwargs, loss_fn=self.loss_fn)
-            dcir.run_passes(module, [Zero3(world_size=self.world), *self._passes(self.config.passes)])
+            dcir.run_passes(module, [self._stage_pass(), *self._passes(self.config.passes)])
             return dcir.print(module)
 
         self.base_text = self._from_rank0("program", compile_step)
@@ -186,6 +188,12 @@ class Engine:
         for p in self.model.parameters():  # the engine owns the parameters from here on
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.capture_s = time.perf_counter() - begin
+
+    def _stage_pass(self):
+        """The pass of the configured ZeRO stage."""
+        if self.config.zero_stage == 1:
+            return Zero1(world_size=self.world, micro_steps=self.config.gradient_accumulation_steps)
+        return (Zero2 if self.config.zero_stage == 2 else Zero3)(world_size=self.world)
 
     def _source_name(self) -> str:
         return f"<{type(self.model).__name__} on {self.world} ranks>"
@@ -315,11 +323,12 @@ class Engine:
         scale = 1.0 / self.config.gradient_accumulation_steps
         tangent = torch.full_like(loss, scale)
         grads: dict = {}
-        fn = self.program.backward_fn
+        last = (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+        name, gm, fn = self.program.backward_for(last)
         if self._profile is not None:
-            fn = functools.partial(self._profile.run, "backward", self.program.backward_gm)
+            fn = functools.partial(self._profile.run, name, gm)
         with torch.no_grad():
-            self._run("backward", fn, self.program.state, grads, *self._saved, tangent)
+            self._run(name, fn, self.program.state, grads, *self._saved, tangent)
             self._saved = None
             for name, g in grads.items():
                 shard = self.shards[name]

@@ -118,6 +118,18 @@ CASES.update({
                                     {"memory_budget": 540_000, "optimize": {"passes": _SCHEDULE, "profile_at": [1]}}),
     "transformer_optimize_shrink": (TinyTransformer, _transformer_batch, None,
                                     {"memory_budget": 540_000, "optimize": {"passes": _SCHEDULE, "profile_at": [1]}}),
+    # ZeRO-1 and ZeRO-2: replicated parameters, sharded optimizer state (and gradients)
+    "mlp_zero1": (mlp, _mlp_batch, _squared, {"zero_stage": 1}),
+    "mlp_zero2": (mlp, _mlp_batch, _squared, {"zero_stage": 2}),
+    "transformer_zero1_accumulate4": (TinyTransformer, _transformer_batch, None,
+                                      {"zero_stage": 1, "gradient_accumulation_steps": 4}),
+    "transformer_zero2_accumulate4": (TinyTransformer, _transformer_batch, None,
+                                      {"zero_stage": 2, "gradient_accumulation_steps": 4}),
+    "hf_llama_zero1_optimize": (tiny_llama, _llama_batch, lambda out: out.loss,
+                                {"zero_stage": 1, "optimize": {"passes": _SCHEDULE, "profile_at": [1]}}),
+    "hf_llama_zero2_accumulate4_optimize": (tiny_llama, _llama_batch, lambda out: out.loss,
+                                            {"zero_stage": 2, "gradient_accumulation_steps": 4,
+                                             "optimize": {"passes": _SCHEDULE, "profile_at": [1]}}),
 })
 # after this many optimizer steps the case's memory budget shrinks to one byte under what
 # the rank holds (memory changes under a planned schedule: the engine must profile again
