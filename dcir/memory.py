@@ -157,6 +157,12 @@ UNSHARD_OF = "unshard.of"
 #: ``buffer @w.grad_acc : f32[4, 8] {grad_acc.of = @w}``. It is the schedule's memory too.
 GRAD_ACC_OF = "grad_acc.of"
 
+#: A buffer that holds one of a parameter's optimizer state tensors (``offload``), on the
+#: device (``shard<...>``) or in host memory (``host<shard<...>>``):
+#: ``buffer @w.exp_avg : host<shard<f32[4, 8], 2>> {optim.state_of = @w, optim.key = "exp_avg"}``.
+#: State is the optimizer's, not the schedule's; ``offload`` accounts for it.
+OPTIM_STATE_OF, OPTIM_KEY = "optim.state_of", "optim.key"
+
 
 def resident(module: Module) -> int:
     """Bytes the schedule holds between calls: gathered copies of parameters, and

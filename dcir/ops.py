@@ -174,6 +174,15 @@ def _rule_reload(op, types, module):
     return [PendingType(types[0].inner)]
 
 
+def _rule_optim_step(op, types, module):
+    decl = module.decls[op.symbol]
+    if not decl.trainable:
+        raise TypeRuleError(f"optim.step updates a trainable parameter; @{decl.name} is not one")
+    for i, t in enumerate(types):
+        _full_or_shard(t, f"optimizer state operand #{i}", i)
+    return list(types)
+
+
 def _rule_aten(op, types, module):
     """aten result types come from capture (FX metadata); arity and kind are checked here."""
     sch = aten.schema(op.name)
@@ -234,6 +243,10 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
     OpDef("mem.reload", "Start copying a host value back to the device.",
           (1, 1), (1, 1), frozenset({ASYNC, ALLOCATES}), _rule_reload,
           example="%d = mem.reload(%h) : pending<shard<f32[16, 8], 2>>"),
+    OpDef("optim.step", "Run the optimizer's update of one parameter with its gradient and the given state, in "
+          "place; the results are the updated state (the operands' storage).",
+          (0, None), "per_operand", frozenset({SIDE_EFFECT, READS_STATE, WRITES_STATE}), _rule_optim_step, symbol=True,
+          example="%m_1, %v_1 = optim.step @fc1.weight(%m, %v) : shard<f32[16, 8], 2>, shard<f32[16, 8], 2>"),
 ]}
 
 ATEN = OpDef("aten.*", "Compute: one-to-one with a torch.ops.aten overload (operands are its tensor arguments, "
@@ -243,7 +256,7 @@ ATEN = OpDef("aten.*", "Compute: one-to-one with a torch.ops.aten overload (oper
 _MUTATING_ATEN = OpDef("aten.*", ATEN.summary, (0, None), (0, None), frozenset({COMPUTE, SIDE_EFFECT, ALLOCATES}),
                        _rule_aten, example=ATEN.example)
 
-FAMILIES = ("aten", "comm", "grad", "mem", "param")
+FAMILIES = ("aten", "comm", "grad", "mem", "optim", "param")
 
 #: Attributes every op may carry. Keys with a dot (``prof.time_us``) are free-form too.
 COMMON_ATTRS = {"ranks": AttrSpec("int_list")}
@@ -275,6 +288,8 @@ STORAGE_SHARING = ("aten._unsafe_view.",)
 def views(op: Op) -> dict[int, int]:
     """For each result that is a view of an operand's storage, the operand's index.
     Which schema arguments an op gives decides it, never their values."""
+    if op.name == "optim.step":  # updates its operands in place
+        return {i: i for i in range(min(len(op.operands), len(op.results)))}
     if not op.name.startswith("aten."):
         return {}
     if op.name.startswith(STORAGE_SHARING):

@@ -184,11 +184,13 @@ class _Verifier:
                 self.error(f"unknown attribute '{key}' on {d.kind} @{d.name}; a {d.kind} takes {allowed}", d.loc, length)
             elif value is not UNIT:
                 self.error("'trainable' is a unit attribute: write {trainable}", d.loc, length)
-        if not isinstance(d.type, (TensorType, ShardType)):
-            self.error(f"{d.kind} @{d.name} must hold a tensor or a shard, not {d.type}", d.loc, length)
+        held = d.type.inner if isinstance(d.type, HostType) and d.kind == "buffer" else d.type
+        if not isinstance(held, (TensorType, ShardType)):
+            kinds = "a tensor, a shard or (in host memory) host<...>" if d.kind == "buffer" else "a tensor or a shard"
+            self.error(f"{d.kind} @{d.name} must hold {kinds}, not {d.type}", d.loc, length)
         ws = self.m.world_size
-        if isinstance(d.type, ShardType) and ws is not None and d.type.parts != ws:
-            self.error(f"@{d.name} is split into {d.type.parts} shards, but the module runs on world_size = {ws} ranks",
+        if isinstance(held, ShardType) and ws is not None and held.parts != ws:
+            self.error(f"@{d.name} is split into {held.parts} shards, but the module runs on world_size = {ws} ranks",
                        d.loc, length)
 
     def _check_value(self, d, value) -> None:

@@ -15,8 +15,14 @@ releases the buffer's memory then and there; ``param.get`` of a sharded paramete
 reads this rank's shard from the runtime's shard store. Without a group, collectives
 have a meaning in one process only over a world of one rank (a gather of the one shard
 is the tensor, an average over one is itself), which is how a ``zero3{world_size=1}``
-module runs in a plain process. Host offload (``mem.offload``/``mem.reload``) is not
-lowered yet: a module that has it is rejected with a located error.
+module runs in a plain process.
+
+The optimizer step (``@step``, made by the ``offload`` pass) lowers to calls on the
+object its graph gets as ``state``: the Engine's optimizer-state store
+(``dcir_runtime.offload.StateStore``). ``param.get`` / ``param.set`` of optimizer
+state, ``mem.reload`` / ``mem.offload`` and their ``comm.wait``, ``mem.free`` of a
+reloaded copy and ``optim.step`` become its ``get_state``, ``set_state``,
+``reload``, ``offload``, ``wait``, ``free`` and ``step``.
 """
 
 from __future__ import annotations
@@ -67,8 +73,11 @@ def lower_function(module: Module, name: str, group: str | None = None,
     for a in func.args:
         env[a] = g.placeholder(_py_name(a.name))
     lowering = _Distributed(module, func, group, shards_in_state, store_prefix) if group is not None else None
+    offloading = _Offloading(module, func, state)
     for k, op in enumerate(func.ops):
-        if lowering is not None and lowering.handles(op):
+        if offloading.handles(op):
+            offloading.lower(op, g, env)
+        elif lowering is not None and lowering.handles(op):
             lowering.lower(op, g, env)
         else:
             _lower_op(module, func, op, g, env, state, grads)
@@ -172,6 +181,55 @@ class _Distributed:
             env[r] = node
 
 
+def _call(store, method: str, *args):
+    return getattr(store, method)(*args)
+
+
+class _Offloading:
+    """Optimizer state and host copies as calls on the optimizer-state store, which
+    the function gets as its ``state``."""
+
+    def __init__(self, module: Module, func: Function, state: fx.Node):
+        from dcir.memory import OPTIM_KEY, OPTIM_STATE_OF
+        self.module, self.state = module, state
+        self.symbols = {name for name, d in module.decls.items() if OPTIM_STATE_OF in d.attrs}
+        self.keys: dict[str, list[str]] = {}
+        for d in module.decls.values():
+            if OPTIM_STATE_OF in d.attrs:
+                self.keys.setdefault(d.attrs[OPTIM_STATE_OF].name, []).append(d.attrs[OPTIM_KEY])
+        copies = {v for op in func.ops if op.name in ("mem.reload", "mem.offload") for v in op.results}
+        self.waits = {op for op in func.ops if op.name == "comm.wait" and copies.issuperset(op.operands)}
+        reloaded = {r for op in self.waits for v, r in zip(op.operands, op.results) if v.owner.name == "mem.reload"}
+        owners = storage_owners(func)
+        self.reloaded = lambda v: owners.get(v, v) in reloaded  # noqa: E731
+
+    def handles(self, op: Op) -> bool:
+        if op.name in ("param.get", "param.set"):
+            return op.symbol in self.symbols
+        if op.name == "mem.free":
+            return bool(op.operands) and all(self.reloaded(v) for v in op.operands)
+        return op.name in ("mem.reload", "mem.offload", "optim.step") or op in self.waits
+
+    def lower(self, op: Op, g: fx.Graph, env: dict) -> None:
+        call = lambda method, *args: g.call_function(_call, (self.state, method, *args))  # noqa: E731
+        if op.name == "param.get":
+            env[op.results[0]] = call("get_state", op.symbol)
+        elif op.name == "param.set":
+            call("set_state", op.symbol, env[op.operands[0]])
+        elif op.name in ("mem.reload", "mem.offload"):
+            env[op.results[0]] = call(op.name.split(".")[1], env[op.operands[0]])
+        elif op.name == "comm.wait":
+            for v, r in zip(op.operands, op.results):
+                env[r] = call("wait", env[v])
+        elif op.name == "mem.free":
+            for v in op.operands:
+                call("free", env[v])
+        else:  # optim.step
+            node = call("step", op.symbol, tuple(self.keys.get(op.symbol, ())), *[env[v] for v in op.operands])
+            for i, r in enumerate(op.results):
+                env[r] = g.call_function(_item, (node, i))
+
+
 def _lower_op(module: Module, func: Function, op: Op, g: fx.Graph, env: dict, state, grads) -> None:
     if op.family == "comm":
         _lower_collective(module, op, g, env)
@@ -186,7 +244,7 @@ def _lower_op(module: Module, func: Function, op: Op, g: fx.Graph, env: dict, st
     elif op.name.startswith("aten."):
         _lower_aten(op, g, env)
     else:
-        raise _unsupported(module, op, f"{op.name} is not lowered yet (host offload comes with the offload pass)")
+        raise _unsupported(module, op, f"{op.name} is not lowered in @{func.name}")
 
 
 def _lower_aten(op: Op, g: fx.Graph, env: dict) -> None:
@@ -237,6 +295,7 @@ class Program:
     unshard_gm: fx.GraphModule | None = None  # fills the gathered copies (``unshard`` across micro-steps)
     backward_last_gm: fx.GraphModule | None = None  # the last micro-step's backward (``zero1``)
     backward_last_fn: object = None
+    step_gm: fx.GraphModule | None = None  # the optimizer step (``offload``), run on an optimizer-state store
 
     def backward_for(self, last: bool) -> tuple[str, fx.GraphModule, object]:
         """(name, graph, callable) of the backward to run: ``@backward_last`` in the last
@@ -301,15 +360,17 @@ def lower(module: Module, state: dict, *, inductor: bool = False, group: str | N
     verify(module)
     device = next((t.device for t in state.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
     state = {**constants(module), **gathered_copies(module, device), **state}
-    missing = [name for name, d in module.decls.items()
-               if name not in state and not (group is not None and isinstance(d.type, ShardType))]
+    from dcir.memory import OPTIM_STATE_OF
+    missing = [name for name, d in module.decls.items()  # optimizer state: @step's store has it
+               if name not in state and OPTIM_STATE_OF not in d.attrs
+               and not (group is not None and isinstance(d.type, ShardType))]
     if missing:
         raise DcirError(Diagnostic(f"no tensor for {', '.join('@' + m for m in missing)} in the program's state"))
     in_state = any(isinstance(d.type, ShardType) and name in state for name, d in module.decls.items())
     fw = lower_function(module, "forward", group, in_state, store_prefix)
     bw = lower_function(module, "backward", group, in_state, store_prefix)
     extra = {name: lower_function(module, name, group, in_state, store_prefix) if name in module.functions else None
-             for name in ("unshard", "backward_last")}
+             for name in ("unshard", "backward_last", "step")}
     last = extra["backward_last"]
 
     def compiled(gm):
@@ -317,10 +378,11 @@ def lower(module: Module, state: dict, *, inductor: bool = False, group: str | N
             return gm
         return compile_compute(gm) if group is not None else torch.compile(gm, dynamic=False)
 
-    return Program(module, state, fw, bw, compiled(fw), compiled(bw), extra["unshard"], last, compiled(last))
+    return Program(module, state, fw, bw, compiled(fw), compiled(bw), extra["unshard"], last, compiled(last),
+                   extra["step"])
 
 
-_STATE_CALLS = (_state_get, _state_set, _grad_set)
+_STATE_CALLS = (_state_get, _state_set, _grad_set, _call)
 
 
 def _runs_in_runtime(node: fx.Node, runtime: set) -> bool:

@@ -34,6 +34,10 @@ class Config:
     #: written into the IR and ``passes`` are planned from it; no re-capture.
     #: ``{"passes": ["prefetch", "unshard"], "profile_at": [1, 3]}``; None: off
     optimize: dict | None = None
+    #: optimizer-state offload (the ``offload`` pass): ``{"budget": "1GiB"}`` keeps at
+    #: most that many bytes of optimizer state on the device (per rank), the rest in
+    #: host memory, moved around the update of its parameter; None: off
+    offload: dict | None = None
 
     @classmethod
     def load(cls, config) -> "Config":
@@ -101,6 +105,14 @@ def _optimize(v):
     return {"passes": passes, "profile_at": sorted(set(at))}
 
 
+def _offload(v):
+    if v is None:
+        return None
+    if not isinstance(v, dict) or set(v) != {"budget"}:
+        raise ValueError(f"{v!r}; an object like {{\"budget\": \"1GiB\"}} (its only key is budget)")
+    return {"budget": parse_bytes(v["budget"])}
+
+
 def _positive_int(v):
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"{v!r}; a whole number >= 1")
@@ -125,7 +137,7 @@ def _bool(v):
 
 _CHECKS = {"zero_stage": _stage, "passes": _passes, "gradient_accumulation_steps": _positive_int,
            "memory_budget": _budget, "timeout_s": _seconds, "inductor": _bool,
-           "optimize": _optimize}
+           "optimize": _optimize, "offload": _offload}
 
 
 def _error(message: str) -> DcirError:

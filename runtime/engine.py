@@ -39,6 +39,7 @@ from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import TensorType
 from dcir.memory import format_bytes, peaks as memory_peaks
 from dcir.passes import PassManager, parse_pipeline
+from dcir.passes.offload import Offload
 from dcir.passes.zero1 import Zero1
 from dcir.passes.zero2 import Zero2
 from dcir.passes.zero3 import Zero3
@@ -46,6 +47,7 @@ from dcir_lowering.backend import Program, lower
 from dcir_lowering.frontend import compile_to_ir
 from dcir_runtime import native
 from dcir_runtime.config import Config
+from dcir_runtime.offload import StateStore
 from dcir_runtime.profiler import Profile, copy_profile
 
 
@@ -112,7 +114,13 @@ class Engine:
         trainable = [s for s in self.shards.values() if s.requires_grad]
         if optimizer is None:
             optimizer = torch.optim.AdamW
+        self._make_optimizer = optimizer
         self.optimizer = optimizer(trainable)
+        # the optimizer-state store @step runs on (the offload pass); None: optimizer.step()
+        self.state_store = None
+        if config.offload is not None:
+            self.state_store = StateStore(self.optimizer, {n: s for n, s in self.shards.items() if s.requires_grad},
+                                          self.device)
         self.module: dcir.Module | None = None
         self.program: Program | None = None
         self._saved = None
@@ -178,7 +186,7 @@ class Engine:
 
         def compile_step() -> str:
             module = compile_to_ir(self.model, args, kwargs=kwargs, loss_fn=self.loss_fn)
-            dcir.run_passes(module, [self._stage_pass(), *self._passes(self.config.passes)])
+            dcir.run_passes(module, [self._stage_pass(), *self._offload_pass(), *self._passes(self.config.passes)])
             return dcir.print(module)
 
         self.base_text = self._from_rank0("program", compile_step)
@@ -195,6 +203,21 @@ class Engine:
             return Zero1(world_size=self.world, micro_steps=self.config.gradient_accumulation_steps)
         return (Zero2 if self.config.zero_stage == 2 else Zero3)(world_size=self.world)
 
+    def _offload_pass(self) -> list:
+        """``offload`` within the configured budget, for the state this optimizer keeps."""
+        if self.config.offload is None:
+            return []
+        return [Offload(budget=self.config.offload["budget"], state="+".join(self._state_keys()))]
+
+    def _state_keys(self) -> list[str]:
+        """The optimizer's per-element state tensors (Adam: exp_avg, exp_avg_sq), found by
+        stepping a fresh optimizer of the same kind once on a two-element parameter."""
+        probe = torch.nn.Parameter(torch.zeros(2, device=self.device))
+        probe.grad = torch.zeros_like(probe)
+        opt = self._make_optimizer([probe])
+        opt.step()
+        return [k for k, v in opt.state[probe].items() if isinstance(v, torch.Tensor) and v.shape == probe.shape]
+
     def _source_name(self) -> str:
         return f"<{type(self.model).__name__} on {self.world} ranks>"
 
@@ -203,6 +226,8 @@ class Engine:
         self.program = lower(module, state, inductor=self.config.inductor, group=self.group,
                              store_prefix=self.store_prefix)
         self.module = module
+        if self.state_store is not None:
+            self.state_store.bind(module)
 
     # ---- the optimization cycle -------------------------------------------------------------
 
@@ -222,7 +247,7 @@ class Engine:
         """What a rank holds whatever the schedule: parameter shards, gradient shards (held
         through the backward and the optimizer step), optimizer state, buffers."""
         trainable = sum(s.numel() * s.element_size() for s in self.shards.values() if s.requires_grad)
-        return m["parameters"] + trainable + m["optimizer_state"] + m["buffers"]
+        return m["parameters"] + trainable + m["optimizer_state_peak"] + m["buffers"]
 
     def _pass_budget(self) -> int | None:
         """The memory budget left to a schedule: the configured budget less what this
@@ -340,7 +365,11 @@ class Engine:
         self.micro_steps += 1
         if self.micro_steps % self.config.gradient_accumulation_steps:
             return False
-        self.optimizer.step()
+        if self.program.step_gm is not None:  # the program's own step: state moves as it says
+            with torch.no_grad():
+                self._run("step", self.program.step_gm, self.state_store, {})
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         if self._profile is not None:
@@ -402,10 +431,15 @@ class Engine:
         full model's parameter bytes for comparison."""
         stats = self.ops.memory_stats()
         grads = sum(s.grad.numel() * s.grad.element_size() for s in self.shards.values() if s.grad is not None)
-        state = sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
-                    for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+        tensors = [t for st in self.optimizer.state.values() for t in st.values()
+                   if isinstance(t, torch.Tensor) and t.dim() > 0]
+        store = self.state_store
+        host = sum(t.numel() * t.element_size() for t in tensors if store is not None and store.is_host(t))
+        state = sum(t.numel() * t.element_size() for t in tensors) - host
         buffers = sum(b.numel() * b.element_size() for b in self.model.buffers())
         params = sum(s.numel() * s.element_size() for s in self.shards.values())
-        return {"parameters": params, "gradients": grads, "optimizer_state": state, "buffers": buffers,
+        return {"parameters": params, "gradients": grads, "optimizer_state": state,
+                "optimizer_state_peak": max(state, store.peak if store is not None else 0),
+                "optimizer_state_host": host, "buffers": buffers,
                 "gathered_now": stats[1], "gathered_peak": stats[2], "full_parameters": self.full_bytes,
                 "collectives": stats[4], "sent": stats[5], "wait_s": stats[6] / 1e9}

@@ -130,6 +130,15 @@ CASES.update({
     "hf_llama_zero2_accumulate4_optimize": (tiny_llama, _llama_batch, lambda out: out.loss,
                                             {"zero_stage": 2, "gradient_accumulation_steps": 4,
                                              "optimize": {"passes": _SCHEDULE, "profile_at": [1]}}),
+    # optimizer state over the budget: the rest lives in host memory between steps
+    "mlp_offload": (mlp, _mlp_batch, _squared, {"offload": {"budget": 520}}),
+    "transformer_offload_accumulate4": (TinyTransformer, _transformer_batch, None,
+                                        {"gradient_accumulation_steps": 4, "offload": {"budget": "64KiB"}}),
+    "hf_llama_offload_optimize": (tiny_llama, _llama_batch, lambda out: out.loss,
+                                  {"offload": {"budget": "200KiB"},
+                                   "optimize": {"passes": _SCHEDULE, "profile_at": [1]}}),
+    "transformer_zero2_offload": (TinyTransformer, _transformer_batch, None,
+                                  {"zero_stage": 2, "offload": {"budget": "64KiB"}}),
 })
 # after this many optimizer steps the case's memory budget shrinks to one byte under what
 # the rank holds (memory changes under a planned schedule: the engine must profile again
@@ -203,9 +212,10 @@ def run_case(name: str, rank: int, world: int) -> dict:
         err = ((a - b).abs().max() / a.abs().max().clamp_min(1e-12)).item()
         if err > worst:
             worst, where = err, n
-    optimizer_state = engine.memory()["optimizer_state"]
+    last = engine.memory()
+    state = {k: last[k] for k in ("optimizer_state", "optimizer_state_peak", "optimizer_state_host")}
     ir_text = str(engine.ir())
-    return {"max_rel_err": worst, "worst_param": where, "memory": {**memory, "optimizer_state": optimizer_state},
+    return {"max_rel_err": worst, "worst_param": where, "memory": {**memory, **state},
             "full_optimizer_state": 2 * sum(p.numel() * 4 for p in ref.parameters() if p.requires_grad),
             "ir": ir_text if rank == 0 else "", "optimize": engine.optimize_log}
 

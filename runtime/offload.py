@@ -1,0 +1,165 @@
+"""The optimizer-state store: what ``@step`` runs on (the ``offload`` pass).
+
+``@step`` updates the parameters one by one (``optim.step @w``) with the user's
+torch optimizer, and moves the state the pass put in host memory to the device and
+back around each update. Its graph calls this store (``dcir_lowering.backend``):
+
+* ``get_state`` / ``set_state``: a state tensor of the optimizer, by its buffer's
+  name (``fc.weight.exp_avg``), read or replaced; before the first step the
+  optimizer has none, and the store hands out ``ABSENT``, which the first update
+  replaces with the state the optimizer creates;
+* ``reload`` / ``offload`` start a copy to a new device buffer / a new host buffer
+  and return a pending copy; ``wait`` finishes it. On a GPU, host buffers are pinned
+  and copies run on their own CUDA stream, ordered after the compute that produced
+  their source. On a CPU, "device" and "host" are both RAM, so the copies are real
+  copies between separate buffers, run by one background thread (torch releases the
+  GIL while it copies), and only the accounting tells them apart;
+* ``free`` releases a device copy's memory at once;
+* ``step`` runs the optimizer for one parameter: the other parameters' gradients are
+  hidden from it for the call, so it updates only this one (torch optimizers skip
+  parameters without a gradient).
+
+The store counts the optimizer-state bytes on the device, now and at their peak,
+which ``Engine.memory()`` reports (``optimizer_state``, ``optimizer_state_peak``,
+``optimizer_state_host``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+#: A state tensor the optimizer has not created yet (before its first step).
+ABSENT = None
+
+
+class _Pending:
+    __slots__ = ("result", "future", "event")
+
+    def __init__(self, result, future: Future | None = None, event=None):
+        self.result, self.future, self.event = result, future, event
+
+
+class StateStore:
+    def __init__(self, optimizer: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter],
+                 device: torch.device):
+        self.optimizer, self.params, self.device = optimizer, params, device
+        self._host: dict[int, weakref.ref] = {}  # the host copies: state that lives in host memory
+        self.on_device: dict[int, int] = {}  # storage -> bytes of state on the device
+        self.peak = 0
+        self._names: dict[str, tuple[str, str]] = {}
+        self._cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device) if self._cuda else None
+        self._thread = None if self._cuda else ThreadPoolExecutor(1, thread_name_prefix="dcir-offload")
+
+    def bind(self, module) -> None:
+        """Learn which buffer of ``module`` is which parameter's state tensor."""
+        from dcir.memory import OPTIM_KEY, OPTIM_STATE_OF
+        self._names = {name: (d.attrs[OPTIM_STATE_OF].name, d.attrs[OPTIM_KEY])
+                       for name, d in module.decls.items() if OPTIM_STATE_OF in d.attrs}
+        for st in self.optimizer.state.values():  # what is on the device already (kept across plans)
+            for t in st.values():
+                if isinstance(t, torch.Tensor) and t.dim() > 0 and not self.is_host(t):
+                    self._count(t)
+
+    # ---- accounting ----------------------------------------------------------------------
+
+    def _count(self, t: torch.Tensor) -> None:
+        self.on_device[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        self.peak = max(self.peak, self.device_bytes())
+
+    def device_bytes(self) -> int:
+        return sum(self.on_device.values())
+
+    def is_host(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a host copy this store made (on a CPU, RAM either way)."""
+        ref = self._host.get(id(t))
+        return ref is not None and ref() is t
+
+    def host_bytes(self) -> int:
+        alive = (r() for r in self._host.values())
+        return sum(t.untyped_storage().nbytes() for t in alive if t is not None)
+
+    # ---- what @step calls ----------------------------------------------------------------
+
+    def get_state(self, name: str):
+        param, key = self._names[name]
+        return self.optimizer.state[self.params[param]].get(key, ABSENT)
+
+    def set_state(self, name: str, value) -> None:
+        if value is not ABSENT:
+            param, key = self._names[name]
+            self.optimizer.state[self.params[param]][key] = value
+
+    def reload(self, host):
+        if host is ABSENT:
+            return _Pending(ABSENT)
+        dst = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        self._count(dst)  # the device buffer exists from here on
+        return self._copy(dst, host)
+
+    def offload(self, t):
+        if t is ABSENT:
+            return _Pending(ABSENT)
+        dst = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self._cuda)
+        key = id(dst)
+        self._host[key] = weakref.ref(dst, lambda _: self._host.pop(key, None))
+        return self._copy(dst, t)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> _Pending:
+        if self._stream is None:
+            return _Pending(dst, self._thread.submit(dst.copy_, src))
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # src is computed
+        with torch.cuda.stream(self._stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        for t in (dst, src):
+            if t.is_cuda:
+                t.record_stream(self._stream)
+        return _Pending(dst, event=event)
+
+    def wait(self, pending: _Pending):
+        if pending.future is not None:
+            pending.future.result()
+        elif pending.event is not None:
+            if pending.result.is_cuda:
+                torch.cuda.current_stream(self.device).wait_event(pending.event)
+            else:
+                pending.event.synchronize()  # a host copy is complete only when the stream says so
+        return pending.result
+
+    def free(self, t) -> None:
+        if t is ABSENT:
+            return
+        self.on_device.pop(t.untyped_storage().data_ptr(), None)
+        t.untyped_storage().resize_(0)
+
+    def step(self, param: str, keys: tuple, *state):
+        p = self.params[param]
+        st = self.optimizer.state[p]
+        fresh = not st
+        for key, t in zip(keys, state):
+            if t is not ABSENT:
+                st[key] = t
+        hidden = [(q, q.grad) for group in self.optimizer.param_groups for q in group["params"]
+                  if q is not p and q.grad is not None]
+        for q, _ in hidden:
+            q.grad = None
+        try:
+            self.optimizer.step()
+        finally:
+            for q, g in hidden:
+                q.grad = g
+        out = tuple(st.get(key, ABSENT) for key in keys)
+        if fresh:  # the optimizer created the state now, on the device
+            for t in out:
+                if t is not ABSENT:
+                    self._count(t)
+        return out
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
