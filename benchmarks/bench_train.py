@@ -1,4 +1,4 @@
-"""DCIR against FSDP2, DeepSpeed ZeRO-3 and the compute floor, in one invocation.
+"""DCIR against FSDP2, DeepSpeed ZeRO-1/2/3 and the compute floor, in one invocation.
 
     python benchmarks/bench_train.py                      # the default workload
     python benchmarks/bench_train.py --layers 24          # the 24-layer variant
@@ -13,8 +13,17 @@ Every system trains the same HF Llama (from a config, fp32) on the same batches:
   with no passes, so every DCIR row has the cost model's predicted step time);
 * ``dcir-inductor``: the same program with the compute between collectives compiled
   by Inductor;
+* ``dcir-zero1``, ``dcir-zero2``: the Engine at ZeRO stage 1 (optimizer state
+  sharded) and 2 (gradients too), with ``dcir-optimized``'s passes;
+* ``dcir-offload``: ``zero3`` with ``dcir-optimized``'s passes and optimizer-state
+  offload, its budget half of a rank's AdamW state (2 fp32 tensors per parameter
+  element, sharded over the world);
 * ``fsdp2``: PyTorch FSDP2, ``fully_shard`` per decoder layer and on the root;
+* ``fsdp2-offload``: the same with ``offload_policy=CPUOffloadPolicy()``; without an
+  accelerator host memory cannot be pinned (``pin_memory=False`` then), and the
+  "device" and the host are the same RAM, as for ``dcir-offload``;
 * ``deepspeed``: DeepSpeed ZeRO-3, eager (CPU accelerator, gloo), when installed;
+* ``deepspeed-zero1``, ``deepspeed-zero2``: the same at ZeRO stage 1 and 2;
 * ``floor``: one process, ``torch.compile``, the same per-rank batch and no
   communication: the compute floor the sharded systems are measured against;
 * ``eager``: the same without ``torch.compile``: the compute of a step run op by op,
@@ -50,13 +59,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SYSTEMS = ["floor", "eager", "dcir", "dcir-prefetch", "dcir-unshard", "dcir-optimized", "dcir-inductor",
-           "fsdp2", "deepspeed"]
+           "dcir-zero1", "dcir-zero2", "dcir-offload", "fsdp2", "fsdp2-offload", "deepspeed-zero1", "deepspeed-zero2",
+           "deepspeed"]
 WORKLOAD = [("layers", 6), ("hidden", 256), ("seq", 128), ("batch", 4), ("vocab", 32000), ("accumulate", 1)]
 
 
 def _available(system: str) -> str | None:
     """Why ``system`` cannot run here, or None."""
-    if system == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+    if system.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
         return "not installed (pip install -e '.[bench]')"
     return None
 
@@ -119,17 +129,17 @@ def summarize(runs: dict[str, list[dict]], ns) -> dict:
 
 
 def table(rows: dict, unavailable: dict) -> str:
-    head = (f"{'system':<15}{'step s':>9}{'x floor':>9}{'tok/s/rank':>12}{'peak RSS MiB':>14}{'exposed comm s':>16}"
+    head = (f"{'system':<16}{'step s':>9}{'x floor':>9}{'tok/s/rank':>12}{'peak RSS MiB':>14}{'exposed comm s':>16}"
             f"{'predicted s':>13}")
     lines = [head, "-" * len(head)]
     for system, r in rows.items():
         x = f"{r['x_floor']:.2f}" if r["x_floor"] else "-"
         comm = f"{r['exposed_comm_s']:.3f}" if r["exposed_comm_s"] is not None else "n/a"
         pred = f"{r['predicted_s']:.3f}" if r.get("predicted_s") is not None else "n/a"
-        lines.append(f"{system:<15}{r['step_s']:>9.3f}{x:>9}{r['tokens_per_s_per_rank']:>12,.0f}"
+        lines.append(f"{system:<16}{r['step_s']:>9.3f}{x:>9}{r['tokens_per_s_per_rank']:>12,.0f}"
                      f"{r['peak_rss_mib']:>14,.0f}{comm:>16}{pred:>13}")
     for system, why in unavailable.items():
-        lines.append(f"{system:<15}  unavailable: {why}")
+        lines.append(f"{system:<16}  unavailable: {why}")
     return "\n".join(lines)
 
 
@@ -189,7 +199,7 @@ def main(argv=None) -> int:
             result = _run(system, ns, out)
             if result:
                 runs[system].append(result)
-                print(f"  round {r + 1}: {system:<14} median step {statistics.median(result['step_s']):.3f} s",
+                print(f"  round {r + 1}: {system:<16} median step {statistics.median(result['step_s']):.3f} s",
                       flush=True)
     rows = summarize(runs, ns)
     print()

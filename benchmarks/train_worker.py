@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import sys
@@ -43,17 +44,30 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def optimizer_state_bytes(model, world: int) -> int:
+    """This rank's AdamW state: two fp32 tensors (exp_avg, exp_avg_sq) per element of
+    every trainable parameter, each parameter sharded over ``world`` ranks."""
+    return sum(2 * 4 * math.ceil(p.numel() / world) for p in model.parameters() if p.requires_grad)
+
+
 class Dcir:
     """The Engine; after the first step, the next is profiled and ``passes`` are planned
-    from the profile (none: plain zero3, profiled for the cost model's prediction)."""
+    from the profile (none: plain zero3, profiled for the cost model's prediction).
+    ``extra`` is merged into the Engine's config (``zero_stage``, ``offload``); with
+    ``offload_half``, ``offload.budget`` is half of this rank's optimizer state bytes."""
 
-    def __init__(self, ns, inductor: bool, passes: tuple[str, ...] = ()):
+    def __init__(self, ns, inductor: bool, passes: tuple[str, ...] = (), extra: dict | None = None,
+                 offload_half: bool = False):
         import dcir
 
-        self.engine = dcir.initialize(llama(ns), optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4),
-                                      config={"gradient_accumulation_steps": ns.accumulate, "inductor": inductor,
-                                              "timeout_s": 600,
-                                              "optimize": {"passes": list(passes), "profile_at": [1]}},
+        model = llama(ns)
+        config = {"gradient_accumulation_steps": ns.accumulate, "inductor": inductor, "timeout_s": 600,
+                  "optimize": {"passes": list(passes), "profile_at": [1]}}
+        config.update(extra or {})
+        if offload_half:
+            world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+            config["offload"] = {"budget": optimizer_state_bytes(model, world) // 2}
+        self.engine = dcir.initialize(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4), config=config,
                                       loss_fn=lambda out: out.loss)
 
     def save_profile(self, path: str) -> None:
@@ -92,25 +106,33 @@ class _Plain:
 
 
 class Fsdp2(_Plain):
-    def __init__(self, ns):
-        from torch.distributed.fsdp import fully_shard
+    """``fully_shard`` per decoder layer and on the root; with ``offload``, the
+    parameters, gradients and optimizer step live on the CPU (``CPUOffloadPolicy``)."""
+
+    def __init__(self, ns, offload: bool = False):
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
         dist.init_process_group("gloo")
         model = llama(ns)
+        # pinning host memory needs an accelerator ("Cannot access accelerator device")
+        pin = torch.accelerator.is_available()
+        kwargs = {"offload_policy": CPUOffloadPolicy(pin_memory=pin)} if offload else {}
         for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
         super().__init__(model, ns)
 
 
 class DeepSpeed:
-    def __init__(self, ns):
+    """DeepSpeed eager ZeRO (``stage`` 1, 2 or 3), CPU accelerator, gloo."""
+
+    def __init__(self, ns, stage: int = 3):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
 
         model = llama(ns)
         config = {"train_micro_batch_size_per_gpu": ns.batch, "gradient_accumulation_steps": ns.accumulate,
-                  "zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+                  "zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
                   "zero_allow_untested_optimizer": True}
         deepspeed.init_distributed(dist_backend="gloo")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -134,6 +156,12 @@ class Floor(_Plain):
 #: DCIR with profile-guided passes
 SCHEDULES = {"dcir-prefetch": ("prefetch",), "dcir-unshard": ("unshard",),
              "dcir-optimized": ("prefetch", "unshard", "bucket")}
+#: DCIR's other ZeRO stages and offload, each with dcir-optimized's passes: config
+#: merged into the Engine's (dcir-offload's budget is filled in by ``Dcir``)
+ENGINE_FEATURES = {"dcir-zero1": {"zero_stage": 1}, "dcir-zero2": {"zero_stage": 2},
+                   "dcir-offload": {"zero_stage": 3}}
+#: DeepSpeed eager ZeRO, by stage
+DEEPSPEED = {"deepspeed-zero1": 1, "deepspeed-zero2": 2, "deepspeed": 3}
 
 
 def make(system: str, ns):
@@ -143,10 +171,15 @@ def make(system: str, ns):
         return Dcir(ns, inductor=True)
     if system in SCHEDULES:
         return Dcir(ns, inductor=False, passes=SCHEDULES[system])
+    if system in ENGINE_FEATURES:
+        return Dcir(ns, inductor=False, passes=SCHEDULES["dcir-optimized"], extra=ENGINE_FEATURES[system],
+                    offload_half=system == "dcir-offload")
     if system == "fsdp2":
         return Fsdp2(ns)
-    if system == "deepspeed":
-        return DeepSpeed(ns)
+    if system == "fsdp2-offload":
+        return Fsdp2(ns, offload=True)
+    if system in DEEPSPEED:
+        return DeepSpeed(ns, stage=DEEPSPEED[system])
     if system == "floor":
         return Floor(ns)
     if system == "eager":

@@ -37,7 +37,7 @@ import dcir
 from dcir.cost import estimate_module
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import TensorType
-from dcir.memory import format_bytes, peaks as memory_peaks
+from dcir.memory import GRAD_ACC_OF, UNSHARD_OF, format_bytes, peaks as memory_peaks
 from dcir.passes import PassManager, parse_pipeline
 from dcir.passes.offload import Offload
 from dcir.passes.zero1 import Zero1
@@ -426,7 +426,10 @@ class Engine:
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds, as the runtime accounts them: this engine's parameter
-        shards, gradient shards, optimizer state, replicated buffers, gathered
+        shards, gradient shards, optimizer state on the device (now and at its peak,
+        which ``offload`` bounds) and in host memory, replicated buffers, the program's
+        gathered copies of parameters (``replicas``: ``zero1``/``zero2``, ``unshard``
+        across micro-steps) and gradient accumulators (``zero1``), gathered
         parameters now and at their peak (the runtime's, for the process); plus the
         full model's parameter bytes for comparison."""
         stats = self.ops.memory_stats()
@@ -437,9 +440,15 @@ class Engine:
         host = sum(t.numel() * t.element_size() for t in tensors if store is not None and store.is_host(t))
         state = sum(t.numel() * t.element_size() for t in tensors) - host
         buffers = sum(b.numel() * b.element_size() for b in self.model.buffers())
+        held = {UNSHARD_OF: 0, GRAD_ACC_OF: 0}  # the program's own buffers
+        for name, d in (self.module.decls.items() if self.module is not None else ()):
+            for kind in held:
+                if kind in d.attrs:
+                    held[kind] += d.full_type.nbytes
         params = sum(s.numel() * s.element_size() for s in self.shards.values())
         return {"parameters": params, "gradients": grads, "optimizer_state": state,
                 "optimizer_state_peak": max(state, store.peak if store is not None else 0),
                 "optimizer_state_host": host, "buffers": buffers,
+                "replicas": held[UNSHARD_OF], "gradient_accumulators": held[GRAD_ACC_OF],
                 "gathered_now": stats[1], "gathered_peak": stats[2], "full_parameters": self.full_bytes,
                 "collectives": stats[4], "sent": stats[5], "wait_s": stats[6] / 1e9}

@@ -160,20 +160,44 @@ def _loss(model, loss_fn, batch):
     return loss_fn(out) if loss_fn else out
 
 
-def _eager_micro_step(model, loss_fn, whole, world: int, accumulate: int) -> None:
-    """One device, the ranks' micro-batches one after another: each rank's gradients
-    (loss seeded with 1/accumulate), summed in rank order, divided by the ranks, added
-    to ``.grad``; the mean of the global batch's loss, rounded as the runtime rounds it."""
+def _rank_grads(model, loss_fn, whole, world: int, accumulate: int) -> list[list[torch.Tensor]]:
+    """One device, the ranks' micro-batches one after another: each rank's gradients,
+    the loss seeded with 1/accumulate."""
     params = [p for p in model.parameters() if p.requires_grad]
-    total = None
+    out = []
     for r in range(world):
         loss = _loss(model, loss_fn, _slice(whole, r * ROWS, (r + 1) * ROWS))
         grads = torch.autograd.grad(loss, params, torch.full_like(loss, 1 / accumulate), allow_unused=True)
-        grads = [torch.zeros_like(p) if gr is None else gr for p, gr in zip(params, grads)]
-        total = grads if total is None else [t + gr for t, gr in zip(total, grads)]
-    for p, t in zip(params, total):
+        out.append([torch.zeros_like(p) if gr is None else gr for p, gr in zip(params, grads)])
+    return out
+
+
+def _add_average(model, per_rank: list[list[torch.Tensor]], world: int) -> None:
+    """The ranks' gradients summed in rank order, divided by the ranks (as the runtime's
+    average rounds), added to ``.grad``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for k, p in enumerate(params):
+        t = per_rank[0][k]
+        for r in range(1, world):
+            t = t + per_rank[r][k]
         t = t / world
         p.grad = t if p.grad is None else p.grad + t
+
+
+def _eager_micro_step(model, loss_fn, whole, world: int, accumulate: int, local: list | None) -> None:
+    """One micro-step on one device. Gradients are averaged across ranks on every
+    micro-step, or, with ``local`` (ZeRO-1 under accumulation, which reduces once per
+    optimizer step), summed per rank into ``local`` and averaged at the boundary by the
+    caller. Both orders are the same sum; computing the reference in the order the
+    program adds keeps the comparison bit for bit (AdamW turns a last-bit difference in
+    a near-zero gradient into a visible one: 5e-5 of a weight's scale at world 3)."""
+    per_rank = _rank_grads(model, loss_fn, whole, world, accumulate)
+    if local is None:
+        _add_average(model, per_rank, world)
+    elif not local:
+        local.extend(per_rank)
+    else:
+        local[:] = [[a + g for a, g in zip(acc, gs)] for acc, gs in zip(local, per_rank)]
 
 
 ENGINES = []  # every case's engine stays alive: engines must not disturb each other
@@ -191,11 +215,13 @@ def run_case(name: str, rank: int, world: int) -> dict:
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     memory = None
+    reduce_once = config.get("zero_stage") == 1 and accumulate > 1
     for _ in range(STEPS):
         opt.zero_grad()
+        local = [] if reduce_once else None
         for _ in range(accumulate):
             whole = batch_of(g, ROWS * world)
-            _eager_micro_step(ref, loss_fn, whole, world, accumulate)
+            _eager_micro_step(ref, loss_fn, whole, world, accumulate, local)
             args, kwargs = _slice(whole, rank * ROWS, (rank + 1) * ROWS)
             loss = engine(*args, **kwargs)
             engine.backward(loss)
@@ -204,6 +230,8 @@ def run_case(name: str, rank: int, world: int) -> dict:
             held = engine._fixed_bytes(engine.memory()) + engine.memory()["gathered_peak"]
             engine.config = dataclasses.replace(engine.config, memory_budget=held - 1)
         memory = memory or engine.memory()
+        if local:
+            _add_average(ref, local, world)
         opt.step()
     full = engine.full_parameters()
     worst, where = 0.0, ""
@@ -217,7 +245,7 @@ def run_case(name: str, rank: int, world: int) -> dict:
     ir_text = str(engine.ir())
     return {"max_rel_err": worst, "worst_param": where, "memory": {**memory, **state},
             "full_optimizer_state": 2 * sum(p.numel() * 4 for p in ref.parameters() if p.requires_grad),
-            "ir": ir_text if rank == 0 else "", "optimize": engine.optimize_log}
+            "ir": ir_text if rank == 0 else "", "optimize": engine.optimize_log, "config": config}
 
 
 def equivalence(out: str, cases: list[str]) -> None:

@@ -164,11 +164,11 @@ class Offload(Pass):
         kept = sum(n for p, n in sizes.items() if p not in offloaded)
         room = float("inf") if self.budget is None else self.budget - kept
         if offloaded and max(sizes[p] for p in offloaded) > room:
-            largest = max(offloaded, key=lambda p: sizes[p])
+            largest = module.decls[max(offloaded, key=lambda p: sizes[p])]
             raise DcirError(Diagnostic(
-                f"offload: the optimizer state of @{largest} ({format_bytes(sizes[largest])}) does not fit the "
-                f"budget of {format_bytes(self.budget)}; the step updates it on the device, so the budget "
-                f"must hold at least the largest parameter's state", module.source, module.loc, 6))
+                f"offload: the optimizer state of @{largest.name} ({format_bytes(sizes[largest.name])}) does not "
+                f"fit the budget of {format_bytes(self.budget)}; the step updates it on the device, so the budget "
+                f"must hold at least the largest parameter's state", module.source, largest.loc, len(largest.kind)))
         state: dict[str, list[str]] = {}
         for d in params:
             syms = []
