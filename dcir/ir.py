@@ -235,6 +235,19 @@ class Function:
         for op in self.ops:
             yield from op.results
 
+    def name_maker(self):
+        """A function that turns a base into a value name unused in this function and
+        not handed out before (for a rewrite that creates several values at once)."""
+        used = {v.name for v in self.values()}
+
+        def fresh(base: str) -> str:
+            name, k = base, 1
+            while name in used:
+                name, k = f"{base}_{k}", k + 1
+            used.add(name)
+            return name
+        return fresh
+
     def fresh_name(self, base: str) -> str:
         """A value name not yet used in this function, derived from ``base``."""
         used = {v.name for v in self.values()}

@@ -87,15 +87,7 @@ def _accumulate(func: Function, accumulators: dict[str, str], last: bool) -> Non
     before: dict[Op, list[Op]] = {}
     after: dict[Op, list[Op]] = {}
     gone: set[Op] = set()
-    used = {v.name for v in func.values()}
-
-    def fresh(base: str) -> str:
-        name, k = base, 1
-        while name in used:
-            name, k = f"{base}_{k}", k + 1
-        used.add(name)
-        return name
-
+    fresh = func.name_maker()
     for start, wait, hand in _reductions(func):
         grad, acc_name = start.operands[0], accumulators[hand.symbol]
         acc = Value(fresh(grad.name + "_acc"), grad.type)

@@ -86,15 +86,7 @@ def rematerialize_param_views(module: Module, stats: Counter) -> None:
             recompute.append((arg, value, chain))
     if not recompute:
         return
-    names = {v.name for v in bw.values()}
-
-    def fresh(base: str) -> str:
-        name, k = base, 1
-        while name in names:
-            name, k = f"{base}_{k}", k + 1
-        names.add(name)
-        return name
-
+    fresh = bw.name_maker()
     first_use: dict[Value, int] = {}
     for i, op in enumerate(bw.ops):
         for v in op.operands:
@@ -135,7 +127,7 @@ class _Edit:
 
     def __init__(self, func: Function, world: int):
         self.func, self.world = func, world
-        self.names = {v.name for v in func.values()}
+        self.fresh = func.name_maker()
         self.first: dict[Value, int] = {}
         for i, op in enumerate(func.ops):
             for v in op.operands:
@@ -145,13 +137,6 @@ class _Edit:
         self.before: dict[int, list[Op]] = {}
         self.after: dict[int, list[Op]] = {}
         self.replaced: dict[Op, list[Op]] = {}
-
-    def fresh(self, base: str) -> str:
-        name, k = base, 1
-        while name in self.names:
-            name, k = f"{base}_{k}", k + 1
-        self.names.add(name)
-        return name
 
     def used(self, v: Value) -> bool:
         return v in self.first
