@@ -265,7 +265,9 @@ class Engine:
     def _replan(self) -> None:
         """Write the finished profile into the IR, plan the configured passes from it on
         the captured schedule, and switch to the new program."""
-        peaks = self._profile.annotate()
+        # the ranks agree on every figure, so each one's estimates below, and with them
+        # whether to switch, come out the same: every rank must run the same program
+        peaks = self._profile.annotate(dist.group.WORLD)
         self._profile, self._profiled = None, self.module
         profiled = dcir.print(self.module)
         budget = self._pass_budget()
