@@ -166,7 +166,10 @@ def test_meta_kernels_trace_the_ops():
 
 @pytest.mark.parametrize("config,message", [
     ({"zero_stag": 3}, "unknown config key 'zero_stag'; valid keys: zero_stage, passes, gradient_accumulation_steps"),
-    ({"zero_stage": 2}, "bad value for 'zero_stage': 2; valid: 3"),
+    ({"zero_stage": 4}, "bad value for 'zero_stage': 4; valid: 1, 2, 3"),
+    ({"zero_stage": True}, "bad value for 'zero_stage': True; valid: 1, 2, 3"),
+    ({"offload": {"budget": "1GiB", "pin": True}}, "bad value for 'offload': {'budget': '1GiB', 'pin': True}; an object like"),
+    ({"offload": {"budget": "lots"}}, "bad value for 'offload': 'lots' is not a size"),
     ({"passes": ["dce", "fuse"]}, "bad value for 'passes': unknown pass 'fuse'; passes are: "),
     ({"gradient_accumulation_steps": 0}, "bad value for 'gradient_accumulation_steps': 0; a whole number >= 1"),
     ({"memory_budget": "2 gigs"}, "bad value for 'memory_budget': '2 gigs' is not a size"),
@@ -211,5 +214,5 @@ def test_dcir_train_checks_its_config_before_starting_ranks(capfd):
 
     assert main(["--config", '{"steps": 1,}']) == 1
     assert "error: --config:1:13: not JSON: Expecting property name" in capfd.readouterr().err
-    assert main(["--config", '{"zero_stage": 1}']) == 1
-    assert "bad value for 'zero_stage': 1; valid: 3" in capfd.readouterr().err
+    assert main(["--config", '{"zero_stage": 4}']) == 1
+    assert "bad value for 'zero_stage': 4; valid: 1, 2, 3" in capfd.readouterr().err
