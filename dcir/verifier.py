@@ -81,7 +81,7 @@ class _Verifier:
         self.m = module
         self.shapes = shapes
         self.diags: list[Diagnostic] = []
-        self.grad_sets: dict[str, list[Op]] = {}
+        self.grad_sets: dict[str, dict[str, list[Op]]] = {}  # function -> parameter -> grad.set ops
 
     # ---- locations ----
     def _src(self):
@@ -243,7 +243,7 @@ class _Verifier:
                     if isinstance(v.type, PendingType):
                         waited.setdefault(v, op)
             if d is not None and d.has(registry.GRADIENT) and op.symbol in self.m.decls:
-                self.grad_sets.setdefault(op.symbol, []).append(op)
+                self.grad_sets.setdefault(f.name, {}).setdefault(op.symbol, []).append(op)
             if d is None or not ok:
                 continue  # its effects are unknown; tracking them would only add follow-on errors
             self._track(op, d, storage, freed, waited, pendings, restricted, reductions, inflight)
@@ -530,14 +530,29 @@ class _Verifier:
                            (self._def_note(v),))
 
     def _check_gradients(self) -> None:
-        training = "backward" in self.m.functions
+        """Each trainable parameter gets one gradient per optimizer step: the backward of
+        the last micro-step (``@backward_last`` when there is one, else ``@backward``)
+        hands it over exactly once. ``@backward`` and ``@backward_last`` are alternatives
+        (each runs alone in its micro-step), so the count is per function."""
+        final = "backward_last" if "backward_last" in self.m.functions else "backward"
+        training = final in self.m.functions
+        backwards = ("backward", "backward_last")
         for decl in self.m.decls.values():
-            sets = self.grad_sets.get(decl.name, [])
             if not decl.trainable:
                 continue
-            if training and not sets:
-                self.error(f"trainable parameter @{decl.name} never gets a gradient: @backward must grad.set it "
+            if training and not self.grad_sets.get(final, {}).get(decl.name):
+                self.error(f"trainable parameter @{decl.name} never gets a gradient: @{final} must grad.set it "
                            "exactly once (or drop 'trainable' to freeze it)", decl.loc, len(decl.kind))
-            for extra in sets[1:]:
+            for name in backwards:  # within one backward: once
+                sets = self.grad_sets.get(name, {}).get(decl.name, [])
+                for extra in sets[1:]:
+                    self.op_error(extra, f"the gradient of @{decl.name} is handed to the optimizer twice",
+                                  (self._op_note(sets[0], "first grad.set here"),))
+            # in any other function: a second hand-over (or, without a backward, a second one)
+            first = next((per[decl.name][0] for name, per in self.grad_sets.items()
+                          if name in backwards and per.get(decl.name)), None)
+            others = [op for name, per in self.grad_sets.items() if name not in backwards
+                      for op in per.get(decl.name, [])]
+            for extra in others if first is not None else others[1:]:
                 self.op_error(extra, f"the gradient of @{decl.name} is handed to the optimizer twice",
-                              (self._op_note(sets[0], "first grad.set here"),))
+                              (self._op_note(first or others[0], "first grad.set here"),))

@@ -17,9 +17,10 @@ have a meaning in one process only over a world of one rank (a gather of the one
 is the tensor, an average over one is itself), which is how a ``zero3{world_size=1}``
 module runs in a plain process.
 
-The optimizer step (``@step``, made by the ``offload`` pass) lowers to calls on the
-object its graph gets as ``state``: the Engine's optimizer-state store
-(``dcir_runtime.offload.StateStore``). ``param.get`` / ``param.set`` of optimizer
+The optimizer step (``@step``, made by the ``offload`` pass, and the reloads it
+starts in the backward) lowers to calls on the optimizer-state store that the
+program's state holds under ``OPTIMIZER_STATE`` (the Engine's
+``dcir_runtime.offload.StateStore``). ``param.get`` / ``param.set`` of optimizer
 state, ``mem.reload`` / ``mem.offload`` and their ``comm.wait``, ``mem.free`` of a
 reloaded copy and ``optim.step`` become its ``get_state``, ``set_state``,
 ``reload``, ``offload``, ``wait``, ``free`` and ``step``.
@@ -27,6 +28,7 @@ reloaded copy and ``optim.step`` become its ``get_state``, ``set_state``,
 
 from __future__ import annotations
 
+import keyword
 import re
 from dataclasses import dataclass
 
@@ -91,7 +93,9 @@ def lower_function(module: Module, name: str, group: str | None = None,
 
 
 def _py_name(name: str) -> str:
-    return "".join(c if c.isalnum() or c == "_" else "_" for c in name) or "_"
+    """A Python identifier for ``name`` (``%0_weight`` is a DCIR name, not a Python one)."""
+    out = "".join(c if c.isalnum() or c == "_" else "_" for c in name) or "_"
+    return "_" + out if out[0].isdigit() or keyword.iskeyword(out) else out
 
 
 def _gather_one(shard: torch.Tensor, shape: tuple) -> torch.Tensor:
@@ -181,13 +185,17 @@ class _Distributed:
             env[r] = node
 
 
-def _call(store, method: str, *args):
-    return getattr(store, method)(*args)
+#: The key of the optimizer-state store in a program's state (``Engine`` puts it there).
+OPTIMIZER_STATE = "<optimizer state>"
+
+
+def _call(state: dict, method: str, *args):
+    return getattr(state[OPTIMIZER_STATE], method)(*args)
 
 
 class _Offloading:
     """Optimizer state and host copies as calls on the optimizer-state store, which
-    the function gets as its ``state``."""
+    the program's state holds under ``OPTIMIZER_STATE``."""
 
     def __init__(self, module: Module, func: Function, state: fx.Node):
         from dcir.memory import OPTIM_KEY, OPTIM_STATE_OF
@@ -200,15 +208,36 @@ class _Offloading:
         copies = {v for op in func.ops if op.name in ("mem.reload", "mem.offload") for v in op.results}
         self.waits = {op for op in func.ops if op.name == "comm.wait" and copies.issuperset(op.operands)}
         reloaded = {r for op in self.waits for v, r in zip(op.operands, op.results) if v.owner.name == "mem.reload"}
+        if func.name == "step":  # its arguments: state the last backward reloaded for it
+            reloaded.update(func.args)
         owners = storage_owners(func)
         self.reloaded = lambda v: owners.get(v, v) in reloaded  # noqa: E731
+        # a run of updates with only reads of state between them becomes one call into the
+        # optimizer (each call costs a pass over every parameter); the run's last update
+        # makes it, the others wait for it
+        self.batches: dict[Op, list[Op]] = {}
+        run: list[Op] = []
+        for op in [*func.ops, None]:
+            if op is not None and op.name == "optim.step":
+                run.append(op)
+            elif op is None or not (op.name == "param.get" and op.symbol in self.symbols):
+                if run:
+                    self.batches[run[-1]] = run
+                run = []
+
+    @staticmethod
+    def starts(module: Module, op: Op) -> bool:
+        """Whether ``op`` calls the store (the waits and frees of what it makes follow)."""
+        from dcir.memory import OPTIM_STATE_OF
+        if op.name in ("param.get", "param.set"):
+            decl = module.decls.get(op.symbol)
+            return decl is not None and OPTIM_STATE_OF in decl.attrs
+        return op.name in ("mem.reload", "mem.offload", "optim.step")
 
     def handles(self, op: Op) -> bool:
-        if op.name in ("param.get", "param.set"):
-            return op.symbol in self.symbols
         if op.name == "mem.free":
             return bool(op.operands) and all(self.reloaded(v) for v in op.operands)
-        return op.name in ("mem.reload", "mem.offload", "optim.step") or op in self.waits
+        return self.starts(self.module, op) or op in self.waits
 
     def lower(self, op: Op, g: fx.Graph, env: dict) -> None:
         call = lambda method, *args: g.call_function(_call, (self.state, method, *args))  # noqa: E731
@@ -224,10 +253,15 @@ class _Offloading:
         elif op.name == "mem.free":
             for v in op.operands:
                 call("free", env[v])
-        else:  # optim.step
-            node = call("step", op.symbol, tuple(self.keys.get(op.symbol, ())), *[env[v] for v in op.operands])
-            for i, r in enumerate(op.results):
-                env[r] = g.call_function(_item, (node, i))
+        elif op in self.batches:  # optim.step, the last of its run: the whole run at once
+            run = self.batches[op]
+            items = tuple((s.symbol, tuple(self.keys.get(s.symbol, ()))) for s in run)
+            node = call("step", items, *[env[v] for s in run for v in s.operands])
+            i = 0
+            for s in run:
+                for r in s.results:
+                    env[r] = g.call_function(_item, (node, i))
+                    i += 1
 
 
 def _lower_op(module: Module, func: Function, op: Op, g: fx.Graph, env: dict, state, grads) -> None:
@@ -350,16 +384,26 @@ class Program:
 
 
 def lower(module: Module, state: dict, *, inductor: bool = False, group: str | None = None,
-          store_prefix: str = "") -> Program:
+          store_prefix: str = "", optimizer_state=None) -> Program:
     """Lower ``module`` (verified first) to a ``Program`` over ``state`` (FQN -> tensor).
     Buffers with a ``value`` attribute that ``state`` lacks are made from it. With
     ``group`` (a process group's name), collectives run over it through the C++
     runtime, and sharded parameters are read from the runtime's shard store, under
     ``store_prefix + FQN`` (from ``state`` when it has them). ``inductor`` compiles the compute (between the
-    collectives, see ``compile_compute``)."""
+    collectives, see ``compile_compute``). ``optimizer_state`` is the store that
+    optimizer state, ``optim.step`` and host copies run on
+    (``dcir_runtime.offload.StateStore``); a module with any of them needs one."""
     verify(module)
     device = next((t.device for t in state.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
     state = {**constants(module), **gathered_copies(module, device), **state}
+    if optimizer_state is not None:
+        state[OPTIMIZER_STATE] = optimizer_state
+    else:
+        needs = next((op for f in module.functions.values() for op in f.ops if _Offloading.starts(module, op)), None)
+        if needs is not None:
+            raise _unsupported(module, needs, f"{needs.name} runs on an optimizer-state store, and none was given: "
+                                              "lower(..., optimizer_state=store) with a dcir_runtime.offload.StateStore "
+                                              "(the Engine makes one when its config has 'offload')")
     from dcir.memory import OPTIM_STATE_OF
     missing = [name for name, d in module.decls.items()  # optimizer state: @step's store has it
                if name not in state and OPTIM_STATE_OF not in d.attrs

@@ -124,6 +124,7 @@ class Engine:
         self.module: dcir.Module | None = None
         self.program: Program | None = None
         self._saved = None
+        self._step_args: tuple = ()  # the last backward's results, @step's arguments
         self.micro_steps = 0
         self.steps = 0
         self.capture_s = 0.0
@@ -207,7 +208,8 @@ class Engine:
         """``offload`` within the configured budget, for the state this optimizer keeps."""
         if self.config.offload is None:
             return []
-        return [Offload(budget=self.config.offload["budget"], state="+".join(self._state_keys()))]
+        return [Offload(budget=self.config.offload["budget"], state="+".join(self._state_keys()),
+                        micro_steps=self.config.gradient_accumulation_steps)]
 
     def _state_keys(self) -> list[str]:
         """The optimizer's per-element state tensors (Adam: exp_avg, exp_avg_sq), found by
@@ -223,11 +225,11 @@ class Engine:
 
     def _install(self, module: dcir.Module) -> None:
         state = dict(self.model.named_buffers())
-        self.program = lower(module, state, inductor=self.config.inductor, group=self.group,
-                             store_prefix=self.store_prefix)
-        self.module = module
         if self.state_store is not None:
             self.state_store.bind(module)
+        self.program = lower(module, state, inductor=self.config.inductor, group=self.group,
+                             store_prefix=self.store_prefix, optimizer_state=self.state_store)
+        self.module = module
 
     # ---- the optimization cycle -------------------------------------------------------------
 
@@ -355,8 +357,10 @@ class Engine:
         if self._profile is not None:
             fn = functools.partial(self._profile.run, name, gm)
         with torch.no_grad():
-            self._run(name, fn, self.program.state, grads, *self._saved, tangent)
+            out = self._run(name, fn, self.program.state, grads, *self._saved, tangent)
             self._saved = None
+            if last:  # what the last backward hands to @step: optimizer state reloaded early
+                self._step_args = tuple(out or ())
             for name, g in grads.items():
                 shard = self.shards[name]
                 shard.grad = g.detach() if shard.grad is None else shard.grad.add_(g)
@@ -369,7 +373,8 @@ class Engine:
             return False
         if self.program.step_gm is not None:  # the program's own step: state moves as it says
             with torch.no_grad():
-                self._run("step", self.program.step_gm, self.state_store, {})
+                self._run("step", self.program.step_gm, self.program.state, {}, *self._step_args)
+            self._step_args = ()
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -389,7 +394,9 @@ class Engine:
         if budget is None:
             return
         m = self.memory()
-        held = self._fixed_bytes(m) + m["gathered_peak"]
+        # the program's replicas and accumulators are the schedule's memory: the passes'
+        # budget leaves them out of the fixed part, because the memory model counts them
+        held = self._fixed_bytes(m) + m["replicas"] + m["gradient_accumulators"] + m["gathered_peak"]
         over = held - budget
         if self.config.optimize is not None and self.world > 1:
             agreed = torch.tensor([float(over)], dtype=torch.float64)
@@ -403,8 +410,8 @@ class Engine:
             self._profile = self._profile or Profile(self.module)
             return
         raise DcirError(Diagnostic(
-            f"rank {self.rank} holds {format_bytes(held)} (parameters, gradients, optimizer state, buffers "
-            f"and the peak of gathered parameters), over the memory budget of {format_bytes(budget)}"))
+            f"rank {self.rank} holds {format_bytes(held)} (parameters, gradients, optimizer state, buffers, "
+            f"replicas, accumulators and the peak of gathered parameters), over the memory budget of {format_bytes(budget)}"))
 
     # ---- state ---------------------------------------------------------------------------
 

@@ -15,9 +15,10 @@ back around each update. Its graph calls this store (``dcir_lowering.backend``):
   copies between separate buffers, run by one background thread (torch releases the
   GIL while it copies), and only the accounting tells them apart;
 * ``free`` releases a device copy's memory at once;
-* ``step`` runs the optimizer for one parameter: the other parameters' gradients are
-  hidden from it for the call, so it updates only this one (torch optimizers skip
-  parameters without a gradient).
+* ``step`` runs the optimizer for some parameters (one ``optim.step``, or a run of
+  them with nothing but reads of state between them): the other parameters'
+  gradients are hidden from it for the call, so it updates only those (torch
+  optimizers skip parameters without a gradient).
 
 The store counts the optimizer-state bytes on the device, now and at their peak,
 which ``Engine.memory()`` reports (``optimizer_state``, ``optimizer_state_peak``,
@@ -137,15 +138,23 @@ class StateStore:
         self.on_device.pop(t.untyped_storage().data_ptr(), None)
         t.untyped_storage().resize_(0)
 
-    def step(self, param: str, keys: tuple, *state):
-        p = self.params[param]
-        st = self.optimizer.state[p]
-        fresh = not st
-        for key, t in zip(keys, state):
-            if t is not ABSENT:
-                st[key] = t
+    def step(self, items: tuple, *state):
+        """Update the parameters ``items`` names, ``((param, keys), ...)``, with the state
+        tensors given for them in that order, in one optimizer call; returns their state
+        after the update, in the same order."""
+        params = [self.params[name] for name, _ in items]
+        chosen = set(map(id, params))
+        fresh = []
+        at = 0
+        for p, (_, keys) in zip(params, items):
+            st = self.optimizer.state[p]
+            fresh.append(not st)
+            for key, t in zip(keys, state[at:at + len(keys)]):
+                if t is not ABSENT:
+                    st[key] = t
+            at += len(keys)
         hidden = [(q, q.grad) for group in self.optimizer.param_groups for q in group["params"]
-                  if q is not p and q.grad is not None]
+                  if id(q) not in chosen and q.grad is not None]
         for q, _ in hidden:
             q.grad = None
         try:
@@ -153,12 +162,15 @@ class StateStore:
         finally:
             for q, g in hidden:
                 q.grad = g
-        out = tuple(st.get(key, ABSENT) for key in keys)
-        if fresh:  # the optimizer created the state now, on the device
-            for t in out:
-                if t is not ABSENT:
+        out = []
+        for p, (_, keys), new in zip(params, items, fresh):
+            st = self.optimizer.state[p]
+            for key in keys:
+                t = st.get(key, ABSENT)
+                if new and t is not ABSENT:  # the optimizer created it now, on the device
                     self._count(t)
-        return out
+                out.append(t)
+        return tuple(out)
 
     def close(self) -> None:
         if self._thread is not None:

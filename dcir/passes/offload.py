@@ -60,8 +60,9 @@ from dataclasses import dataclass
 
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Decl, Function, HostType, Module, Op, PendingType, SymbolRef, Value
-from dcir.memory import OPTIM_KEY, OPTIM_STATE_OF, Bytes, format_bytes, timeline
+from dcir.memory import OPTIM_KEY, OPTIM_STATE_OF, Bytes, format_bytes, saved_storage, timeline
 from dcir.passes import Pass
+from dcir.passes.zero1 import copy_function
 
 
 def _choose(sizes: dict[str, int], budget: int | None) -> set[str]:
@@ -138,6 +139,80 @@ class _StepBuilder:
         self.inflight.append((retire, self.nbytes(param)))
 
 
+def _last_backward(module: Module, micro_steps: int) -> Function | None:
+    """The backward of the last micro-step of an optimizer step: ``@backward_last``
+    (made here, as a copy of ``@backward``, when there are several micro-steps)."""
+    if "backward_last" in module.functions:
+        return module.functions["backward_last"]
+    bw = module.functions.get("backward")
+    if bw is None or micro_steps == 1:
+        return bw
+    last = copy_function(bw, "backward_last")
+    module.functions["backward_last"] = last
+    return last
+
+
+def _hand_over(module: Module, step: Function, micro_steps: int, stats: Counter) -> None:
+    """Start the reloads ``@step`` issues before its first update in the last backward
+    instead, where they overlap compute; the backward returns the reloaded state and
+    ``@step`` takes it as arguments.
+
+    A reload starts at the earliest op after which its bytes, held to the end of the
+    backward, do not raise the backward's peak (the memory model's), so the state
+    arrives as early as memory allows at no cost in peak memory."""
+    first = next((i for i, op in enumerate(step.ops) if op.name == "optim.step"), 0)
+    reloads = [op for op in step.ops[:first] if op.name == "mem.reload"]
+    if not reloads:
+        return
+    bw = _last_backward(module, micro_steps)
+    if bw is None or bw.returns:
+        return
+    waits = {v: op for op in step.ops if op.name == "comm.wait" for v in op.operands}
+    line = timeline(bw, saved_storage(module) if bw.name in ("backward", "backward_last") else None)
+    peak, during = line.peak, list(line.during)
+    fresh = bw.name_maker()
+    moved: dict[int, list[Op]] = {}
+    tail: list[Op] = []
+    gone: set[Op] = set()
+    for reload in reloads:
+        get = reload.operands[0].owner
+        wait = waits[reload.results[0]]
+        k = wait.operands.index(reload.results[0])
+        device = wait.results[k]
+        nbytes = device.type.nbytes
+        at = next((i for i in range(len(during)) if max(during[i:]) + nbytes <= peak), None)
+        if at is None:
+            continue  # it would raise the backward's peak anywhere: it stays in @step
+        for j in range(at, len(during)):
+            during[j] += nbytes
+        host = Value(fresh(get.results[0].name), get.results[0].type)
+        pending = Value(fresh(reload.results[0].name), reload.results[0].type)
+        arrived = Value(fresh(device.name), device.type)
+        moved.setdefault(at, []).extend([Op("param.get", [], [host], symbol=get.symbol),
+                                         Op("mem.reload", [host], [pending])])
+        tail.append(Op("comm.wait", [pending], [arrived]))
+        bw.returns.append(arrived)
+        bw.result_types.append(arrived.type)
+        # @step takes the reloaded state as an argument in place of its own reload
+        gone.update((get, reload))
+        wait.operands.pop(k)
+        wait.results.pop(k)
+        for i, r in enumerate(wait.results):
+            r.index = i
+        if not wait.operands:
+            gone.add(wait)
+        step.args.append(device)
+        stats["offload: reloads started in the last backward"] += 1
+    ops = []
+    for i, op in enumerate(bw.ops):
+        ops.extend(moved.get(i, ()))
+        ops.append(op)
+    bw.ops = ops + tail
+    step.ops = [op for op in step.ops if op not in gone]
+    for i, a in enumerate(step.args):
+        a.owner, a.index = step, i
+
+
 @dataclass(frozen=True)
 class Offload(Pass):
     name = "offload"
@@ -145,8 +220,12 @@ class Offload(Pass):
     budget: Bytes | None = None
     #: the optimizer's per-element state tensors, ``+``-separated (the Engine asks its optimizer)
     state: str = "exp_avg+exp_avg_sq"
+    #: micro-steps per optimizer step; above 1, reloads start in ``@backward_last`` only
+    micro_steps: int = 1
 
     def __post_init__(self):
+        if self.micro_steps < 1:
+            raise ValueError("micro_steps must be at least 1")
         keys = self.state.split("+")
         bad = [k for k in keys if not re.fullmatch(r"[A-Za-z_]\w*", k)]
         if bad:
@@ -215,7 +294,9 @@ class Offload(Pass):
         while build.inflight:
             build.retire()
         module.functions["step"] = func
+        _hand_over(module, func, self.micro_steps, stats)
         moved = sum(sizes[p] for p in offloaded)
-        peak = kept + timeline(func).peak
+        arrived = sum(a.type.nbytes for a in func.args)  # reloaded in the backward: held into @step
+        peak = kept + max(timeline(func).peak, arrived)
         stats[f"offload: optimizer state {format_bytes(sum(sizes.values()))}, on the device at most "
               f"{format_bytes(peak)}, moved each step {format_bytes(moved)}"] += 1

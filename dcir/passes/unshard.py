@@ -178,6 +178,13 @@ class Unshard(Pass):
         machine = calibrate(module, Machine())
         note_source(module, stats, "unshard")
         fws, bws = _gathers(f), _gathers(b)
+        last = module.functions.get("backward_last")
+        if last is not None:  # the last micro-step's backward gathers the same parameters
+            for name, gs in _gathers(last).items():
+                bws.setdefault(name, []).extend(gs)
+            if self.micro_steps == 1:  # its saved values are @backward's: no hand-over to two
+                stats["unshard: left as it is (@backward_last: give micro_steps)"] += 1
+                return
         if self.micro_steps > 1:
             self._across_micro_steps(module, fws, bws, machine, stats)
             return
