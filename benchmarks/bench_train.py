@@ -42,7 +42,8 @@ each run's raw figures and output are kept in ``bench_train_logs/`` beside the J
 Peak memory is each rank's peak resident set (the process, torch included), as CPU
 tensors have no allocator statistics to compare across systems. Exposed
 communication is the host time DCIR's ranks spent blocked in ``comm.wait`` per step
-(the slowest rank's); the others have no such counter ("n/a").
+(the slowest rank's), for collectives and, with offload, for host copies; the others
+have no such counter ("n/a").
 """
 
 from __future__ import annotations

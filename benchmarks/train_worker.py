@@ -87,7 +87,9 @@ class Dcir:
         self.engine.step()
 
     def wait_s(self) -> float:
-        return self.engine.memory()["wait_s"]
+        """Host seconds blocked in comm.wait: collectives, and host copies (offload)."""
+        m = self.engine.memory()
+        return m["wait_s"] + m["copy_wait_s"]
 
 
 class _Plain:

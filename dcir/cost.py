@@ -12,12 +12,15 @@ Costs per op come from the profile when the op carries one (``prof.time_us``, se
   the profile never saw (a coalesced one that ``bucket`` creates) is priced from the
   same measurements.
 
-The simulation has one compute stream (the ops in order) and one communication
-channel (collectives in issue order, one at a time, as a process group runs them).
-An async start costs its launch on the compute stream and queues its transfer on the
-channel; ``comm.wait`` stalls the compute stream until the transfers it joins are
-done. The estimate says where its numbers came from: ``profile``, ``analytic`` or
-``profile+analytic``.
+* a host copy (``mem.offload``, ``mem.reload``): its bytes over ``Machine.copy_bw``.
+
+The simulation has one compute stream (the ops in order), one communication
+channel (collectives in issue order, one at a time, as a process group runs them)
+and one copy channel (host copies in issue order: a copy stream on a GPU, the
+store's copy thread on a CPU). An async start costs its launch on the compute stream
+and queues its transfer on its channel; ``comm.wait`` stalls the compute stream until
+the transfers it joins are done. The estimate says where its numbers came from:
+``profile``, ``analytic`` or ``profile+analytic``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass, replace
 
 from dcir import ops as registry
 from dcir.ir import Function, Module, Op, ShardType, TensorType
+from dcir.memory import device_bytes
 
 #: The profile's attributes: host time of an op (for an async op, its transfer time)
 #: and the host time spent starting an async op.
@@ -42,6 +46,7 @@ class Machine:
     dispatch_s: float = 8e-6       # host cost of one op
     alpha_s: float = 1.5e-4        # latency of one collective
     beta_s: float = 1.0 / 1.0e9    # seconds per payload byte
+    copy_bw: float = 5.0e9         # bytes/s a host copy moves (one core's memcpy; PCIe on a GPU)
 
     def collective_s(self, payload: int) -> float:
         return self.alpha_s + payload * self.beta_s
@@ -91,8 +96,16 @@ def _touched_bytes(op: Op) -> int:
     return total
 
 
+def is_host_copy(op: Op) -> bool:
+    """Async ops whose work runs on the copy channel (device <-> host)."""
+    return is_transfer(op) and op.family == "mem"
+
+
 def analytic_s(op: Op, machine: Machine) -> float:
     """Host seconds of ``op`` by the analytic model (an async op: its transfer)."""
+    if is_host_copy(op):
+        return machine.dispatch_s + sum(device_bytes(r) or device_bytes(v)
+                                        for v, r in zip(op.operands, op.results)) / machine.copy_bw
     if is_transfer(op):
         return machine.collective_s(payload(op))
     if op.family != "aten":
@@ -105,7 +118,7 @@ def calibrate(module: Module, machine: Machine | None = None) -> Machine:
     (unchanged when fewer than two sizes were profiled)."""
     machine = machine or Machine()
     pts = [(payload(op), op.attrs[TIME] * 1e-6) for _, op in module.ops()
-           if is_transfer(op) and op.family == "comm" and isinstance(op.attrs.get(TIME), (int, float))]
+           if is_transfer(op) and not is_host_copy(op) and isinstance(op.attrs.get(TIME), (int, float))]
     if len({b for b, _ in pts}) < 2:
         return machine
     n = len(pts)
@@ -132,7 +145,7 @@ class Estimate:
 
     seconds: float      # until the last op finishes on the compute stream
     compute_s: float    # host time of the ops themselves
-    comm_s: float       # transfer time on the channel
+    comm_s: float       # transfer time on the channels (collectives and host copies)
     exposed_s: float    # compute stream stalled in comm.wait
     source: str         # "profile", "analytic" or "profile+analytic"
 
@@ -150,8 +163,10 @@ def _source(profiled: int, total: int) -> str:
 
 
 def estimate(func: Function, machine: Machine) -> Estimate:
-    """Simulate ``func``'s schedule: one compute stream, one in-order channel."""
-    now = channel = 0.0
+    """Simulate ``func``'s schedule: one compute stream, an in-order channel for
+    collectives and another for host copies."""
+    now = 0.0
+    channels = {False: 0.0, True: 0.0}  # is a host copy -> when its channel is free
     compute = comm = exposed = 0.0
     ready: dict = {}
     profiled = counted = 0
@@ -164,10 +179,11 @@ def estimate(func: Function, machine: Machine) -> Estimate:
             launch = launch * 1e-6 if isinstance(launch, (int, float)) else machine.dispatch_s
             now += launch
             compute += launch
-            channel = max(channel, now) + seconds
+            lane = is_host_copy(op)
+            channels[lane] = max(channels[lane], now) + seconds
             comm += seconds
             for r in op.results:
-                ready[r] = channel
+                ready[r] = channels[lane]
         elif op.name == "comm.wait":
             done = max((ready.get(v, 0.0) for v in op.operands), default=0.0)
             if done > now:

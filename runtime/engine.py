@@ -440,7 +440,9 @@ class Engine:
         gathered copies of parameters (``replicas``: ``zero1``/``zero2``, ``unshard``
         across micro-steps) and gradient accumulators (``zero1``), gathered
         parameters now and at their peak (the runtime's, for the process); plus the
-        full model's parameter bytes for comparison."""
+        full model's parameter bytes for comparison, and the runtime's counters:
+        collectives started, bytes sent, seconds blocked in ``comm.wait`` of a
+        collective (``wait_s``) and of a host copy (``copy_wait_s``, ``offload``)."""
         stats = self.ops.memory_stats()
         grads = sum(s.grad.numel() * s.grad.element_size() for s in self.shards.values() if s.grad is not None)
         tensors = [t for st in self.optimizer.state.values() for t in st.values()
@@ -460,4 +462,5 @@ class Engine:
                 "optimizer_state_host": host, "buffers": buffers,
                 "replicas": held[UNSHARD_OF], "gradient_accumulators": held[GRAD_ACC_OF],
                 "gathered_now": stats[1], "gathered_peak": stats[2], "full_parameters": self.full_bytes,
-                "collectives": stats[4], "sent": stats[5], "wait_s": stats[6] / 1e9}
+                "collectives": stats[4], "sent": stats[5], "wait_s": stats[6] / 1e9,
+                "copy_wait_s": store.wait_s if store is not None else 0.0}

@@ -22,11 +22,14 @@ back around each update. Its graph calls this store (``dcir_lowering.backend``):
 
 The store counts the optimizer-state bytes on the device, now and at their peak,
 which ``Engine.memory()`` reports (``optimizer_state``, ``optimizer_state_peak``,
-``optimizer_state_host``).
+``optimizer_state_host``), and the host time spent blocked in ``wait`` (``copy_wait_s``:
+the part of the copies that compute did not hide; on a GPU a device-side wait does
+not block the host, so there it counts only the waits for copies home).
 """
 
 from __future__ import annotations
 
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -50,6 +53,7 @@ class StateStore:
         self._host: dict[int, weakref.ref] = {}  # the host copies: state that lives in host memory
         self.on_device: dict[int, int] = {}  # storage -> bytes of state on the device
         self.peak = 0
+        self.wait_s = 0.0  # host time blocked in wait(): the copies compute did not hide
         self._names: dict[str, tuple[str, str]] = {}
         self._cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if self._cuda else None
@@ -123,6 +127,7 @@ class StateStore:
         return _Pending(dst, event=event)
 
     def wait(self, pending: _Pending):
+        begin = time.perf_counter()
         if pending.future is not None:
             pending.future.result()
         elif pending.event is not None:
@@ -130,6 +135,7 @@ class StateStore:
                 torch.cuda.current_stream(self.device).wait_event(pending.event)
             else:
                 pending.event.synchronize()  # a host copy is complete only when the stream says so
+        self.wait_s += time.perf_counter() - begin
         return pending.result
 
     def free(self, t) -> None:

@@ -2,22 +2,24 @@
 
 For every op of a DCIR function it measures
 
-* ``prof.time_us``: host wall time; for a collective, the real transfer: the start
-  is followed at once by a wait for completion, so the time is the transfer's own,
-  not hidden behind compute (the later ``comm.wait`` of the program then finds the
-  result ready);
-* ``prof.launch_us``: for a collective, the host time of starting it;
+* ``prof.time_us``: host wall time; for a collective or a host copy (``mem.reload``,
+  ``mem.offload``), the real transfer: the start is followed at once by a wait for
+  completion, so the time is the transfer's own, not hidden behind compute (the later
+  ``comm.wait`` of the program then finds the result ready);
+* ``prof.launch_us``: for a collective or a host copy, the host time of starting it;
 * ``prof.mem``: the bytes live while the op runs, by following the storage of every
   tensor the function receives or creates (a weak reference per storage: a storage
   counts until it dies or ``mem.free`` empties it). Module state (parameter shards,
-  buffers) is not counted, as in the memory model (``dcir.memory``). On a GPU the
-  CUDA allocator's own figure is taken as well (``prof.cuda_mem``).
+  buffers, optimizer state) and copies in host memory are not counted, as in the
+  memory model (``dcir.memory``). On a GPU the CUDA allocator's own figure is taken
+  as well (``prof.cuda_mem``).
 
 Ranks agree: per op, the ranks' mean compute time (the largest of each op would add
 up to more than any rank's step), the fastest rank's transfer time (a rank that
 reaches a collective late sees only the transfer; the others also wait for it), and
-the largest bytes. Several runs are reduced to their median. So every
-rank writes the same numbers into its IR, and every rank's passes decide alike.
+the largest bytes. Several runs are reduced to their median. So every rank writes
+the same numbers into its IR, and every rank's estimates decide alike (the Engine
+passes its process group to ``annotate``).
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from dcir.cost import LAUNCH, TIME
+from dcir.cost import LAUNCH, TIME, is_transfer
 from dcir.ir import Function, Module
-from dcir_lowering.backend import OP_INDEX, _state_get
+from dcir_lowering.backend import OP_INDEX, OPTIMIZER_STATE, _call, _item, _state_get
 
 MEM, PEAK, RUNS = "prof.mem", "prof.peak_bytes", "prof.runs"
 
@@ -45,8 +47,21 @@ def _dcir_name(node: fx.Node) -> str | None:
     return name.split("::", 1)[1] if name.startswith("dcir::") else None
 
 
+def _host_copy(node: fx.Node) -> bool:
+    """A call on the optimizer-state store that starts a host copy."""
+    return node.op == "call_function" and node.target is _call and node.args[1] in ("reload", "offload")
+
+
 def _reads_state(node: fx.Node) -> bool:
-    """Module state (shards, buffers): held whatever the schedule, so not counted."""
+    """Module state (shards, buffers, optimizer state): held whatever the schedule, so
+    not counted. An update (``optim.step``) returns the state it was given, updated in
+    place: a reloaded copy is counted from its reload, state on the device not at all."""
+    if node.op != "call_function":
+        return False
+    if node.target is _item and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    if node.target is _call:
+        return node.args[1] in ("get_state", "step")
     return _dcir_name(node) == "get_shard" or node.target is _state_get
 
 
@@ -75,6 +90,13 @@ class _Recorder(fx.Interpreter):
             ref = self.storages.get(s._cdata)
             if ref is None or ref() is None:
                 self.storages[s._cdata] = weakref.ref(s)
+
+    def _host(self, n: fx.Node, out) -> bool:
+        """A copy in host memory, which the store made (on a CPU, RAM like the rest):
+        not the device's, as in the memory model."""
+        if n.target is not _call or not isinstance(out, torch.Tensor):
+            return False
+        return self.env[n.args[0]][OPTIMIZER_STATE].is_host(out)
 
     def _live(self) -> int:
         total = 0
@@ -105,7 +127,12 @@ class _Recorder(fx.Interpreter):
                     self.wait(t)
                     self.ready[id(t)] = t
                 end = time.perf_counter()
-        if n.op == "placeholder" or (n.op == "call_function" and not _reads_state(n)):
+            elif _host_copy(n):  # the program's own wait then finds it done
+                if k is not None:
+                    self.launch[k] += end - begin
+                self.env[n.args[0]][OPTIMIZER_STATE].wait(out)
+                end = time.perf_counter()
+        if n.op == "placeholder" or (n.op == "call_function" and not _reads_state(n) and not self._host(n, out)):
             self._track(out)
         if k is not None:
             self.time[k] += end - begin
@@ -139,7 +166,7 @@ class Profile:
             launch = [statistics.median(r.launch[k] for r in recs) for k in range(len(func.ops))]
             mem = [max(r.mem[k] for r in recs) for k in range(len(func.ops))]
             cuda = [max(r.cuda_mem[k] for r in recs) for k in range(len(func.ops))]
-            transfer = [k for k, op in enumerate(func.ops) if op.name.startswith("comm.") and op.name != "comm.wait"]
+            transfer = [k for k, op in enumerate(func.ops) if is_transfer(op)]
             time_s, launch, mem, cuda = _agree(func, time_s, launch, mem, cuda, set(transfer), group)
             for k, op in enumerate(func.ops):
                 for key in [key for key in op.attrs if key.startswith("prof.")]:

@@ -55,6 +55,41 @@ def test_cost_model_overlaps_the_transfer_with_compute():
     assert source(bare) == "analytic" and estimate_module(bare).source == "analytic"
 
 
+GATHER_AND_COPY = """
+module @m attributes {world_size = 2} {
+  param @w : shard<f32[64, 64], 2> {trainable}
+  func @forward(%x: f32[64, 64], %m: shard<f32[64, 64], 2>) -> (f32[]) {
+    %off = mem.offload(%m) {prof.time_us = 80.0} : pending<host<shard<f32[64, 64], 2>>>
+    %w_shard = param.get @w : shard<f32[64, 64], 2>
+    %p = comm.all_gather(%w_shard) {prof.time_us = 100.0} : pending<f32[64, 64]>
+    %a = aten.relu.default(%x) {prof.time_us = 60.0} : f32[64, 64]
+    %home = comm.wait(%off) {prof.time_us = 1.0} : host<shard<f32[64, 64], 2>>
+    %w = comm.wait(%p) {prof.time_us = 1.0} : f32[64, 64]
+    %y = aten.mm.default(%a, %w) {prof.time_us = 50.0} : f32[64, 64]
+    mem.free(%w, %m) {prof.time_us = 1.0}
+    %loss = aten.sum.default(%y) {prof.time_us = 5.0} : f32[]
+    return %loss
+  }
+}
+"""
+
+
+def test_host_copies_have_a_channel_of_their_own():
+    """A copy to host memory does not queue behind the collectives (nor they behind it):
+    a copy stream on a GPU, the store's thread on a CPU."""
+    e = estimate(dcir.parse(GATHER_AND_COPY).functions["forward"], Machine())
+    # launches cost 8 us each (and param.get 8): the copy runs from 8 to 88 us and
+    # the gather from 24 to 124 us, side by side; relu ends at 84 us, so 4 us of the
+    # copy and then 35 us of the gather are exposed (on one channel the gather would
+    # have started at 88 us and 64 us more of it would show)
+    assert e.exposed_s == pytest.approx(39e-6)
+    assert e.comm_s == pytest.approx(180e-6)
+    # unprofiled, a copy costs its bytes over copy_bw: 8 KiB (the shard) at 8.192 GB/s, 1 us
+    bare = dcir.parse(GATHER_AND_COPY.replace("{prof.time_us = 80.0} ", ""))
+    e = estimate(bare.functions["forward"], Machine(copy_bw=8.192e9))
+    assert e.comm_s == pytest.approx(100e-6 + Machine().dispatch_s + 1e-6)
+
+
 def test_sizes_parse():
     assert parse_bytes("2GiB") == 2 * 2**30 and parse_bytes("512MB") == 512 * 10**6 and parse_bytes("4096") == 4096
     with pytest.raises(ValueError, match="is not a size"):
