@@ -17,10 +17,10 @@ have a meaning in one process only over a world of one rank (a gather of the one
 is the tensor, an average over one is itself), which is how a ``zero3{world_size=1}``
 module runs in a plain process.
 
-The optimizer step (``@step``, made by the ``offload`` pass, and the reloads it
-starts in the backward) lowers to calls on the optimizer-state store that the
-program's state holds under ``OPTIMIZER_STATE`` (the Engine's
-``dcir_runtime.offload.StateStore``). ``param.get`` / ``param.set`` of optimizer
+The optimizer step (``@step``, made by the ``offload`` pass, the reloads it starts
+in the backward and the copies home it finishes in the forward) lowers to calls on
+the optimizer-state store that the program's state holds under ``OPTIMIZER_STATE``
+(``lower(..., optimizer_state=)``: the Engine's ``dcir_runtime.offload.StateStore``). ``param.get`` / ``param.set`` of optimizer
 state, ``mem.reload`` / ``mem.offload`` and their ``comm.wait``, ``mem.free`` of a
 reloaded copy and ``optim.step`` become its ``get_state``, ``set_state``,
 ``reload``, ``offload``, ``wait``, ``free`` and ``step``.
@@ -208,8 +208,11 @@ class _Offloading:
         copies = {v for op in func.ops if op.name in ("mem.reload", "mem.offload") for v in op.results}
         self.waits = {op for op in func.ops if op.name == "comm.wait" and copies.issuperset(op.operands)}
         reloaded = {r for op in self.waits for v, r in zip(op.operands, op.results) if v.owner.name == "mem.reload"}
-        if func.name == "step":  # its arguments: state the last backward reloaded for it
-            reloaded.update(func.args)
+        # device copies of state handed over between functions, which the store counts:
+        # @step's arguments (reloaded in the last backward), @forward's (updated in @step)
+        args = set(func.args)
+        reloaded.update(v for op in func.ops if op.name in ("optim.step", "mem.offload")
+                        for v in op.operands if v in args)
         owners = storage_owners(func)
         self.reloaded = lambda v: owners.get(v, v) in reloaded  # noqa: E731
         # a run of updates with only reads of state between them becomes one call into the

@@ -47,7 +47,7 @@ from dcir_lowering.backend import Program, lower
 from dcir_lowering.frontend import compile_to_ir
 from dcir_runtime import native
 from dcir_runtime.config import Config
-from dcir_runtime.offload import StateStore
+from dcir_runtime.offload import ABSENT, StateStore
 from dcir_runtime.profiler import Profile, copy_profile
 
 
@@ -124,7 +124,10 @@ class Engine:
         self.module: dcir.Module | None = None
         self.program: Program | None = None
         self._saved = None
-        self._step_args: tuple = ()  # the last backward's results, @step's arguments
+        # state handed between functions (offload): the last backward's results are @step's
+        # arguments, @step's results the next forward's last arguments
+        self._step_args: tuple = ()
+        self._forward_args: tuple = ()
         self.micro_steps = 0
         self.steps = 0
         self.capture_s = 0.0
@@ -230,6 +233,10 @@ class Engine:
         self.program = lower(module, state, inductor=self.config.inductor, group=self.group,
                              store_prefix=self.store_prefix, optimizer_state=self.state_store)
         self.module = module
+        step = module.functions.get("step")
+        carried = len(step.returns) if step is not None else 0
+        if len(self._forward_args) != carried:  # before the first step: no state exists yet
+            self._forward_args = (ABSENT,) * carried
 
     # ---- the optimization cycle -------------------------------------------------------------
 
@@ -323,7 +330,8 @@ class Engine:
         if self._profile is not None:
             fn = functools.partial(self._profile.run, "forward", self.program.forward_gm)
         with torch.no_grad():
-            loss, self._saved = self._run("forward", fn, self.program.state, {}, *inputs)
+            loss, self._saved = self._run("forward", fn, self.program.state, {}, *inputs, *self._forward_args)
+        self._forward_args = (ABSENT,) * len(self._forward_args)  # the copies home are done
         return loss
 
     def _check_inputs(self, inputs: list) -> None:
@@ -373,8 +381,12 @@ class Engine:
             return False
         if self.program.step_gm is not None:  # the program's own step: state moves as it says
             with torch.no_grad():
-                self._run("step", self.program.step_gm, self.program.state, {}, *self._step_args)
+                fn = self.program.step_gm
+                if self._profile is not None:  # its ops' costs, for the cost model's step
+                    fn = functools.partial(self._profile.run, "step", self.program.step_gm)
+                out = self._run("step", fn, self.program.state, {}, *self._step_args)
             self._step_args = ()
+            self._forward_args = tuple(out or ())  # state still on the device, copied home next forward
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

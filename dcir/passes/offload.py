@@ -21,35 +21,58 @@ In ``@step`` an offloaded parameter's state is reloaded (``mem.reload``, async),
 by its ``optim.step``, copied back home (``mem.offload``, async, then ``param.set``)
 and its device copy freed. Reloads start as early as the budget allows, so a
 reload overlaps the updates before it, and the copies home are waited on only when
-their room is needed for the next reload (or at the end), so they overlap the
-updates after them. With gradient accumulation nothing moves on the micro-steps:
-``@step`` runs once per optimizer step.
+their room is needed for the next reload, so they overlap the updates after them.
+Around the step, the copies also overlap forward and backward compute, as far as
+memory allows (each without raising that function's peak, by the memory model):
 
-Before -> after (``budget=1KiB``; @b's 2 x 64 B fit, @w's 2 x 512 B do not)::
+* the reloads ``@step`` would start before its first update start in the last
+  backward instead, once its activations are freed; the backward returns the state
+  and ``@step`` takes it as arguments;
+* the copies home still in flight when ``@step`` ends finish in the next forward:
+  ``@step`` returns that updated state, ``@forward`` takes it as its last arguments,
+  starts the copies first thing and waits for them before its peak.
 
-    param @w : shard<f32[16, 16], 2> {trainable}
+With gradient accumulation (``micro_steps``) nothing moves on the other micro-steps:
+``@step`` runs once per optimizer step, its reloads go to ``@backward_last`` (made as
+a copy of ``@backward`` when needed), and the copies home stay in ``@step``, since
+``@forward`` runs on every micro-step.
+
+Before -> after (golden ``offload.dcir``, ``budget=1100``: both parameters' state, 1.12
+KiB, goes to host memory; @a's 1 KiB is all the room holds at once)::
+
+    param @a : shard<f32[16, 16], 2> {trainable}
     param @b : shard<f32[32], 2> {trainable}
   ->
-    buffer @w.exp_avg : host<shard<f32[16, 16], 2>> {optim.state_of = @w, optim.key = "exp_avg"}
-    buffer @w.exp_avg_sq : host<shard<f32[16, 16], 2>> {optim.state_of = @w, optim.key = "exp_avg_sq"}
-    buffer @b.exp_avg : shard<f32[32], 2> {optim.state_of = @b, optim.key = "exp_avg"}
-    buffer @b.exp_avg_sq : shard<f32[32], 2> {optim.state_of = @b, optim.key = "exp_avg_sq"}
-    func @step() {
-      %w_exp_avg_host = param.get @w.exp_avg : host<shard<f32[16, 16], 2>>
-      %w_exp_avg_pending = mem.reload(%w_exp_avg_host) : pending<shard<f32[16, 16], 2>>
+    buffer @a.exp_avg : host<shard<f32[16, 16], 2>> {optim.state_of = @a, optim.key = "exp_avg"}
+    ...
+    func @forward(%x: f32[64, 64], %b_exp_avg_1: shard<f32[32], 2>, ...) -> (...) {
+      %b_exp_avg_off = mem.offload(%b_exp_avg_1) : pending<host<shard<f32[32], 2>>>
+      ...                                       // gathers and compute
+      %b_exp_avg_home, ... = comm.wait(%b_exp_avg_off, ...)
+      param.set @b.exp_avg(%b_exp_avg_home)
+      mem.free(%b_exp_avg_1, ...)
+      %h = aten.mul.Tensor(%x, %x) : f32[64, 64]  // the forward's peak
       ...
-      %b_exp_avg = param.get @b.exp_avg : shard<f32[32], 2>
-      %b_exp_avg_sq = param.get @b.exp_avg_sq : shard<f32[32], 2>
+    func @backward(...) -> (shard<f32[16, 16], 2>, shard<f32[16, 16], 2>) {
+      ...
+      mem.free(%big)
+      %a_exp_avg_host = param.get @a.exp_avg : host<shard<f32[16, 16], 2>>
+      %a_exp_avg_pending = mem.reload(%a_exp_avg_host) : pending<shard<f32[16, 16], 2>>
+      ...                                       // the rest of the backward
+      %a_exp_avg = comm.wait(%a_exp_avg_pending) : shard<f32[16, 16], 2>
+      return %a_exp_avg, %a_exp_avg_sq
+    func @step(%a_exp_avg: shard<f32[16, 16], 2>, ...) -> (shard<f32[32], 2>, ...) {
+      %a_exp_avg_1, %a_exp_avg_sq_1 = optim.step @a(%a_exp_avg, %a_exp_avg_sq) : ...
+      %a_exp_avg_off = mem.offload(%a_exp_avg_1) : pending<host<shard<f32[16, 16], 2>>>
+      ...
+      %a_exp_avg_home, ... = comm.wait(%a_exp_avg_off, ...)
+      param.set @a.exp_avg(%a_exp_avg_home)
+      mem.free(%a_exp_avg_1, %a_exp_avg_sq_1)
+      %b_exp_avg_host = param.get @b.exp_avg : host<shard<f32[32], 2>>
+      %b_exp_avg_pending = mem.reload(%b_exp_avg_host) : pending<shard<f32[32], 2>>
+      ...
       %b_exp_avg_1, %b_exp_avg_sq_1 = optim.step @b(%b_exp_avg, %b_exp_avg_sq) : ...
-      %w_exp_avg, %w_exp_avg_sq = comm.wait(%w_exp_avg_pending, %w_exp_avg_sq_pending) : ...
-      %w_exp_avg_1, %w_exp_avg_sq_1 = optim.step @w(%w_exp_avg, %w_exp_avg_sq) : ...
-      %w_exp_avg_off = mem.offload(%w_exp_avg_1) : pending<host<shard<f32[16, 16], 2>>>
-      ...
-      %w_exp_avg_home, %w_exp_avg_sq_home = comm.wait(%w_exp_avg_off, %w_exp_avg_sq_off) : ...
-      param.set @w.exp_avg(%w_exp_avg_home)
-      param.set @w.exp_avg_sq(%w_exp_avg_sq_home)
-      mem.free(%w_exp_avg_1, %w_exp_avg_sq_1)
-    }
+      return %b_exp_avg_1, %b_exp_avg_sq_1
 """
 
 from __future__ import annotations
@@ -60,7 +83,7 @@ from dataclasses import dataclass
 
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Decl, Function, HostType, Module, Op, PendingType, SymbolRef, Value
-from dcir.memory import OPTIM_KEY, OPTIM_STATE_OF, Bytes, format_bytes, saved_storage, timeline
+from dcir.memory import OPTIM_KEY, OPTIM_STATE_OF, Bytes, device_bytes, format_bytes, saved_storage, timeline
 from dcir.passes import Pass
 from dcir.passes.zero1 import copy_function
 
@@ -87,7 +110,8 @@ class _StepBuilder:
     def __init__(self, module: Module, func: Function, state: dict[str, list[str]], room: float):
         self.module, self.func, self.state, self.room = module, func, state, room
         self.live = 0
-        self.inflight: deque[tuple[list[Op], int]] = deque()
+        # copies home in flight: (their mem.offload starts, the ops that finish them, bytes)
+        self.inflight: deque[tuple[list[Op], list[Op], int]] = deque()
         self.reloaded: dict[str, tuple[Op, list[Value]]] = {}
 
     def value(self, base: str, type_) -> Value:
@@ -100,7 +124,7 @@ class _StepBuilder:
         return sum(self.module.decls[s].type.inner.nbytes for s in self.state[param])
 
     def retire(self) -> None:
-        ops, nbytes = self.inflight.popleft()
+        _, ops, nbytes = self.inflight.popleft()
         for op in ops:
             self.emit(op)
         self.live -= nbytes
@@ -126,65 +150,67 @@ class _StepBuilder:
         return True
 
     def offload(self, param: str, updated: list[Value]) -> None:
-        pendings, homes, sets = [], [], []
-        for sym, v in zip(self.state[param], updated):
-            base = sym.replace(".", "_")
-            pending = self.value(base + "_off", PendingType(HostType(v.type)))
-            self.emit(Op("mem.offload", [v], [pending]))
-            home = self.value(base + "_home", HostType(v.type))
-            pendings.append(pending)
-            homes.append(home)
-            sets.append(Op("param.set", [home], symbol=sym))
-        retire = [Op("comm.wait", pendings, homes), *sets, Op("mem.free", list(updated))]
-        self.inflight.append((retire, self.nbytes(param)))
+        starts, retire = _copies_home(self.state[param], updated, self.func.fresh_name)
+        for op in starts:
+            self.emit(op)
+        self.inflight.append((starts, retire, self.nbytes(param)))
 
 
-def _last_backward(module: Module, micro_steps: int) -> Function | None:
-    """The backward of the last micro-step of an optimizer step: ``@backward_last``
-    (made here, as a copy of ``@backward``, when there are several micro-steps)."""
-    if "backward_last" in module.functions:
-        return module.functions["backward_last"]
-    bw = module.functions.get("backward")
-    if bw is None or micro_steps == 1:
-        return bw
-    last = copy_function(bw, "backward_last")
-    module.functions["backward_last"] = last
-    return last
+def _copies_home(symbols: list[str], updated: list[Value], fresh) -> tuple[list[Op], list[Op]]:
+    """The ops that copy a parameter's updated state (``updated``, on the device) home to
+    its host buffers ``symbols``: the async starts, and the ops that finish them (wait,
+    ``param.set`` of the host copies, free of the device copies)."""
+    starts, pendings, homes, sets = [], [], [], []
+    for sym, v in zip(symbols, updated):
+        base = sym.replace(".", "_")
+        pending = Value(fresh(base + "_off"), PendingType(HostType(v.type)))
+        starts.append(Op("mem.offload", [v], [pending]))
+        home = Value(fresh(base + "_home"), HostType(v.type))
+        pendings.append(pending)
+        homes.append(home)
+        sets.append(Op("param.set", [home], symbol=sym))
+    return starts, [Op("comm.wait", pendings, homes), *sets, Op("mem.free", list(updated))]
 
 
 def _hand_over(module: Module, step: Function, micro_steps: int, stats: Counter) -> None:
     """Start the reloads ``@step`` issues before its first update in the last backward
     instead, where they overlap compute; the backward returns the reloaded state and
-    ``@step`` takes it as arguments.
+    ``@step`` takes it as arguments. The last backward is ``@backward_last`` (made here,
+    as a copy of ``@backward``, when there are several micro-steps and a reload moves).
 
     A reload starts at the earliest op after which its bytes, held to the end of the
     backward, do not raise the backward's peak (the memory model's), so the state
     arrives as early as memory allows at no cost in peak memory."""
     first = next((i for i, op in enumerate(step.ops) if op.name == "optim.step"), 0)
     reloads = [op for op in step.ops[:first] if op.name == "mem.reload"]
-    if not reloads:
+    bw = module.functions.get("backward_last") or module.functions.get("backward")
+    if not reloads or bw is None or bw.returns:
         return
-    bw = _last_backward(module, micro_steps)
-    if bw is None or bw.returns:
-        return
-    waits = {v: op for op in step.ops if op.name == "comm.wait" for v in op.operands}
-    line = timeline(bw, saved_storage(module) if bw.name in ("backward", "backward_last") else None)
+    line = timeline(bw, saved_storage(module))
     peak, during = line.peak, list(line.during)
-    fresh = bw.name_maker()
-    moved: dict[int, list[Op]] = {}
-    tail: list[Op] = []
-    gone: set[Op] = set()
+    placed: list[tuple[Op, int]] = []
     for reload in reloads:
-        get = reload.operands[0].owner
-        wait = waits[reload.results[0]]
-        k = wait.operands.index(reload.results[0])
-        device = wait.results[k]
-        nbytes = device.type.nbytes
+        nbytes = device_bytes(reload.results[0])
         at = next((i for i in range(len(during)) if max(during[i:]) + nbytes <= peak), None)
         if at is None:
             continue  # it would raise the backward's peak anywhere: it stays in @step
         for j in range(at, len(during)):
             during[j] += nbytes
+        placed.append((reload, at))
+    if not placed:
+        return
+    if micro_steps > 1 and bw.name == "backward":  # the other micro-steps move nothing
+        bw = module.functions["backward_last"] = copy_function(bw, "backward_last")
+    waits = {v: op for op in step.ops if op.name == "comm.wait" for v in op.operands}
+    fresh = bw.name_maker()
+    moved: dict[int, list[Op]] = {}
+    tail: list[Op] = []
+    gone: set[Op] = set()
+    for reload, at in placed:
+        get = reload.operands[0].owner
+        wait = waits[reload.results[0]]
+        k = wait.operands.index(reload.results[0])
+        device = wait.results[k]
         host = Value(fresh(get.results[0].name), get.results[0].type)
         pending = Value(fresh(reload.results[0].name), reload.results[0].type)
         arrived = Value(fresh(device.name), device.type)
@@ -213,6 +239,62 @@ def _hand_over(module: Module, step: Function, micro_steps: int, stats: Counter)
         a.owner, a.index = step, i
 
 
+def _hand_to_forward(module: Module, step: Function, tail: list[tuple[list[Op], list[Op], int]],
+                     stats: Counter) -> set[int]:
+    """Finish the copies home still in flight at the end of ``@step`` (``tail``) in the
+    next ``@forward`` instead, where they overlap its compute: ``@step`` returns those
+    parameters' updated state, still on the device, and ``@forward`` takes it as its
+    last arguments, starts the copies first thing and finishes them as late as memory
+    allows. Returns the positions in ``tail`` of the copies it moved.
+
+    The copies of one parameter are finished before the latest op up to which holding
+    its bytes from the forward's entry does not raise the forward's peak (the memory
+    model's), so the peak stays what it was; a copy that would have to finish at the
+    entry gains nothing there and stays in ``@step``."""
+    fw = module.functions.get("forward")
+    if fw is None or not tail:
+        return set()
+    line = timeline(fw)
+    peak, during = line.peak, list(line.during)
+    fresh = fw.name_maker()
+    finish_at: dict[int, list[Op]] = {}
+    handed: dict[int, tuple[list[Value], list[Value], list[Op]]] = {}
+    for k in reversed(range(len(tail))):  # the newest copies have the most left to do
+        starts, retire, nbytes = tail[k]
+        before = 0
+        while before < len(during) and max(during[:before + 1]) + nbytes <= peak:
+            before += 1
+        if before == 0:
+            continue  # it would finish at the entry, behind no compute
+        for j in range(before):
+            during[j] += nbytes
+        updated = [op.operands[0] for op in starts]
+        args = [Value(fresh(v.name), v.type) for v in updated]
+        symbols = [op.symbol for op in retire if op.name == "param.set"]
+        new_starts, new_retire = _copies_home(symbols, args, fresh)
+        finish_at.setdefault(before, [])[:0] = new_retire
+        handed[k] = (updated, args, new_starts)
+        stats["offload: copies home finished in the next forward"] += 1
+    if not handed:
+        return set()
+    gone = {op for k in handed for op in tail[k][0]}
+    step.ops = [op for op in step.ops if op not in gone]
+    ops: list[Op] = []
+    for k in sorted(handed):
+        updated, args, new_starts = handed[k]
+        step.returns.extend(updated)
+        step.result_types.extend(v.type for v in updated)
+        for a in args:
+            a.owner, a.index = fw, len(fw.args)
+            fw.args.append(a)
+        ops.extend(new_starts)
+    for i, op in enumerate(fw.ops):
+        ops.extend(finish_at.get(i, ()))
+        ops.append(op)
+    fw.ops = ops
+    return set(handed)
+
+
 @dataclass(frozen=True)
 class Offload(Pass):
     name = "offload"
@@ -221,6 +303,7 @@ class Offload(Pass):
     #: the optimizer's per-element state tensors, ``+``-separated (the Engine asks its optimizer)
     state: str = "exp_avg+exp_avg_sq"
     #: micro-steps per optimizer step; above 1, reloads start in ``@backward_last`` only
+    #: and the copies home finish in ``@step``
     micro_steps: int = 1
 
     def __post_init__(self):
@@ -291,8 +374,12 @@ class Offload(Pass):
             else:
                 stats["offload: parameters whose optimizer state stays on the device"] += 1
             prefetch()
-        while build.inflight:
-            build.retire()
+        # the copies home still in flight finish in the next forward where that hides them
+        # (under accumulation @forward runs on every micro-step: they stay in @step)
+        moved = _hand_to_forward(module, func, list(build.inflight) if self.micro_steps == 1 else [], stats)
+        for k, (_, retire, _) in enumerate(build.inflight):
+            if k not in moved:
+                func.ops.extend(retire)
         module.functions["step"] = func
         _hand_over(module, func, self.micro_steps, stats)
         moved = sum(sizes[p] for p in offloaded)
