@@ -182,6 +182,29 @@ def test_host_copies_run_on_the_store():
         store.close()
 
 
+def test_a_copy_home_reuses_the_stale_host_buffer_only_when_nothing_else_holds_it():
+    from dcir_runtime.offload import StateStore
+
+    store = StateStore(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), {}, torch.device("cpu"))
+    try:
+        host = store.wait(store.offload(torch.arange(4.0)))
+        assert store.is_host(host)
+        dev = store.wait(store.reload(host))
+        assert dev.data_ptr() != host.data_ptr() and torch.equal(dev, host)
+        where = host.data_ptr()
+        del host  # the state is the device copy now: its host copy is stale
+        dev.mul_(2)
+        home = store.wait(store.offload(dev))
+        assert home.data_ptr() == where and torch.equal(home, torch.arange(4.0) * 2) and store.is_host(home)
+        again = store.wait(store.reload(home))
+        again.add_(1)
+        other = store.wait(store.offload(again))  # ``home`` is still held here: a new buffer
+        assert other.data_ptr() != home.data_ptr() and torch.equal(home, torch.arange(4.0) * 2)
+        assert torch.equal(other, torch.arange(4.0) * 2 + 1)
+    finally:
+        store.close()
+
+
 def test_missing_state_is_an_error():
     module = dcir.parse((ROOT / "examples" / "mlp.dcir").read_text())
     with pytest.raises(dcir.DcirError, match="no tensor for @fc1.weight, @fc1.bias, .* in the program's state"):

@@ -376,9 +376,9 @@ class Offload(Pass):
             prefetch()
         # the copies home still in flight finish in the next forward where that hides them
         # (under accumulation @forward runs on every micro-step: they stay in @step)
-        moved = _hand_to_forward(module, func, list(build.inflight) if self.micro_steps == 1 else [], stats)
+        handed = _hand_to_forward(module, func, list(build.inflight) if self.micro_steps == 1 else [], stats)
         for k, (_, retire, _) in enumerate(build.inflight):
-            if k not in moved:
+            if k not in handed:
                 func.ops.extend(retire)
         module.functions["step"] = func
         _hand_over(module, func, self.micro_steps, stats)
