@@ -117,7 +117,8 @@ def rank_main(ns) -> None:
     if bar is not None:
         bar.close()
     last_eval = evaluate()
-    memory = {**memory, "optimizer_state": engine.memory()["optimizer_state"]}
+    last = engine.memory()
+    memory = {**memory, **{k: last[k] for k in ("optimizer_state", "optimizer_state_peak", "optimizer_state_host")}}
     everyone = [None] * world
     dist.all_gather_object(everyone, memory)
     if ns.ir and rank == 0:
@@ -134,10 +135,13 @@ def rank_main(ns) -> None:
         print(f"throughput      {tokens / train_s:,.0f} tokens/s ({tokens / train_s / world:,.0f} per rank), "
               f"{train_s / ns.steps:.3f} s/step; capture + passes {engine.capture_s:.1f} s, "
               f"total {time.perf_counter() - begin:.1f} s")
-        print("memory per rank (the runtime's accounting, MiB):")
-        print(f"  {'rank':>4} {'params':>8} {'optim':>8} {'grads':>8} {'gathered peak':>14} {'of full params':>15}")
+        print("memory per rank (the runtime's accounting, MiB; optimizer state on the device at its peak, "
+              "and in host memory):")
+        print(f"  {'rank':>4} {'params':>8} {'replicas':>9} {'grads':>8} {'optim':>8} {'optim host':>11} "
+              f"{'gathered peak':>14} {'of full params':>15}")
         for r, m in enumerate(everyone):
-            print(f"  {r:>4} {m['parameters'] / mib:8.2f} {m['optimizer_state'] / mib:8.2f} {m['gradients'] / mib:8.2f} "
+            print(f"  {r:>4} {m['parameters'] / mib:8.2f} {m['replicas'] / mib:9.2f} {m['gradients'] / mib:8.2f} "
+                  f"{m['optimizer_state_peak'] / mib:8.2f} {m['optimizer_state_host'] / mib:11.2f} "
                   f"{m['gathered_peak'] / mib:14.2f} {m['parameters'] / m['full_parameters']:14.1%}")
         if ns.ir:
             print(f"the program: {ns.ir} (dcir-opt {ns.ir} reads it)")

@@ -227,3 +227,22 @@ def test_dcir_train_checks_its_config_before_starting_ranks(capfd):
     assert "error: --config:1:13: not JSON: Expecting property name" in capfd.readouterr().err
     assert main(["--config", '{"zero_stage": 4}']) == 1
     assert "bad value for 'zero_stage': 4; valid: 1, 2, 3" in capfd.readouterr().err
+
+
+def test_dcir_train_runs_zero2_with_offload(capfd):
+    """The main job, short, at ZeRO-2 with optimizer state over a budget: it trains and
+    its memory table shows replicated parameters and state in host memory."""
+    from dcir_runtime.train import main
+
+    config = '{"zero_stage": 2, "offload": {"budget": "100KiB"}, "timeout_s": 60}'
+    code = main(["--steps", "3", "--layers", "1", "--hidden", "64", "--seq", "32", "--batch", "2",
+                 "--config", config, "--timeout", "300"])
+    out = capfd.readouterr().out
+    assert code == 0, out
+    assert "3 steps of 4 x 32 tokens" in out and "held out" in out, out
+    header = next(i for i, line in enumerate(out.splitlines()) if line.split()[:3] == ["rank", "params", "replicas"])
+    for row in out.splitlines()[header + 1:header + 3]:
+        rank, params, replicas, grads, optim, host, gathered, share = row.split()
+        assert float(replicas) > 1.9 * float(params)  # every rank holds the whole model
+        assert float(optim) <= 100 / 1024 and float(host) > 0, row  # state over the budget lives in host memory
+        assert share == "50.0%"
