@@ -24,6 +24,8 @@ Every system trains the same HF Llama (from a config, fp32) on the same batches:
   "device" and the host are the same RAM, as for ``dcir-offload``;
 * ``deepspeed``: DeepSpeed ZeRO-3, eager (CPU accelerator, gloo), when installed;
 * ``deepspeed-zero1``, ``deepspeed-zero2``: the same at ZeRO stage 1 and 2;
+* ``deepspeed-offload``: ZeRO-3 with ``offload_optimizer`` to the CPU (ZeRO-Offload:
+  all optimizer state in host memory, the step run there by DeepSpeed's CPU Adam);
 * ``floor``: one process, ``torch.compile``, the same per-rank batch and no
   communication: the compute floor the sharded systems are measured against;
 * ``eager``: the same without ``torch.compile``: the compute of a step run op by op,
@@ -61,7 +63,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SYSTEMS = ["floor", "eager", "dcir", "dcir-prefetch", "dcir-unshard", "dcir-optimized", "dcir-inductor",
            "dcir-zero1", "dcir-zero2", "dcir-offload", "fsdp2", "fsdp2-offload", "deepspeed-zero1", "deepspeed-zero2",
-           "deepspeed"]
+           "deepspeed", "deepspeed-offload"]
 WORKLOAD = [("layers", 6), ("hidden", 256), ("seq", 128), ("batch", 4), ("vocab", 32000), ("accumulate", 1)]
 
 

@@ -126,19 +126,25 @@ class Fsdp2(_Plain):
 
 
 class DeepSpeed:
-    """DeepSpeed eager ZeRO (``stage`` 1, 2 or 3), CPU accelerator, gloo."""
+    """DeepSpeed eager ZeRO (``stage`` 1, 2 or 3), CPU accelerator, gloo. With
+    ``offload``, ZeRO-Offload: ``offload_optimizer`` to the CPU, where DeepSpeed keeps
+    all optimizer state and runs the step with its own CPU Adam."""
 
-    def __init__(self, ns, stage: int = 3):
+    def __init__(self, ns, stage: int = 3, offload: bool = False):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
 
         model = llama(ns)
+        zero = {"stage": stage}
         config = {"train_micro_batch_size_per_gpu": ns.batch, "gradient_accumulation_steps": ns.accumulate,
-                  "zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-                  "zero_allow_untested_optimizer": True}
+                  "zero_optimization": zero, "zero_allow_untested_optimizer": True}
         deepspeed.init_distributed(dist_backend="gloo")
+        if offload:  # its CPU Adam comes from DeepSpeed's optimizer config, not a torch optimizer
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.accelerator.is_available()}
+            config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4}}
+            self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+            return
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        config.pop("optimizer")
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
 
     def micro_step(self, batch):
@@ -182,6 +188,8 @@ def make(system: str, ns):
         return Fsdp2(ns, offload=True)
     if system in DEEPSPEED:
         return DeepSpeed(ns, stage=DEEPSPEED[system])
+    if system == "deepspeed-offload":
+        return DeepSpeed(ns, stage=3, offload=True)
     if system == "floor":
         return Floor(ns)
     if system == "eager":
