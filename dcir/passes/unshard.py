@@ -7,10 +7,11 @@ uses it in place of its own gather (and frees it after its last use there). That
 saves one all_gather per parameter and step, and costs the parameter's full size,
 live from its last use in the forward to its last use in the backward.
 
-Which parameters: every candidate (gathered alone in both functions) is ranked by
-communication saved per byte held, the backward gather's transfer time (profiled
-``prof.time_us``, else the analytic alpha-beta model) over the parameter's bytes,
-and taken in that order while the memory model keeps both functions within
+Which parameters: every candidate (gathered once in each function; a coalesced
+gather counts as one gather per tensor, and what is left of it is coalesced again)
+is ranked by communication saved per byte held, the backward gather's transfer time
+(profiled ``prof.time_us``, else the analytic alpha-beta model) over the parameter's
+bytes, and taken in that order while the memory model keeps both functions within
 ``budget``. Without a budget every candidate is kept gathered.
 
 With ``micro_steps`` > 1 (gradient accumulation; the Engine passes its own), kept
@@ -89,6 +90,45 @@ def _gathers(func: Function) -> dict[str, list[_Gather]]:
         full = wait.results[0]
         out.setdefault(src.symbol, []).append(_Gather(src, op, wait, full, frees.get(own.get(full, full))))
     return out
+
+
+def _split_coalesced(func: Function) -> list[tuple[Op, list[Op]]]:
+    """Each ``comm.all_gather_coalesced`` becomes one ``comm.all_gather`` per tensor at its
+    place, yielding the same values, so that every gather of a parameter is seen (a
+    kept parameter gathered again in a coalesced gather would be gathered twice).
+    Returns (coalesced op, its parts) for ``_merge_back``."""
+    groups, ops = [], []
+    for op in func.ops:
+        if op.name != "comm.all_gather_coalesced":
+            ops.append(op)
+            continue
+        parts = [Op("comm.all_gather", [v], [r], loc=op.loc) for v, r in zip(op.operands, op.results)]
+        ops.extend(parts)
+        groups.append((op, parts))
+    func.ops = ops
+    return groups
+
+
+def _merge_back(func: Function, groups: list[tuple[Op, list[Op]]]) -> None:
+    """The parts of each split gather that are left become one coalesced gather again,
+    at the place of the first (its profile holds only if no part went)."""
+    where = {op: i for i, op in enumerate(func.ops)}
+    merged: dict[Op, Op] = {}
+    gone: set[Op] = set()
+    for coalesced, parts in groups:
+        left = [p for p in parts if p in where]
+        if len(left) == len(parts):
+            merged[left[0]] = coalesced
+            for i, r in enumerate(coalesced.results):
+                r.owner, r.index = coalesced, i
+        elif len(left) > 1:
+            attrs = {k: v for k, v in coalesced.attrs.items() if not k.startswith("prof.")}
+            merged[left[0]] = Op(coalesced.name, [p.operands[0] for p in left], [p.results[0] for p in left],
+                                 attrs, loc=coalesced.loc)
+        else:
+            continue
+        gone.update(left[1:])
+    func.ops = [merged.get(op, op) for op in func.ops if op not in gone]
 
 
 def _keep(module: Module, name: str, fw: _Gather, bw: _Gather) -> None:
@@ -175,6 +215,13 @@ class Unshard(Pass):
         f, b = module.functions.get("forward"), module.functions.get("backward")
         if f is None or b is None or len(b.args) != len(f.returns) or "unshard" in module.functions:
             return
+        funcs = [module.functions[n] for n in ("forward", "backward", "backward_last") if n in module.functions]
+        split = [(func, _split_coalesced(func)) for func in funcs]
+        self._choose(module, f, b, stats)
+        for func, groups in split:
+            _merge_back(func, groups)
+
+    def _choose(self, module: Module, f: Function, b: Function, stats: Counter) -> None:
         machine = calibrate(module, Machine())
         note_source(module, stats, "unshard")
         fws, bws = _gathers(f), _gathers(b)
