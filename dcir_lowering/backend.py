@@ -19,11 +19,12 @@ module runs in a plain process.
 
 The optimizer step (``@step``, made by the ``offload`` pass, the reloads it starts
 in the backward and the copies home it finishes in the forward) lowers to calls on
-the optimizer-state store that the program's state holds under ``OPTIMIZER_STATE``
-(``lower(..., optimizer_state=)``: the Engine's ``dcir_runtime.offload.StateStore``). ``param.get`` / ``param.set`` of optimizer
-state, ``mem.reload`` / ``mem.offload`` and their ``comm.wait``, ``mem.free`` of a
-reloaded copy and ``optim.step`` become its ``get_state``, ``set_state``,
-``reload``, ``offload``, ``wait``, ``free`` and ``step``.
+the optimizer-state store given as ``lower(..., optimizer_state=)`` (the Engine's
+``dcir_runtime.offload.StateStore``), which the program's state holds under
+``OPTIMIZER_STATE``. ``param.get`` / ``param.set`` of optimizer state,
+``mem.reload`` / ``mem.offload`` and their ``comm.wait``, ``mem.free`` of a device
+copy and ``optim.step`` become its ``get_state``, ``set_state``, ``reload``,
+``offload``, ``wait``, ``free`` and ``step``.
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ class _Distributed:
             env[r] = node
 
 
-#: The key of the optimizer-state store in a program's state (``Engine`` puts it there).
+#: The key of the optimizer-state store in a program's state (``lower`` puts it there).
 OPTIMIZER_STATE = "<optimizer state>"
 
 
