@@ -250,13 +250,7 @@ class Function:
 
     def fresh_name(self, base: str) -> str:
         """A value name not yet used in this function, derived from ``base``."""
-        used = {v.name for v in self.values()}
-        if base not in used:
-            return base
-        n = 1
-        while f"{base}_{n}" in used:
-            n += 1
-        return f"{base}_{n}"
+        return self.name_maker()(base)
 
 
 @dataclass(slots=True)

@@ -11,11 +11,12 @@ back around each update. Its graph calls this store (``dcir_lowering.backend``):
 * ``reload`` / ``offload`` start a copy to a new device buffer / a host buffer and
   return a pending copy; ``wait`` finishes it. The copy home of a reloaded tensor
   goes into the host buffer it was reloaded from when nothing else holds that any
-  more (its contents went stale with the update), else into a new one. On a GPU, host buffers are pinned
-  and copies run on their own CUDA stream, ordered after the compute that produced
-  their source. On a CPU, "device" and "host" are both RAM, so the copies are real
-  copies between separate buffers, run by one background thread (torch releases the
-  GIL while it copies), and only the accounting tells them apart;
+  more (its contents went stale with the update), else into a new one. On a GPU,
+  host buffers are pinned and copies run on their own CUDA stream, ordered after the
+  compute that produced their source. On a CPU, "device" and "host" are both RAM,
+  so the copies are real copies between separate buffers, run by one background
+  thread (torch releases the GIL while it copies), and only the accounting tells
+  them apart;
 * ``free`` releases a device copy's memory at once;
 * ``step`` runs the optimizer for some parameters (one ``optim.step``, or a run of
   them with nothing but reads of state between them): the other parameters'
@@ -130,7 +131,8 @@ class StateStore:
         ref, host = self._origin.pop(id(t), (None, None))
         if ref is None or ref() is not t or host.shape != t.shape or host.dtype != t.dtype:
             return None
-        # held here, by the entry just popped being gone, and by getrefcount's argument
+        # two references are this local and getrefcount's own argument; a third is a
+        # holder that could still read the old contents
         return host if sys.getrefcount(host) <= 2 else None
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> _Pending:

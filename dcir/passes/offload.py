@@ -113,9 +113,10 @@ class _StepBuilder:
         # copies home in flight: (their mem.offload starts, the ops that finish them, bytes)
         self.inflight: deque[tuple[list[Op], list[Op], int]] = deque()
         self.reloaded: dict[str, tuple[Op, list[Value]]] = {}
+        self.fresh = func.name_maker()
 
     def value(self, base: str, type_) -> Value:
-        return Value(self.func.fresh_name(base), type_)
+        return Value(self.fresh(base), type_)
 
     def emit(self, op: Op) -> None:
         self.func.ops.append(op)
@@ -150,7 +151,7 @@ class _StepBuilder:
         return True
 
     def offload(self, param: str, updated: list[Value]) -> None:
-        starts, retire = _copies_home(self.state[param], updated, self.func.fresh_name)
+        starts, retire = _copies_home(self.state[param], updated, self.fresh)
         for op in starts:
             self.emit(op)
         self.inflight.append((starts, retire, self.nbytes(param)))
@@ -172,6 +173,24 @@ def _copies_home(symbols: list[str], updated: list[Value], fresh) -> tuple[list[
     return starts, [Op("comm.wait", pendings, homes), *sets, Op("mem.free", list(updated))]
 
 
+def _earliest_to_end(during: list[int], limit: int) -> int | None:
+    """The first position from which every entry of ``during`` to the end is within ``limit``."""
+    at = None
+    for i in reversed(range(len(during))):
+        if during[i] > limit:
+            break
+        at = i
+    return at
+
+
+def _latest_from_entry(during: list[int], limit: int) -> int:
+    """How many entries of ``during``, from the first, are all within ``limit``."""
+    n = 0
+    while n < len(during) and during[n] <= limit:
+        n += 1
+    return n
+
+
 def _hand_over(module: Module, step: Function, micro_steps: int, stats: Counter) -> None:
     """Start the reloads ``@step`` issues before its first update in the last backward
     instead, where they overlap compute; the backward returns the reloaded state and
@@ -191,7 +210,7 @@ def _hand_over(module: Module, step: Function, micro_steps: int, stats: Counter)
     placed: list[tuple[Op, int]] = []
     for reload in reloads:
         nbytes = device_bytes(reload.results[0])
-        at = next((i for i in range(len(during)) if max(during[i:]) + nbytes <= peak), None)
+        at = _earliest_to_end(during, peak - nbytes)
         if at is None:
             continue  # it would raise the backward's peak anywhere: it stays in @step
         for j in range(at, len(during)):
@@ -261,9 +280,7 @@ def _hand_to_forward(module: Module, step: Function, tail: list[tuple[list[Op], 
     handed: dict[int, tuple[list[Value], list[Value], list[Op]]] = {}
     for k in reversed(range(len(tail))):  # the newest copies have the most left to do
         starts, retire, nbytes = tail[k]
-        before = 0
-        while before < len(during) and max(during[:before + 1]) + nbytes <= peak:
-            before += 1
+        before = _latest_from_entry(during, peak - nbytes)
         if before == 0:
             continue  # it would finish at the entry, behind no compute
         for j in range(before):
