@@ -36,7 +36,9 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace dcir {
@@ -100,15 +102,56 @@ struct Pending {
   std::string what;                // for error messages: "all_gather of %w"
   std::string group_name;
   bool done = false;
-#ifdef DCIR_WITH_CUDA
-  std::shared_ptr<at::cuda::CUDAEvent> finished;  // recorded on the comm stream
-#endif
 };
 
 // result tensor -> its pending work; the tensor is held so its address is not reused
 std::unordered_map<c10::TensorImpl*, std::pair<at::Tensor, std::shared_ptr<Pending>>> pending;
 
 intrusive_ptr<ProcessGroup> group(const std::string& name) { return c10d::resolve_process_group(name); }
+
+// ---- c10d calls, by their current names -------------------------------------------------
+//
+// torch 2.13 renamed the single-buffer collectives (all_gather_single,
+// reduce_scatter_single, all_to_all_single) and deprecated the old names. The
+// runtime calls the current name whenever the installed torch has it; only a torch
+// without it (2.12 and older, where the old name is the current API) gets the old
+// one. `if constexpr` on a dependent type keeps the branch not taken from being
+// compiled, so no build ever sees a deprecated call.
+
+template <typename PG, typename = void>
+struct has_single_collectives : std::false_type {};
+template <typename PG>
+struct has_single_collectives<PG, std::void_t<decltype(&PG::all_gather_single), decltype(&PG::reduce_scatter_single),
+                                             decltype(&PG::all_to_all_single)>> : std::true_type {};
+
+template <typename PG>
+intrusive_ptr<Work> gather_into(PG& pg, at::Tensor& buffer, at::Tensor& input) {
+  if constexpr (has_single_collectives<PG>::value) {
+    return pg.all_gather_single(buffer, input);
+  } else {
+    return pg._allgather_base(buffer, input);
+  }
+}
+
+template <typename PG>
+intrusive_ptr<Work> reduce_scatter_into(PG& pg, at::Tensor& received, at::Tensor& send,
+                                        const c10d::ReduceScatterOptions& opts) {
+  if constexpr (has_single_collectives<PG>::value) {
+    return pg.reduce_scatter_single(received, send, opts);
+  } else {
+    return pg._reduce_scatter_base(received, send, opts);
+  }
+}
+
+template <typename PG>
+intrusive_ptr<Work> all_to_all_into(PG& pg, at::Tensor& received, at::Tensor& send, const c10d::AllToAllOptions& opts) {
+  std::vector<int64_t> even;  // empty split sizes: equal parts
+  if constexpr (has_single_collectives<PG>::value) {
+    return pg.all_to_all_single(received, send, even, even, opts);
+  } else {
+    return pg.alltoall_base(received, send, even, even, opts);
+  }
+}
 
 [[noreturn]] void fail(const std::string& what, const std::string& group_name, const std::string& why) {
   TORCH_CHECK(false, "dcir runtime: ", what, " (process group '", group_name, "') failed: ", why);
@@ -194,7 +237,7 @@ at::Tensor all_gather(const at::Tensor& shard, at::IntArrayRef size, const std::
   auto result = buffer.narrow(0, 0, numel).view(size);
   auto input = shard.contiguous();
   track_gathered(buffer);
-  start({input}, {result}, [&] { return pg->_allgather_base(buffer, input); }, [buffer] {},
+  start({input}, {result}, [&] { return gather_into(*pg, buffer, input); }, [buffer] {},
         "all_gather of " + tag, group_name);
   return result;
 }
@@ -232,7 +275,7 @@ std::vector<at::Tensor> all_gather_coalesced(at::TensorList shards, at::IntArray
       results[i].view(-1).copy_(gathered.narrow(0, 0, results[i].numel()));
     }
   };
-  start({send}, results, [&] { return pg->_allgather_base(buffer, send); }, copy_out,
+  start({send}, results, [&] { return gather_into(*pg, buffer, send); }, copy_out,
         "all_gather_coalesced of " + tag, group_name);
   return results;
 }
@@ -281,18 +324,17 @@ void start_reduce_scatter(const at::Tensor& send, const at::Tensor& received, co
     opts.timeout = timeout;
     std::function<void()> epilogue = [] {};
     if (op == "avg") epilogue = [received, world] { received.div_(world); };
-    start({send}, results, [&] { return pg->_reduce_scatter_base(const_cast<at::Tensor&>(received),
-                                                                  const_cast<at::Tensor&>(send), opts); },
+    start({send}, results, [&] { return reduce_scatter_into(*pg, const_cast<at::Tensor&>(received),
+                                                             const_cast<at::Tensor&>(send), opts); },
           epilogue, what, group_name);
     return;
   }
   auto rows = at::empty({world, received.numel()}, send.options());
   c10d::AllToAllOptions opts;
   opts.timeout = timeout;
-  std::vector<int64_t> even;  // empty split sizes: equal parts
   start({send}, results, [&] {
           auto flat = rows.view(-1);
-          return pg->alltoall_base(flat, const_cast<at::Tensor&>(send), even, even, opts);
+          return all_to_all_into(*pg, flat, const_cast<at::Tensor&>(send), opts);
         },
         [rows, received, op, world] { reduce_rows(rows, received, op, world); }, what, group_name);
 }
@@ -410,14 +452,19 @@ at::Tensor wait(const at::Tensor& t) {
     auto begin = std::chrono::steady_clock::now();
     try {
       // Work::wait(timeout) is not honoured by every backend (gloo waits for its own,
-      // the group's, timeout), so the runtime bounds the wait itself: poll with a
-      // backoff capped at 200 us, then let wait() rethrow a failure and sync streams.
-      auto deadline = begin + timeout;
-      auto pause = std::chrono::microseconds(5);
-      while (!p->work->isCompleted()) {
-        TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "timed out");
-        std::this_thread::sleep_for(pause);
-        pause = std::min(pause * 2, std::chrono::microseconds(200));
+      // the group's, timeout), so on the CPU the runtime bounds the wait itself: poll
+      // with a backoff capped at 200 us, then let wait() rethrow a failure. On a GPU,
+      // wait() only makes the compute stream wait for the transfer (NCCL's watchdog
+      // enforces the group's timeout): polling would block the host until the transfer
+      // ends, and compute queued behind it could not be launched meanwhile.
+      if (!t.is_cuda()) {
+        auto deadline = begin + timeout;
+        auto pause = std::chrono::microseconds(5);
+        while (!p->work->isCompleted()) {
+          TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "timed out");
+          std::this_thread::sleep_for(pause);
+          pause = std::min(pause * 2, std::chrono::microseconds(200));
+        }
       }
       p->work->wait();
     } catch (const c10::Error& e) {
