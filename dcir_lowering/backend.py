@@ -371,7 +371,8 @@ class Program:
         """Gradients by FQN; ``last``: this is the last micro-step of an optimizer step."""
         loss_type = self.module.functions["forward"].result_types[0]
         if tangent is None:
-            tangent = torch.ones(loss_type.shape, dtype=torch_dtype(loss_type.dtype))
+            device = next((t.device for t in self.state.values() if isinstance(t, torch.Tensor)), "cpu")
+            tangent = torch.ones(loss_type.shape, dtype=torch_dtype(loss_type.dtype), device=device)
         grads: dict = {}
         self.backward_for(last)[2](self.state, grads, *saved, tangent)
         return grads
@@ -399,7 +400,7 @@ def lower(module: Module, state: dict, *, inductor: bool = False, group: str | N
     (``dcir_runtime.offload.StateStore``); a module with any of them needs one."""
     verify(module)
     device = next((t.device for t in state.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    state = {**constants(module), **gathered_copies(module, device), **state}
+    state = {**constants(module, device), **gathered_copies(module, device), **state}
     if optimizer_state is not None:
         state[OPTIMIZER_STATE] = optimizer_state
     else:
@@ -496,13 +497,14 @@ class _Contiguous(torch.nn.Module):
         return out
 
 
-def constants(module: Module) -> dict:
-    """The buffers whose text spells out their value (``{value = [...]}``), as tensors."""
+def constants(module: Module, device: torch.device | str = "cpu") -> dict:
+    """The buffers whose text spells out their value (``{value = [...]}``), as tensors on ``device``."""
     out = {}
     for name, decl in module.decls.items():
         if "value" in decl.attrs:
             t = decl.type
-            out[name] = torch.tensor(list(decl.attrs["value"]), dtype=torch_dtype(t.dtype)).reshape(t.shape)
+            out[name] = torch.tensor(list(decl.attrs["value"]), dtype=torch_dtype(t.dtype),
+                                     device=device).reshape(t.shape)
     return out
 
 

@@ -157,6 +157,11 @@ class Engine:
         for t in list(model.parameters()) + list(model.buffers()):
             dist.broadcast(t.data, src=0)
 
+    def _collective_device(self) -> torch.device:
+        """Where a small tensor for a torch.distributed collective lives: NCCL reduces
+        only GPU tensors, gloo CPU ones."""
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
     def _shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's flat shard: ``full`` flattened, zero-padded to a multiple of the
         world size, elements ``[rank * chunk, (rank + 1) * chunk)``."""
@@ -411,7 +416,7 @@ class Engine:
         held = self._fixed_bytes(m) + m["replicas"] + m["gradient_accumulators"] + m["gathered_peak"]
         over = held - budget
         if self.config.optimize is not None and self.world > 1:
-            agreed = torch.tensor([float(over)], dtype=torch.float64)
+            agreed = torch.tensor([float(over)], dtype=torch.float64, device=self._collective_device())
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
             over = int(agreed.item())
         if over <= 0:

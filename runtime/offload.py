@@ -12,8 +12,10 @@ back around each update. Its graph calls this store (``dcir_lowering.backend``):
   return a pending copy; ``wait`` finishes it. The copy home of a reloaded tensor
   goes into the host buffer it was reloaded from when nothing else holds that any
   more (its contents went stale with the update), else into a new one. On a GPU,
-  host buffers are pinned and copies run on their own CUDA stream, ordered after the
-  compute that produced their source. On a CPU, "device" and "host" are both RAM,
+  host buffers are pinned and copies run on two CUDA streams of their own, one per
+  direction (host-to-device reloads, device-to-host copies home), so a reload and a
+  copy home run at once over a full-duplex link; each copy is ordered after the
+  compute that produced its source. On a CPU, "device" and "host" are both RAM,
   so the copies are real copies between separate buffers, run by one background
   thread (torch releases the GIL while it copies), and only the accounting tells
   them apart;
@@ -44,10 +46,13 @@ ABSENT = None
 
 
 class _Pending:
-    __slots__ = ("result", "future", "event")
+    """A copy in flight: its destination, and what finishes it (a future on a CPU;
+    on a GPU the events recorded on its copy stream when it started and ended)."""
 
-    def __init__(self, result, future: Future | None = None, event=None):
-        self.result, self.future, self.event = result, future, event
+    __slots__ = ("result", "future", "event", "started")
+
+    def __init__(self, result, future: Future | None = None, event=None, started=None):
+        self.result, self.future, self.event, self.started = result, future, event, started
 
 
 class StateStore:
@@ -62,7 +67,9 @@ class StateStore:
         self.wait_s = 0.0  # host time blocked in wait(): the copies compute did not hide
         self._names: dict[str, tuple[str, str]] = {}
         self._cuda = device.type == "cuda"
-        self._stream = torch.cuda.Stream(device) if self._cuda else None
+        # a copy stream per direction on a GPU; on a CPU both directions share the memory
+        # bus, and one thread copies
+        self.streams = {d: torch.cuda.Stream(device) for d in ("reload", "offload")} if self._cuda else None
         self._thread = None if self._cuda else ThreadPoolExecutor(1, thread_name_prefix="dcir-offload")
 
     def bind(self, module) -> None:
@@ -111,7 +118,7 @@ class StateStore:
         self._count(dst)  # the device buffer exists from here on
         key = id(dst)
         self._origin[key] = (weakref.ref(dst, lambda _: self._origin.pop(key, None)), host)
-        return self._copy(dst, host)
+        return self._copy(dst, host, "reload")
 
     def offload(self, t):
         if t is ABSENT:
@@ -121,7 +128,7 @@ class StateStore:
             dst = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self._cuda)
             key = id(dst)
             self._host[key] = weakref.ref(dst, lambda _: self._host.pop(key, None))
-        return self._copy(dst, t)
+        return self._copy(dst, t, "offload")
 
     def _stale_home(self, t: torch.Tensor) -> torch.Tensor | None:
         """The host copy ``t`` was reloaded from, when nothing but this store holds it any
@@ -135,18 +142,20 @@ class StateStore:
         # holder that could still read the old contents
         return host if sys.getrefcount(host) <= 2 else None
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> _Pending:
-        if self._stream is None:
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> _Pending:
+        if self.streams is None:
             return _Pending(dst, self._thread.submit(dst.copy_, src))
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # src is computed
-        with torch.cuda.stream(self._stream):
+        stream = self.streams[direction]
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # src is computed
+        started, event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            started.record(stream)
             dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._stream)
+            event.record(stream)
         for t in (dst, src):
             if t.is_cuda:
-                t.record_stream(self._stream)
-        return _Pending(dst, event=event)
+                t.record_stream(stream)
+        return _Pending(dst, event=event, started=started)
 
     def wait(self, pending: _Pending):
         begin = time.perf_counter()

@@ -188,10 +188,13 @@ def _agree(func: Function, time_s, launch, mem, cuda, transfer: set[int], group)
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return time_s, launch, mem, cuda
     n, world = len(func.ops), dist.get_world_size(group)
+    # NCCL reduces only GPU tensors, gloo CPU ones
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
     mean = torch.tensor([*(0.0 if k in transfer else t for k, t in enumerate(time_s)), *launch],
-                        dtype=torch.float64)
-    most = torch.tensor([*map(float, mem), *map(float, cuda)], dtype=torch.float64)
-    fast = torch.tensor([t if k in transfer else 0.0 for k, t in enumerate(time_s)], dtype=torch.float64)
+                        dtype=torch.float64, device=device)
+    most = torch.tensor([*map(float, mem), *map(float, cuda)], dtype=torch.float64, device=device)
+    fast = torch.tensor([t if k in transfer else 0.0 for k, t in enumerate(time_s)], dtype=torch.float64,
+                        device=device)
     dist.all_reduce(mean, op=dist.ReduceOp.SUM, group=group)
     dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
     dist.all_reduce(fast, op=dist.ReduceOp.MIN, group=group)
