@@ -16,6 +16,9 @@ middle of the second step; the others must fail with RankFailure (exit code 17).
 ``python dist_worker.py errors``: a user's mistakes, each a located message on every rank.
 
 ``python dist_worker.py ops``: each collective of the C++ runtime against its definition.
+
+With ``DCIR_TEST_DEVICE=cuda`` in the environment, ``equivalence`` and ``ops`` run on
+the GPU of the rank's ``LOCAL_RANK`` over NCCL (``tests/test_gpu.py``).
 """
 
 from __future__ import annotations
@@ -149,6 +152,20 @@ ROWS = 2  # per rank and micro-step
 STEPS = 5
 
 
+def device() -> torch.device:
+    """This rank's device: ``$DCIR_TEST_DEVICE`` (cpu, or cuda: the GPU of LOCAL_RANK)."""
+    if os.environ.get("DCIR_TEST_DEVICE", "cpu") != "cuda":
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _on(batch, where: torch.device):
+    args, kwargs = batch
+    return tuple(a.to(where) for a in args), {k: v.to(where) for k, v in kwargs.items()}
+
+
 def _slice(batch, lo, hi):
     args, kwargs = batch
     return tuple(a[lo:hi] for a in args), {k: v[lo:hi] for k, v in kwargs.items()}
@@ -206,8 +223,9 @@ ENGINES = []  # every case's engine stays alive: engines must not disturb each o
 def run_case(name: str, rank: int, world: int) -> dict:
     make, batch_of, loss_fn, config = CASES[name]
     accumulate = config.get("gradient_accumulation_steps", 1)
+    where = device()
     torch.manual_seed(0)
-    ref = make()
+    ref = make().to(where)
     model = copy.deepcopy(ref)
     engine = dcir.initialize(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
                              config={**config, "timeout_s": 60}, loss_fn=loss_fn)
@@ -220,7 +238,7 @@ def run_case(name: str, rank: int, world: int) -> dict:
         opt.zero_grad()
         local = [] if reduce_once else None
         for _ in range(accumulate):
-            whole = batch_of(g, ROWS * world)
+            whole = _on(batch_of(g, ROWS * world), where)
             _eager_micro_step(ref, loss_fn, whole, world, accumulate, local)
             args, kwargs = _slice(whole, rank * ROWS, (rank + 1) * ROWS)
             loss = engine(*args, **kwargs)
@@ -305,9 +323,10 @@ def user_errors() -> None:
 def native_ops() -> None:
     """The collectives against their definition, on a tensor that splits unevenly."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    engine = dcir.initialize(mlp())  # joins the group, loads the runtime
+    where = device()
+    engine = dcir.initialize(mlp().to(where))  # joins the group, loads the runtime
     d, g = torch.ops.dcir, engine.group
-    full = torch.arange(10.0).reshape(2, 5)
+    full = torch.arange(10.0, device=where).reshape(2, 5)
     chunk = -(-10 // world)
     flat = F.pad(full.reshape(-1), (0, chunk * world - 10))
     mine = slice(rank * chunk, (rank + 1) * chunk)
