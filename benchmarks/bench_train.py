@@ -38,6 +38,12 @@ timed (the slowest rank's), and the figure per system is the median over all
 measured steps of all rounds. DeepSpeed's own compiler (DeepCompile) needs CUDA
 (``cuda.h``) and is reported as unavailable on a CPU-only machine.
 
+With ``--device cuda`` the systems run on GPUs over NCCL (``--world`` of them; one
+for ``floor`` and ``eager``), steps are timed after a device synchronize, and the
+table adds each system's peak CUDA memory (``torch.cuda.max_memory_allocated``, the
+largest rank's). DeepSpeed is not run there (its CPU accelerator is what this script
+sets up). ``benchmarks/device.sh`` runs it on a lent GPU machine.
+
 Output: a table on the terminal, ``--json`` (default ``bench_train.json``) and
 ``--chart`` (default ``bench_train.png``, needs matplotlib: ``pip install -e '.[bench]'``);
 each run's raw figures and output are kept in ``bench_train_logs/`` beside the JSON.
@@ -67,8 +73,10 @@ SYSTEMS = ["floor", "eager", "dcir", "dcir-prefetch", "dcir-unshard", "dcir-opti
 WORKLOAD = [("layers", 6), ("hidden", 256), ("seq", 128), ("batch", 4), ("vocab", 32000), ("accumulate", 1)]
 
 
-def _available(system: str) -> str | None:
+def _available(system: str, device: str = "cpu") -> str | None:
     """Why ``system`` cannot run here, or None."""
+    if system.startswith("deepspeed") and device == "cuda":
+        return "not run with --device cuda (this script sets DeepSpeed up on its CPU accelerator)"
     if system.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
         return "not installed (pip install -e '.[bench]')"
     return None
@@ -80,6 +88,7 @@ def _run(system: str, ns, out: Path) -> dict | None:
     args = [str(HERE / "train_worker.py"), system, str(out), "--steps", str(ns.steps), "--warmup", str(ns.warmup)]
     for name, _ in WORKLOAD:
         args += [f"--{name}", str(getattr(ns, name))]
+    args += ["--device", ns.device]
     world = 1 if system in ("floor", "eager") else ns.world
     env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     with open(out.with_suffix(".log"), "w") as log:
@@ -104,6 +113,11 @@ def _launch_quiet(launch, args, world, env, log, timeout) -> int:
         os.close(saved[1])
 
 
+def _max(xs):
+    xs = [x for x in xs if x is not None]
+    return max(xs) if xs else None
+
+
 def _median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -122,6 +136,7 @@ def summarize(runs: dict[str, list[dict]], ns) -> dict:
             "step_s_min": min(steps), "step_s_max": max(steps), "measured_steps": len(steps),
             "tokens_per_s_per_rank": tokens / statistics.median(steps),
             "peak_rss_mib": max(m for r in results for m in r["peak_rss_mib"]),
+            "peak_cuda_mib": _max([m for r in results for m in r.get("peak_cuda_mib") or ()]),
             "exposed_comm_s": statistics.median(waits) if waits else None,
             "predicted_s": _median([r.get("predicted_s") for r in results]),
         }
@@ -132,15 +147,18 @@ def summarize(runs: dict[str, list[dict]], ns) -> dict:
 
 
 def table(rows: dict, unavailable: dict) -> str:
-    head = (f"{'system':<16}{'step s':>9}{'x floor':>9}{'tok/s/rank':>12}{'peak RSS MiB':>14}{'exposed comm s':>16}"
-            f"{'predicted s':>13}")
+    cuda = any(r.get("peak_cuda_mib") is not None for r in rows.values())
+    head = (f"{'system':<16}{'step s':>9}{'x floor':>9}{'tok/s/rank':>12}{'peak RSS MiB':>14}"
+            + (f"{'peak CUDA MiB':>15}" if cuda else "") + f"{'exposed comm s':>16}{'predicted s':>13}")
     lines = [head, "-" * len(head)]
     for system, r in rows.items():
         x = f"{r['x_floor']:.2f}" if r["x_floor"] else "-"
         comm = f"{r['exposed_comm_s']:.3f}" if r["exposed_comm_s"] is not None else "n/a"
         pred = f"{r['predicted_s']:.3f}" if r.get("predicted_s") is not None else "n/a"
+        gpu = f"{r['peak_cuda_mib']:>15,.0f}" if cuda and r.get("peak_cuda_mib") is not None else (
+            f"{'n/a':>15}" if cuda else "")
         lines.append(f"{system:<16}{r['step_s']:>9.3f}{x:>9}{r['tokens_per_s_per_rank']:>12,.0f}"
-                     f"{r['peak_rss_mib']:>14,.0f}{comm:>16}{pred:>13}")
+                     f"{r['peak_rss_mib']:>14,.0f}{gpu}{comm:>16}{pred:>13}")
     for system, why in unavailable.items():
         lines.append(f"{system:<16}  unavailable: {why}")
     return "\n".join(lines)
@@ -173,6 +191,8 @@ def main(argv=None) -> int:
     for name, default in WORKLOAD:
         ap.add_argument(f"--{name}", type=int, default=default, help=f"(default {default})")
     ap.add_argument("--world", type=int, default=2, help="ranks of the distributed systems (default 2)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cpu (gloo, 1 thread per rank) or cuda (one GPU per rank, NCCL); default cpu")
     ap.add_argument("--steps", type=int, default=5, help="measured steps per run (default 5)")
     ap.add_argument("--warmup", type=int, default=2, help="steps before measuring, per run (default 2)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
@@ -185,11 +205,13 @@ def main(argv=None) -> int:
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         ap.error(f"unknown systems {unknown}; known: {', '.join(SYSTEMS)}")
-    unavailable = {s: why for s in systems if (why := _available(s))}
-    unavailable["deepcompile"] = "DeepSpeed's compiler needs CUDA (cuda.h); this machine has no GPU"
+    unavailable = {s: why for s in systems if (why := _available(s, ns.device))}
+    if ns.device == "cpu":
+        unavailable["deepcompile"] = "DeepSpeed's compiler needs CUDA (cuda.h); this machine has no GPU"
     runnable = [s for s in systems if s not in unavailable]
     workload = ", ".join(f"{n} {getattr(ns, n)}" for n, _ in WORKLOAD)
-    print(f"Llama {workload}; world {ns.world}, 1 thread per rank; {ns.rounds} rounds x {ns.steps} steps "
+    where = "1 GPU per rank (NCCL)" if ns.device == "cuda" else "1 thread per rank"
+    print(f"Llama {workload}; world {ns.world}, {where}; {ns.rounds} rounds x {ns.steps} steps "
           f"(+{ns.warmup} warm-up), interleaved")
     runs: dict[str, list[dict]] = {s: [] for s in runnable}
     begin = time.time()
@@ -210,7 +232,10 @@ def main(argv=None) -> int:
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {platform.system()}"
     import torch
 
-    report = {"workload": {n: getattr(ns, n) for n, _ in WORKLOAD} | {"world": ns.world, "threads_per_rank": 1},
+    if ns.device == "cuda":
+        machine = f"{torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}; {machine}"
+    report = {"workload": {n: getattr(ns, n) for n, _ in WORKLOAD} | {"world": ns.world, "threads_per_rank": 1,
+                                                                       "device": ns.device},
               "rounds": ns.rounds, "steps": ns.steps, "warmup": ns.warmup, "machine": machine,
               "torch": torch.__version__, "seconds": round(time.time() - begin), "results": rows,
               "unavailable": unavailable, "command": "python benchmarks/bench_train.py " + " ".join(argv or sys.argv[1:])}

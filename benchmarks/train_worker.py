@@ -4,7 +4,9 @@
 benchmark Llama with SYSTEM for warm-up plus measured steps and writes, from rank 0,
 each measured step's time (the slowest rank's), the peak resident memory of every
 rank and, for DCIR, the host time its ranks spent blocked in ``comm.wait`` (the
-communication that compute did not hide).
+communication that compute did not hide). With ``--device cuda`` every rank runs on
+the GPU of its ``LOCAL_RANK`` (NCCL), steps are timed after a device synchronize, and
+the peak memory is the CUDA allocator's (``torch.cuda.max_memory_allocated``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,18 @@ import torch
 import torch.distributed as dist
 
 
+def device(ns) -> torch.device:
+    if ns.device == "cuda":
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def backend(ns) -> str:
+    return "nccl" if ns.device == "cuda" else "gloo"
+
+
 def llama(ns):
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
@@ -30,14 +44,20 @@ def llama(ns):
     return LlamaForCausalLM(LlamaConfig(
         vocab_size=ns.vocab, hidden_size=ns.hidden, intermediate_size=ns.hidden * 4, num_hidden_layers=ns.layers,
         num_attention_heads=ns.hidden // 64, num_key_value_heads=ns.hidden // 64, max_position_embeddings=ns.seq,
-        attn_implementation="eager"))
+        attn_implementation="eager")).to(device(ns))
 
 
 def batches(ns, rank: int, world: int):
     g = torch.Generator().manual_seed(1)
     while True:
         ids = torch.randint(0, ns.vocab, (ns.batch * world, ns.seq), generator=g)[rank * ns.batch:(rank + 1) * ns.batch]
+        ids = ids.to(device(ns))
         yield {"input_ids": ids, "labels": ids}
+
+
+def synchronize(ns) -> None:
+    if ns.device == "cuda":
+        torch.cuda.synchronize()
 
 
 def peak_rss_mib() -> float:
@@ -114,7 +134,7 @@ class Fsdp2(_Plain):
     def __init__(self, ns, offload: bool = False):
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend(ns))
         model = llama(ns)
         # pinning host memory needs an accelerator ("Cannot access accelerator device")
         pin = torch.accelerator.is_available()
@@ -204,6 +224,7 @@ def main() -> None:
     for name, default in [("layers", 6), ("hidden", 256), ("seq", 128), ("batch", 4), ("vocab", 32000),
                           ("accumulate", 1), ("steps", 6), ("warmup", 2)]:
         ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ns = ap.parse_args()
     torch.set_num_threads(1)
     runner = make(ns.system, ns)
@@ -215,16 +236,19 @@ def main() -> None:
         wait0 = runner.wait_s() if hasattr(runner, "wait_s") else 0.0
         if distributed:
             dist.barrier()
+        synchronize(ns)
         begin = time.perf_counter()
         for _ in range(ns.accumulate):
             runner.micro_step(next(data))
+        synchronize(ns)
         elapsed = time.perf_counter() - begin
         waited = (runner.wait_s() - wait0) if hasattr(runner, "wait_s") else None
         if step >= ns.warmup:
             times.append(elapsed)
             waits.append(waited)
     predicted = runner.predicted_s() if hasattr(runner, "predicted_s") else None
-    per_rank = {"times": times, "waits": waits, "peak_rss_mib": peak_rss_mib(), "predicted_s": predicted}
+    per_rank = {"times": times, "waits": waits, "peak_rss_mib": peak_rss_mib(), "predicted_s": predicted,
+                "peak_cuda_mib": torch.cuda.max_memory_allocated() / 2**20 if ns.device == "cuda" else None}
     everyone = [per_rank]
     if distributed:
         everyone = [None] * world
@@ -239,6 +263,7 @@ def main() -> None:
         with open(ns.out, "w") as f:
             json.dump({"system": ns.system, "world": world, "step_s": steps, "wait_s": waits,
                        "peak_rss_mib": [r["peak_rss_mib"] for r in everyone],
+                       "peak_cuda_mib": [r["peak_cuda_mib"] for r in everyone],
                        "predicted_s": everyone[0]["predicted_s"]}, f)
     if distributed:
         dist.barrier()
