@@ -34,6 +34,10 @@ class Config:
     #: written into the IR and ``passes`` are planned from it; no re-capture.
     #: ``{"passes": ["prefetch", "unshard"], "profile_at": [1, 3]}``; None: off
     optimize: dict | None = None
+    #: clip the gradients of every optimizer step to this global L2 norm, taken over every
+    #: rank's shards (DeepSpeed's ``gradient_clipping``; ``engine.clip_grad_norm_`` is
+    #: FSDP's way to the same); None: no clipping
+    gradient_clipping: float | None = None
     #: optimizer-state offload (the ``offload`` pass): ``{"budget": "1GiB"}`` keeps at
     #: most that many bytes of optimizer state on the device (per rank), the rest in
     #: host memory, moved around the update of its parameter; None: off
@@ -129,6 +133,14 @@ def _seconds(v):
     return float(v)
 
 
+def _max_norm(v):
+    if v is None:
+        return None
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or v == float("inf"):
+        raise ValueError(f"{v!r}; a finite norm > 0, like 1.0 (or null for no clipping)")
+    return float(v)
+
+
 def _bool(v):
     if not isinstance(v, bool):
         raise ValueError(f"{v!r}; true or false")
@@ -137,7 +149,7 @@ def _bool(v):
 
 _CHECKS = {"zero_stage": _stage, "passes": _passes, "gradient_accumulation_steps": _positive_int,
            "memory_budget": _budget, "timeout_s": _seconds, "inductor": _bool,
-           "optimize": _optimize, "offload": _offload}
+           "optimize": _optimize, "offload": _offload, "gradient_clipping": _max_norm}
 
 
 def _error(message: str) -> DcirError:

@@ -55,15 +55,21 @@ class RankFailure(RuntimeError):
     """A collective failed: another rank crashed, diverged or timed out."""
 
 
-def initialize(model: torch.nn.Module, optimizer=None, config=None, *, loss_fn: Callable | None = None) -> "Engine":
+def initialize(model: torch.nn.Module, optimizer=None, config=None, *, loss_fn: Callable | None = None,
+               lr_scheduler: Callable | None = None) -> "Engine":
     """An Engine that trains ``model`` sharded across the ranks of this job.
 
     ``optimizer`` is a ``torch.optim`` class (built with its defaults) or a callable
     taking the parameter shards and returning an optimizer (``lambda ps: AdamW(ps,
     lr=1e-3)``); None: AdamW. ``config`` is a dict or a JSON file (``Config``).
     ``loss_fn(output)`` computes the loss when the model's output is not one (see
-    ``dcir.compile_to_ir``)."""
-    return Engine(model, optimizer, Config.load(config), loss_fn)
+    ``dcir.compile_to_ir``). ``lr_scheduler`` is a callable taking the engine's
+    optimizer and returning a ``torch.optim.lr_scheduler`` scheduler (``lambda opt:
+    LambdaLR(opt, warmup)``), which ``engine.step()`` advances after every optimizer
+    step; it is ``engine.lr_scheduler``."""
+    config = Config.load(config)
+    _check_scheduler_factory(lr_scheduler)  # before anything joins a group or holds a shard
+    return Engine(model, optimizer, config, loss_fn, lr_scheduler)
 
 
 #: How long the other ranks wait for rank 0 to capture and compile the step (tens of
@@ -82,10 +88,32 @@ def _join_group(config: Config, device: torch.device) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
+def _check_scheduler_factory(make: Callable | None) -> None:
+    """A function of the engine's optimizer: a scheduler built beforehand, on the model's
+    parameters, would never see the shards the engine updates."""
+    if make is not None and (isinstance(make, torch.optim.lr_scheduler.LRScheduler) or not callable(make)):
+        raise DcirError(Diagnostic(
+            f"lr_scheduler takes a function of the engine's optimizer, like lambda opt: "
+            f"torch.optim.lr_scheduler.LambdaLR(opt, warmup), not {type(make).__name__}: the engine's optimizer "
+            "updates the parameter shards, and a scheduler built on another optimizer would not change their lr"))
+
+
+def _scheduler(make: Callable | None, optimizer: torch.optim.Optimizer):
+    """``make(optimizer)``, checked: a scheduler of the engine's own optimizer."""
+    if make is None:
+        return None
+    _check_scheduler_factory(make)
+    scheduler = make(optimizer)
+    if getattr(scheduler, "optimizer", optimizer) is not optimizer or not callable(getattr(scheduler, "step", None)):
+        raise DcirError(Diagnostic("lr_scheduler(optimizer) must return a scheduler of that optimizer (with a step())"))
+    return scheduler
+
+
 class Engine:
     _count = 0
 
-    def __init__(self, model: torch.nn.Module, optimizer, config: Config, loss_fn: Callable | None = None):
+    def __init__(self, model: torch.nn.Module, optimizer, config: Config, loss_fn: Callable | None = None,
+                 lr_scheduler: Callable | None = None):
         self.config, self.model, self.loss_fn = config, model, loss_fn
         self.device = next(model.parameters()).device
         _join_group(config, self.device)
@@ -116,6 +144,8 @@ class Engine:
             optimizer = torch.optim.AdamW
         self._make_optimizer = optimizer
         self.optimizer = optimizer(trainable)
+        self.lr_scheduler = _scheduler(lr_scheduler, self.optimizer)
+        self.last_grad_norm: torch.Tensor | None = None  # what the last clipping measured
         # the optimizer-state store @step runs on (the offload pass); None: optimizer.step()
         self.state_store = None
         if config.offload is not None:
@@ -384,6 +414,8 @@ class Engine:
         self.micro_steps += 1
         if self.micro_steps % self.config.gradient_accumulation_steps:
             return False
+        if self.config.gradient_clipping is not None:
+            self._clip(self.config.gradient_clipping, 2.0)
         if self.program.step_gm is not None:  # the program's own step: state moves as it says
             with torch.no_grad():
                 fn = self.program.step_gm
@@ -395,6 +427,8 @@ class Engine:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
         self.steps += 1
         if self._profile is not None:
             self._replan()
@@ -402,6 +436,47 @@ class Engine:
             self._profile = Profile(self.module)  # the next step runs under the profiler
         self._check_budget()
         return True
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale this optimizer step's gradients so that their norm, taken over every
+        parameter of the model (all ranks' shards), is at most ``max_norm``; returns that
+        total norm, the same on every rank, as ``torch.nn.utils.clip_grad_norm_`` does on
+        one device. A collective: every rank calls it, after the backward of the last
+        micro-step of an optimizer step and before ``engine.step()``."""
+        if self.program is None or (self.micro_steps + 1) % self.config.gradient_accumulation_steps:
+            raise DcirError(Diagnostic(
+                "clip_grad_norm_ clips the gradients of a whole optimizer step: call it after the backward of its "
+                f"last micro-step (every {self.config.gradient_accumulation_steps}), before engine.step()"))
+        return self._clip(float(max_norm), float(norm_type))
+
+    @torch.no_grad()
+    def _clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """The global norm of the shards' gradients (padding is zero and adds nothing),
+        summed across ranks in float64; the gradients scaled by ``max_norm / (norm +
+        1e-6)`` when that is below 1, as torch's ``clip_grad_norm_`` does."""
+        grads = [s.grad for s in self.shards.values() if s.grad is not None]
+        device = self._collective_device()
+        if norm_type == float("inf"):
+            local = max((g.abs().max().double() for g in grads), default=torch.zeros((), dtype=torch.float64))
+            total = local.reshape(1).to(device)
+            if self.world > 1:
+                dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        else:
+            local = sum((g.double().abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64))
+            total = local.reshape(1).to(device)
+            if self.world > 1:
+                dist.all_reduce(total)
+            total = total.pow(1.0 / norm_type)
+        norm = total[0].to(self.device, torch.float32)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        self.last_grad_norm = norm
+        return norm
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each of the optimizer's parameter groups (DeepSpeed's name)."""
+        return [group["lr"] for group in self.optimizer.param_groups]
 
     def _check_budget(self) -> None:
         """After a step: over the memory budget is an error, unless the optimization

@@ -143,6 +143,25 @@ CASES.update({
     "transformer_zero2_offload": (TinyTransformer, _transformer_batch, None,
                                   {"zero_stage": 2, "offload": {"budget": "64KiB"}}),
 })
+# the rest of a training recipe: gradient clipping by the global norm (through the config,
+# DeepSpeed's way, at every ZeRO stage and with offload, or by calling
+# engine.clip_grad_norm_, FSDP's) and a learning-rate schedule; max norms below the
+# models' gradient norms, so every step clips
+CASES.update({
+    "mlp_clip": (mlp, _mlp_batch, _squared, {"gradient_clipping": 0.05}),
+    "transformer_zero1_accumulate4_clip": (TinyTransformer, _transformer_batch, None,
+                                           {"zero_stage": 1, "gradient_accumulation_steps": 4,
+                                            "gradient_clipping": 0.1}),
+    "transformer_zero2_clip": (TinyTransformer, _transformer_batch, None, {"zero_stage": 2, "gradient_clipping": 0.1}),
+    "mlp_offload_clip": (mlp, _mlp_batch, _squared, {"offload": {"budget": 520}, "gradient_clipping": 0.05}),
+    "transformer_clip_call": (TinyTransformer, _transformer_batch, None, {"gradient_accumulation_steps": 2}),
+    "transformer_schedule": (TinyTransformer, _transformer_batch, None, {"gradient_clipping": 0.1}),
+})
+#: cases whose loop calls engine.clip_grad_norm_(max_norm) before the last micro-step's engine.step()
+CALL_CLIP = {"transformer_clip_call": 0.1}
+#: cases trained with a learning-rate schedule: initialize(..., lr_scheduler=) and the reference's own
+SCHEDULERS = {"transformer_schedule": lambda opt: torch.optim.lr_scheduler.LambdaLR(
+    opt, lambda step: min(1.0, (step + 1) / 3) * 0.5 ** max(0, step - 2))}
 # after this many optimizer steps the case's memory budget shrinks to one byte under what
 # the rank holds (memory changes under a planned schedule: the engine must profile again
 # and plan within less)
@@ -228,29 +247,41 @@ def run_case(name: str, rank: int, world: int) -> dict:
     ref = make().to(where)
     model = copy.deepcopy(ref)
     engine = dcir.initialize(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
-                             config={**config, "timeout_s": 60}, loss_fn=loss_fn)
+                             config={**config, "timeout_s": 60}, loss_fn=loss_fn, lr_scheduler=SCHEDULERS.get(name))
     ENGINES.append(engine)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    schedule = SCHEDULERS[name](opt) if name in SCHEDULERS else None
+    clip = config.get("gradient_clipping") or CALL_CLIP.get(name)
+    norms, ref_norms, lrs = [], [], []
     g = torch.Generator().manual_seed(1)
     memory = None
     reduce_once = config.get("zero_stage") == 1 and accumulate > 1
     for _ in range(STEPS):
         opt.zero_grad()
         local = [] if reduce_once else None
-        for _ in range(accumulate):
+        for micro in range(accumulate):
             whole = _on(batch_of(g, ROWS * world), where)
             _eager_micro_step(ref, loss_fn, whole, world, accumulate, local)
             args, kwargs = _slice(whole, rank * ROWS, (rank + 1) * ROWS)
             loss = engine(*args, **kwargs)
             engine.backward(loss)
+            if name in CALL_CLIP and micro == accumulate - 1:
+                norms.append(engine.clip_grad_norm_(CALL_CLIP[name]).item())
             engine.step()
+        if "gradient_clipping" in config:
+            norms.append(engine.last_grad_norm.item())
         if name in SHRINK and engine.steps == SHRINK[name]:
             held = engine._fixed_bytes(engine.memory()) + engine.memory()["gathered_peak"]
             engine.config = dataclasses.replace(engine.config, memory_budget=held - 1)
         memory = memory or engine.memory()
         if local:
             _add_average(ref, local, world)
+        if clip:
+            ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item())
         opt.step()
+        if schedule is not None:
+            schedule.step()
+        lrs.append((engine.get_lr(), [group["lr"] for group in opt.param_groups]))
     full = engine.full_parameters()
     worst, where = 0.0, ""
     for n, p in ref.named_parameters(remove_duplicate=False):
@@ -261,7 +292,10 @@ def run_case(name: str, rank: int, world: int) -> dict:
     last = engine.memory()
     state = {k: last[k] for k in ("optimizer_state", "optimizer_state_peak", "optimizer_state_host")}
     ir_text = str(engine.ir())
+    norm_err = max((abs(a - b) / b for a, b in zip(norms, ref_norms)), default=None)
     return {"max_rel_err": worst, "worst_param": where, "memory": {**memory, **state},
+            "grad_norm_rel_err": norm_err, "clipped": bool(clip) and all(n > clip for n in ref_norms),
+            "norms": [norms, ref_norms], "lrs": lrs,
             "full_optimizer_state": 2 * sum(p.numel() * 4 for p in ref.parameters() if p.requires_grad),
             "ir": ir_text if rank == 0 else "", "optimize": engine.optimize_log, "config": config}
 
@@ -318,6 +352,12 @@ def user_errors() -> None:
         engine.step()
     attempt(step)
     attempt(lambda: dcir.initialize(mlp(), config="/nonexistent/dcir.json"))
+    engine = dcir.initialize(mlp(), config={"timeout_s": 30, "gradient_accumulation_steps": 2}, loss_fn=_squared)
+    engine.backward(engine(torch.randn(2, 8)))
+    attempt(lambda: engine.clip_grad_norm_(1.0))  # the first of two micro-steps: half a step's gradients
+    model = mlp()
+    built = torch.optim.lr_scheduler.StepLR(torch.optim.AdamW(model.parameters()), 1)
+    attempt(lambda: dcir.initialize(model, config={"timeout_s": 30}, lr_scheduler=built))
 
 
 def native_ops() -> None:

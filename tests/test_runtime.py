@@ -26,7 +26,10 @@ CASES = ["mlp", "mlp_accumulate2", "tied_frozen", "transformer", "hf_llama", "hf
          # ZeRO-1 / ZeRO-2, and optimizer state over an offload budget (accumulation 1 and 4)
          "mlp_zero1", "mlp_zero2", "transformer_zero1_accumulate4", "transformer_zero2_accumulate4",
          "hf_llama_zero1_optimize", "hf_llama_zero2_accumulate4_optimize",
-         "mlp_offload", "transformer_offload_accumulate4", "hf_llama_offload_optimize", "transformer_zero2_offload"]
+         "mlp_offload", "transformer_offload_accumulate4", "hf_llama_offload_optimize", "transformer_zero2_offload",
+         # clipping by the global norm (ZeRO-3, -1, -2, offload; config and engine.clip_grad_norm_), a schedule
+         "mlp_clip", "transformer_zero1_accumulate4_clip", "transformer_zero2_clip", "mlp_offload_clip",
+         "transformer_clip_call", "transformer_schedule"]
 # every combination of the schedule passes, and the optimization cycle within a budget (world 2)
 SCHEDULE_CASES = [f"transformer_{c}" for c in ("prefetch", "unshard", "bucket", "prefetch_unshard",
                                                 "prefetch_bucket", "unshard_bucket")] + [
@@ -105,6 +108,12 @@ def test_sharded_training_matches_eager(world, tmp_path, capfd):
             if cycle["reason"] != "memory":  # a plan is taken only when predicted faster
                 assert cycle["predicted_s"] <= cycle["predicted_before_s"] * 1.001, (case, cycle)
         _check_memory(case, r, world)
+        if "clip" in case:  # the norm torch.nn.utils.clip_grad_norm_ takes on one device, and every step clipped
+            assert r["grad_norm_rel_err"] <= 1e-6 and r["clipped"], (case, r["norms"])
+        for engine_lr, ref_lr in r["lrs"]:  # the engine's schedule is the reference's
+            assert engine_lr == ref_lr, (case, r["lrs"])
+    schedule = [lr for lr, _ in results["transformer_schedule"]["lrs"]]
+    assert len({tuple(lr) for lr in schedule}) == len(schedule), schedule  # it changed every step
     if world == 2:
         assert results["transformer_optimize_budget"]["optimize"][0]["budget"] is not None
         # the budget shrank under the planned schedule: profiled again, planned within less
@@ -152,6 +161,10 @@ def test_user_errors_are_messages_on_every_rank(capfd):
         "(shapes are static: give every micro-batch the captured shape)",
         " (parameters, gradients, optimizer state, buffers, replicas, accumulators and the peak of gathered parameters), over the memory budget of ",
         "error: /nonexistent/dcir.json: cannot read the config: No such file or directory",
+        "error: clip_grad_norm_ clips the gradients of a whole optimizer step: call it after the backward of its "
+        "last micro-step (every 2), before engine.step()",
+        "error: lr_scheduler takes a function of the engine's optimizer, like lambda opt: "
+        "torch.optim.lr_scheduler.LambdaLR(opt, warmup), not StepLR",
     ]
     for message in expected:
         assert out.count(message) == 2, (message, out)  # once per rank
@@ -185,6 +198,8 @@ def test_meta_kernels_trace_the_ops():
     ({"gradient_accumulation_steps": 0}, "bad value for 'gradient_accumulation_steps': 0; a whole number >= 1"),
     ({"memory_budget": "2 gigs"}, "bad value for 'memory_budget': '2 gigs' is not a size"),
     ({"timeout_s": -1}, "bad value for 'timeout_s': -1; a number of seconds > 0"),
+    ({"gradient_clipping": 0}, "bad value for 'gradient_clipping': 0; a finite norm > 0, like 1.0"),
+    ({"gradient_clipping": "1.0"}, "bad value for 'gradient_clipping': '1.0'; a finite norm > 0"),
     ({"optimize": {"passes": ["prefetch"], "every": 2}},
      "bad value for 'optimize': unknown key 'every' in 'optimize'; valid keys: passes, profile_at"),
     ({"optimize": {"profile_at": [0]}}, "bad value for 'optimize': 'profile_at' is [0]; a non-empty list of optimizer steps >= 1"),
