@@ -59,9 +59,12 @@ def initialize(model: torch.nn.Module, optimizer=None, config=None, *, loss_fn: 
                lr_scheduler: Callable | None = None) -> "Engine":
     """An Engine that trains ``model`` sharded across the ranks of this job.
 
-    ``optimizer`` is a ``torch.optim`` class (built with its defaults) or a callable
-    taking the parameter shards and returning an optimizer (``lambda ps: AdamW(ps,
-    lr=1e-3)``); None: AdamW. ``config`` is a dict or a JSON file (``Config``).
+    ``optimizer`` is a ``torch.optim`` class (built with its defaults), a callable taking
+    the trainable parameter shards as ``(fqn, shard)`` pairs, as ``named_parameters()``
+    gives them, and returning an optimizer (``lambda ps: AdamW(ps, lr=1e-3)``, or
+    parameter groups chosen by name), or an optimizer built on the model's own
+    parameters (DeepSpeed's way), rebuilt with its groups over the shards; None: AdamW.
+    Groups keep their names (``engine.optimizer.param_groups[i]["param_names"]``). ``config`` is a dict or a JSON file (``Config``).
     ``loss_fn(output)`` computes the loss when the model's output is not one (see
     ``dcir.compile_to_ir``). ``lr_scheduler`` is a callable taking the engine's
     optimizer and returning a ``torch.optim.lr_scheduler`` scheduler (``lambda opt:
@@ -139,11 +142,12 @@ class Engine:
             self.shards[name] = torch.nn.Parameter(self._shard_of(p.detach()), requires_grad=p.requires_grad)
             self.ops.set_shard(self.store_prefix + name, self.shards[name])
         self.full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        trainable = [s for s in self.shards.values() if s.requires_grad]
         if optimizer is None:
             optimizer = torch.optim.AdamW
+        if isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = self._rebuild(optimizer, model)
         self._make_optimizer = optimizer
-        self.optimizer = optimizer(trainable)
+        self.optimizer = optimizer([(n, s) for n, s in self.shards.items() if s.requires_grad])
         self.lr_scheduler = _scheduler(lr_scheduler, self.optimizer)
         self.last_grad_norm: torch.Tensor | None = None  # what the last clipping measured
         # the optimizer-state store @step runs on (the offload pass); None: optimizer.step()
@@ -191,6 +195,31 @@ class Engine:
         """Where a small tensor for a torch.distributed collective lives: NCCL reduces
         only GPU tensors, gloo CPU ones."""
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def _rebuild(self, built: torch.optim.Optimizer, model: torch.nn.Module) -> Callable:
+        """An optimizer built on the model's own parameters (DeepSpeed's ``initialize(model,
+        optimizer=opt)``) as a factory of the same class, groups and hyperparameters over
+        the shards, each named by its parameter's FQN; frozen parameters are left out."""
+        if built.state:
+            raise DcirError(Diagnostic(
+                f"optimizer {type(built).__name__} has state already (it has stepped); give the engine a fresh one, "
+                "or a function of the parameter shards"))
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        strangers = [p for g in built.param_groups for p in g["params"] if id(p) not in name_of]
+        if strangers:
+            raise DcirError(Diagnostic(
+                f"optimizer {type(built).__name__} holds {len(strangers)} tensor(s) that are not parameters of the "
+                "model; build it on model.parameters() (or named_parameters()), or pass a function of the shards"))
+        groups = [{**{k: v for k, v in g.items() if k not in ("params", "param_names")},
+                   "params": [name_of[id(p)] for p in g["params"]]} for g in built.param_groups]
+
+        def make(named):
+            shard = dict(named)
+            if set(shard) == {"probe"}:  # _state_keys: one parameter, the first group's settings
+                return type(built)([{**groups[0], "params": list(named)}])
+            return type(built)([{**g, "params": [(n, shard[n]) for n in g["params"] if n in shard]}
+                                for g in groups if any(n in shard for n in g["params"])])
+        return make
 
     def _shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's flat shard: ``full`` flattened, zero-padded to a multiple of the
@@ -254,7 +283,7 @@ class Engine:
         stepping a fresh optimizer of the same kind once on a two-element parameter."""
         probe = torch.nn.Parameter(torch.zeros(2, device=self.device))
         probe.grad = torch.zeros_like(probe)
-        opt = self._make_optimizer([probe])
+        opt = self._make_optimizer([("probe", probe)])
         opt.step()
         return [k for k, v in opt.state[probe].items() if isinstance(v, torch.Tensor) and v.shape == probe.shape]
 

@@ -157,11 +157,37 @@ CASES.update({
     "transformer_clip_call": (TinyTransformer, _transformer_batch, None, {"gradient_accumulation_steps": 2}),
     "transformer_schedule": (TinyTransformer, _transformer_batch, None, {"gradient_clipping": 0.1}),
 })
+CASES.update({
+    "transformer_groups_schedule": (TinyTransformer, _transformer_batch, None, {}),
+    "transformer_zero1_groups_schedule": (TinyTransformer, _transformer_batch, None, {"zero_stage": 1}),
+    "tied_frozen_optimizer_instance": (Tied, _tied_batch, None, {}),
+})
+
+
+def _decay_groups(named) -> torch.optim.Optimizer:
+    """Parameter groups chosen by name: no weight decay (and half the lr) on biases and norms."""
+    named = list(named)
+    plain = [(n, p) for n, p in named if n.endswith("bias") or "norm" in n]
+    return torch.optim.AdamW([{"params": [(n, p) for n, p in named if (n, p) not in plain], "weight_decay": 0.1},
+                              {"params": plain, "weight_decay": 0.0, "lr": 5e-3}], lr=1e-2)
+
+
+#: cases whose optimizer is not the plain AdamW: a factory of named parameters, used for
+#: the engine (on its shards) and for the reference (on its parameters) alike
+OPTIMIZERS = {"transformer_groups_schedule": _decay_groups, "transformer_zero1_groups_schedule": _decay_groups}
+#: cases given an optimizer built on the model's own parameters (DeepSpeed's way)
+INSTANCES = {"tied_frozen_optimizer_instance": lambda m: torch.optim.AdamW(
+    [{"params": [p for n, p in m.named_parameters() if "bias" not in n], "weight_decay": 0.1},
+     {"params": [p for n, p in m.named_parameters() if "bias" in n], "weight_decay": 0.0, "lr": 3e-3}], lr=1e-2)}
 #: cases whose loop calls engine.clip_grad_norm_(max_norm) before the last micro-step's engine.step()
 CALL_CLIP = {"transformer_clip_call": 0.1}
 #: cases trained with a learning-rate schedule: initialize(..., lr_scheduler=) and the reference's own
-SCHEDULERS = {"transformer_schedule": lambda opt: torch.optim.lr_scheduler.LambdaLR(
-    opt, lambda step: min(1.0, (step + 1) / 3) * 0.5 ** max(0, step - 2))}
+def _warmup_decay(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3) * 0.5 ** max(0, step - 2))
+
+
+SCHEDULERS = {"transformer_schedule": _warmup_decay, "transformer_groups_schedule": _warmup_decay,
+              "transformer_zero1_groups_schedule": _warmup_decay}
 # after this many optimizer steps the case's memory budget shrinks to one byte under what
 # the rank holds (memory changes under a planned schedule: the engine must profile again
 # and plan within less)
@@ -246,10 +272,12 @@ def run_case(name: str, rank: int, world: int) -> dict:
     torch.manual_seed(0)
     ref = make().to(where)
     model = copy.deepcopy(ref)
-    engine = dcir.initialize(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
-                             config={**config, "timeout_s": 60}, loss_fn=loss_fn, lr_scheduler=SCHEDULERS.get(name))
+    make_opt = OPTIMIZERS.get(name, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    optimizer = INSTANCES[name](model) if name in INSTANCES else make_opt
+    engine = dcir.initialize(model, optimizer=optimizer, config={**config, "timeout_s": 60}, loss_fn=loss_fn,
+                             lr_scheduler=SCHEDULERS.get(name))
     ENGINES.append(engine)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = INSTANCES[name](ref) if name in INSTANCES else make_opt(ref.named_parameters())
     schedule = SCHEDULERS[name](opt) if name in SCHEDULERS else None
     clip = config.get("gradient_clipping") or CALL_CLIP.get(name)
     norms, ref_norms, lrs = [], [], []
@@ -296,6 +324,7 @@ def run_case(name: str, rank: int, world: int) -> dict:
     return {"max_rel_err": worst, "worst_param": where, "memory": {**memory, **state},
             "grad_norm_rel_err": norm_err, "clipped": bool(clip) and all(n > clip for n in ref_norms),
             "norms": [norms, ref_norms], "lrs": lrs,
+            "groups": [[g.get("param_names"), g["weight_decay"]] for g in engine.optimizer.param_groups],
             "full_optimizer_state": 2 * sum(p.numel() * 4 for p in ref.parameters() if p.requires_grad),
             "ir": ir_text if rank == 0 else "", "optimize": engine.optimize_log, "config": config}
 
@@ -358,6 +387,10 @@ def user_errors() -> None:
     model = mlp()
     built = torch.optim.lr_scheduler.StepLR(torch.optim.AdamW(model.parameters()), 1)
     attempt(lambda: dcir.initialize(model, config={"timeout_s": 30}, lr_scheduler=built))
+    stepped = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 8)).sum().backward()
+    stepped.step()
+    attempt(lambda: dcir.initialize(model, optimizer=stepped, config={"timeout_s": 30}))
 
 
 def native_ops() -> None:

@@ -29,7 +29,9 @@ CASES = ["mlp", "mlp_accumulate2", "tied_frozen", "transformer", "hf_llama", "hf
          "mlp_offload", "transformer_offload_accumulate4", "hf_llama_offload_optimize", "transformer_zero2_offload",
          # clipping by the global norm (ZeRO-3, -1, -2, offload; config and engine.clip_grad_norm_), a schedule
          "mlp_clip", "transformer_zero1_accumulate4_clip", "transformer_zero2_clip", "mlp_offload_clip",
-         "transformer_clip_call", "transformer_schedule"]
+         "transformer_clip_call", "transformer_schedule",
+         # parameter groups chosen by name (weight-decay exclusion) with a schedule; an optimizer built on the model
+         "transformer_groups_schedule", "transformer_zero1_groups_schedule", "tied_frozen_optimizer_instance"]
 # every combination of the schedule passes, and the optimization cycle within a budget (world 2)
 SCHEDULE_CASES = [f"transformer_{c}" for c in ("prefetch", "unshard", "bucket", "prefetch_unshard",
                                                 "prefetch_bucket", "unshard_bucket")] + [
@@ -112,6 +114,10 @@ def test_sharded_training_matches_eager(world, tmp_path, capfd):
             assert r["grad_norm_rel_err"] <= 1e-6 and r["clipped"], (case, r["norms"])
         for engine_lr, ref_lr in r["lrs"]:  # the engine's schedule is the reference's
             assert engine_lr == ref_lr, (case, r["lrs"])
+    for case in ("transformer_groups_schedule", "tied_frozen_optimizer_instance"):  # the groups keep their names
+        (decay, wd), (plain, no_wd) = results[case]["groups"]
+        assert (wd, no_wd) == (0.1, 0.0) and plain and all(n.endswith("bias") or "norm" in n for n in plain), case
+        assert decay and not any(n.endswith("bias") for n in decay), case
     schedule = [lr for lr, _ in results["transformer_schedule"]["lrs"]]
     assert len({tuple(lr) for lr in schedule}) == len(schedule), schedule  # it changed every step
     if world == 2:
@@ -165,6 +171,7 @@ def test_user_errors_are_messages_on_every_rank(capfd):
         "last micro-step (every 2), before engine.step()",
         "error: lr_scheduler takes a function of the engine's optimizer, like lambda opt: "
         "torch.optim.lr_scheduler.LambdaLR(opt, warmup), not StepLR",
+        "error: optimizer SGD has state already (it has stepped); give the engine a fresh one",
     ]
     for message in expected:
         assert out.count(message) == 2, (message, out)  # once per rank
