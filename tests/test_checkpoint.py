@@ -90,3 +90,26 @@ def test_exact_resume_after_kill(case, tmp_path, capfd):
         assert a["state"].keys() == b["state"].keys() and a["state"], case
         for key in a["state"]:
             assert torch.equal(torch.as_tensor(a["state"][key]), torch.as_tensor(b["state"][key])), (case, key)
+
+
+RESHARD = {  # name -> (model, config saved with, world after, config after)
+    "2to3": ("mlp", {}, 3, {}),
+    "2to1": ("mlp", {}, 1, {}),
+    "2to3_zero3_to_zero1": ("mlp", {}, 3, {"zero_stage": 1}),
+    "2to1_offload_to_none": ("mlp", {"offload": {"budget": 520}}, 1, {}),
+    "2to3_llama_zero1_to_zero3_offload": ("llama", {"zero_stage": 1}, 3, {"offload": {"budget": "200KiB"}}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESHARD))
+def test_reshard(case, tmp_path, capfd):
+    """Saved at world 2 after 4 steps, resumed at world 3 or 1 (and under another stage
+    or offload setting) for 4 more: within 1e-6 relative of 8 steps at world 2 (the
+    ranks' sums are added in another grouping, so not bit for bit)."""
+    model, config, world, after = RESHARD[case]
+    straight, resumed = _straight_and_resumed(capfd, tmp_path, {"model": model, "config": config, "lr": 1e-3},
+                                              8, 4, world_after=world, after={"config": after})
+    a, b = _result(straight), _result(resumed)
+    assert b["steps"] == 8
+    for name in a["full"]:
+        assert _rel(a["full"][name], b["full"][name]) <= 1e-6, (case, name, _rel(a["full"][name], b["full"][name]))
