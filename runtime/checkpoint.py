@@ -401,11 +401,11 @@ def load(engine, ckpt_dir, tag: str | None = None):
         try:
             found = [str(_resolve(ckpt_dir, tag))]
         except DcirError as e:
-            found = [e]
+            found = [("error", e.diagnostics[0].message)]
     if world > 1:
         dist.broadcast_object_list(found, src=0)
-    if isinstance(found[0], DcirError):
-        raise found[0]
+    if isinstance(found[0], tuple):
+        raise _error(found[0][1])
     path = Path(found[0])
     marker = _read_marker(path)
     problems = _agree(_verify_files(path, marker, rank, world), world)

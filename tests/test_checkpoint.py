@@ -113,3 +113,51 @@ def test_reshard(case, tmp_path, capfd):
     assert b["steps"] == 8
     for name in a["full"]:
         assert _rel(a["full"][name], b["full"][name]) <= 1e-6, (case, name, _rel(a["full"][name], b["full"][name]))
+
+
+def test_kill_mid_save_and_bad_checkpoints(tmp_path, capfd):
+    """The job is killed in the middle of its second save: the first checkpoint stays
+    the latest and loads; the partial one is never picked. Damaged, mismatched or absent
+    checkpoints are one clear error on every rank, and the engine is unchanged."""
+    ckpt = tmp_path / "ckpt"
+    spec = {"model": "mlp", "micro": 4, "out": str(tmp_path / "never"), "save": str(ckpt), "save_at": [2, 4],
+            "kill_in_save": True}
+    code, out = _run(capfd, tmp_path, 2, spec)
+    assert code == -signal.SIGKILL, out
+    partial = [d for d in ckpt.iterdir() if ".tmp-" in d.name]
+    assert len(partial) == 1 and partial[0].name.startswith("step4.tmp-") and any(partial[0].glob("*.distcp"))
+    assert not (partial[0] / checkpoint.MARKER).exists()
+    assert checkpoint.latest(ckpt) == "step2" and (ckpt / "latest").read_text().strip() == "step2"
+    (ckpt / "latest").unlink()  # without the pointer the scan still finds only the complete one
+    assert checkpoint.latest(ckpt) == "step2"
+    code, out = _run(capfd, tmp_path, 2, {"model": "mlp", "micro": 4, "out": str(tmp_path / "resumed"),
+                                          "load": str(ckpt)})
+    assert code == 0 and out.count("resumed from step2 at micro-step 2") == 2, out
+
+    unmarked = tmp_path / "unmarked"
+    shutil.copytree(partial[0], unmarked / "step4")
+    truncated, corrupt = tmp_path / "truncated", tmp_path / "corrupt"
+    for d in (truncated, corrupt):
+        shutil.copytree(ckpt, d)
+    with open(truncated / "step2" / "__1_0.distcp", "r+b") as f:
+        f.truncate(100)
+    data = bytearray((corrupt / "step2" / "__0_0.distcp").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (corrupt / "step2" / "__0_0.distcp").write_bytes(bytes(data))
+    (tmp_path / "empty").mkdir()
+    # an LLM engine loads the MLP's checkpoint: the keys differ
+    attempts = [{"dir": str(truncated)}, {"dir": str(corrupt), "tag": "step2"}, {"dir": str(unmarked), "tag": "step4"},
+                {"dir": str(ckpt), "tag": partial[0].name}, {"dir": str(ckpt), "tag": "step9"},
+                {"dir": str(tmp_path / "empty")}, {"dir": str(ckpt)}]
+    code, out = _run(capfd, tmp_path, 2, {"model": "llama", "attempts": attempts}, command="errors")
+    assert code == 0, out
+    errors = [line for line in out.splitlines() if line.startswith(("ERROR", "NO ERROR"))]
+    assert len(errors) == 2 * len(attempts) and "NO ERROR" not in out, out
+    assert out.count("UNCHANGED") == 2 * len(attempts) and "\nCHANGED" not in out, out
+    expected = ["file __1_0.distcp is truncated or changed: 100 bytes", "file __0_0.distcp is corrupt",
+                "has no COMPLETE marker", "bad checkpoint tag", "no checkpoint 'step9'",
+                "no complete checkpoint in", "does not match this model (LlamaForCausalLM)"]
+    for i, text in enumerate(expected):
+        assert text in errors[2 * i] and text in errors[2 * i + 1], (text, errors[2 * i])
+    mismatch = errors[-1]
+    assert "missing from the checkpoint: lm_head.weight" in mismatch and "not in the model: 0.bias, 0.weight" in mismatch
