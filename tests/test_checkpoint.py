@@ -161,3 +161,46 @@ def test_kill_mid_save_and_bad_checkpoints(tmp_path, capfd):
         assert text in errors[2 * i] and text in errors[2 * i + 1], (text, errors[2 * i])
     mismatch = errors[-1]
     assert "missing from the checkpoint: lm_head.weight" in mismatch and "not in the model: 0.bias, 0.weight" in mismatch
+
+
+def test_export_loads_with_from_pretrained_and_load_state_dict(tmp_path, capfd):
+    """A checkpoint of a tied-embedding transformers Llama, exported on one process (no
+    process group), loads with from_pretrained and gives the logits of the engine's own
+    full parameters, bit for bit; an MLP's export loads with load_state_dict; the CLI
+    writes the same file."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    sys.path.insert(0, str(HERE))
+    from checkpoint_worker import MODELS
+
+    for model in ("llama_tied", "mlp"):
+        code, out = _run(capfd, tmp_path, 2, {"model": model, "micro": 2, "out": str(tmp_path / model),
+                                              "save": str(tmp_path / f"ckpt_{model}"), "save_at": [2]})
+        assert code == 0, out
+    full = _result(tmp_path / "llama_tied")["full"]
+    target = checkpoint.export(tmp_path / "ckpt_llama_tied", tmp_path / "hf")
+    assert target == tmp_path / "hf" / "model.safetensors" and (tmp_path / "hf" / "config.json").is_file()
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    reference = MODELS["llama_tied"][0]().eval()
+    reference.load_state_dict(full)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()  # still tied
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, reference(ids).logits)
+        assert not torch.equal(loaded(ids).logits, MODELS["llama_tied"][0]().eval()(ids).logits)  # it trained
+
+    mlp = MODELS["mlp"][0]()
+    mlp.load_state_dict(load_file(checkpoint.export(tmp_path / "ckpt_mlp", tmp_path / "mlp_out")))
+    for name, p in mlp.named_parameters():
+        assert torch.equal(p, _result(tmp_path / "mlp")["full"][name]), name
+    assert not (tmp_path / "mlp_out" / "config.json").exists()
+
+    cli = subprocess.run([sys.executable, "-m", "dcir_runtime.checkpoint", "export", str(tmp_path / "ckpt_mlp"),
+                          str(tmp_path / "cli_out"), "--tag", "step2"], capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    by_cli, in_process = load_file(tmp_path / "cli_out" / "model.safetensors"), load_file(tmp_path / "mlp_out" / "model.safetensors")
+    assert by_cli.keys() == in_process.keys() and all(torch.equal(by_cli[k], in_process[k]) for k in by_cli)
+    bad = subprocess.run([sys.executable, "-m", "dcir_runtime.checkpoint", "export", str(tmp_path / "nowhere"),
+                          str(tmp_path / "x")], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "no complete checkpoint in" in bad.stderr, bad.stderr
