@@ -262,9 +262,6 @@ def _agree(problems: list[str], world: int) -> list[str]:
 def save(engine, ckpt_dir, tag: str | None = None, client_state=None) -> Path:
     """Writes the engine's state to ``ckpt_dir/<tag>/`` (default tag ``step<N>``); a
     collective: every rank must call it. Returns the checkpoint's directory."""
-    if engine._saved is not None:
-        raise _error("save_checkpoint between a forward and its backward: the forward's saved activations "
-                     "are not checkpointed; save after engine.step()")
     if _accumulating(engine) and any("grad_acc.of" in d.attrs for d in (engine.module.decls.values()
                                                                         if engine.module is not None else ())):
         raise _error(f"save_checkpoint inside gradient accumulation (micro-step {engine.micro_steps} of "
@@ -393,8 +390,6 @@ def load(engine, ckpt_dir, tag: str | None = None):
     this world size, stage and offload setting; a collective. Returns (the
     checkpoint's directory, the ``client_state`` it was saved with)."""
     rank, world = engine.rank, engine.world
-    if engine._saved is not None:
-        raise _error("load_checkpoint between a forward and its backward; load before a forward or after step()")
     # every rank resolves the same directory (the one rank 0 finds), or all raise
     found: list = [None]
     if rank == 0:
@@ -479,6 +474,7 @@ def _apply(engine, sd: dict, groups: list, mid: int) -> None:
     for attr in ("lr_scheduler", "loss_scaler"):
         if getattr(engine, attr, None) is not None and f"dcir.{attr}" in sd:
             getattr(engine, attr).load_state_dict(pickle.loads(sd[f"dcir.{attr}"]))
+    engine._saved = None  # a forward without its backward (an evaluation) is over
     engine._gather_next = True  # replicas (zero1/2, unshard) come from the loaded shards
 
 
