@@ -98,7 +98,7 @@ def _dtensor(engine, name: str, padded: torch.Tensor):
 
 def _empty_dtensor(engine, name: str, dtype: torch.dtype):
     chunk = -(-_numel(engine, name) // engine.world)
-    return _dtensor(engine, name, torch.zeros(chunk, dtype=dtype))
+    return _dtensor(engine, name, torch.empty(chunk, dtype=dtype))  # DCP fills every element
 
 
 def _blob(obj) -> bytes:
