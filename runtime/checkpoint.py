@@ -208,7 +208,8 @@ def _resolve(ckpt_dir, tag: str | None) -> Path:
         tag = latest(root)
         if tag is None:
             partial = sorted(d.name for d in root.iterdir() if d.is_dir()) if root.is_dir() else []
-            seen = f" (directories without a {MARKER} marker, unfinished saves: {', '.join(partial)})" if partial else ""
+            seen = (f" (directories without a {MARKER} marker, unfinished saves: {', '.join(partial)})"
+                    if partial else "")
             raise _error(f"no complete checkpoint in {root}{seen}")
     path = root / _check_tag(tag)
     if not path.is_dir():

@@ -116,7 +116,8 @@ def rank_main(ns) -> None:
     bar = None
     if rank == 0:
         from tqdm import tqdm
-        bar = tqdm(total=ns.steps, initial=engine.steps, desc=f"dcir {world} ranks", unit="step", file=sys.stdout, dynamic_ncols=True)
+        bar = tqdm(total=ns.steps, initial=engine.steps, desc=f"dcir {world} ranks", unit="step", file=sys.stdout,
+                   dynamic_ncols=True)
     losses, t0 = [], time.perf_counter()
     memory = None
     kill_at = int(os.environ.get("DCIR_TEST_KILL_AT_STEP", 0))  # test-only, see _test_kill
@@ -141,7 +142,8 @@ def rank_main(ns) -> None:
         bar.close()
     last_eval = evaluate()
     last = engine.memory()
-    memory = {**(memory or last), **{k: last[k] for k in ("optimizer_state", "optimizer_state_peak", "optimizer_state_host")}}
+    state = ("optimizer_state", "optimizer_state_peak", "optimizer_state_host")
+    memory = {**(memory or last), **{k: last[k] for k in state}}  # none before the last: resumed at the end
     everyone = [None] * world
     dist.all_gather_object(everyone, memory)
     if ns.ir and rank == 0:

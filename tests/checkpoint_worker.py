@@ -4,7 +4,7 @@
 for ``micro`` micro-steps on a fixed global batch per micro-step (``GLOBAL`` rows, each
 rank its slice, so any world of 1, 2, 3 sees the same data), optionally loading a
 checkpoint first (``load``: a fresh engine, before its first call) and saving after
-micro-step ``save_at`` (``save``), then dying by SIGKILL (``die``: no clean shutdown)
+micro-step ``save_at`` (``save``; with ``lr_scheduler``, a StepLR on the engine), then dying by SIGKILL (``die``: no clean shutdown)
 or, with ``kill_in_save``, in the middle of that save. The data generator's state
 travels in the checkpoint's ``client_state``. At the end each rank writes ``out``
 ``.rank<r>.pt``: the full parameters, this rank's optimizer state and the counters.
@@ -72,7 +72,8 @@ def _snapshot(engine) -> dict:
             state[f"{name}.{key}"] = v.detach().clone() if isinstance(v, torch.Tensor) else v
     grads = {n: s.grad.clone() for n, s in engine.shards.items() if s.grad is not None}
     return {"full": full, "state": state, "shards": {n: s.detach().clone() for n, s in engine.shards.items()},
-            "grads": grads, "steps": engine.steps, "micro_steps": engine.micro_steps}
+            "grads": grads, "steps": engine.steps, "micro_steps": engine.micro_steps,
+            "lr": engine.optimizer.param_groups[0]["lr"]}
 
 
 def train(spec: dict) -> None:
@@ -81,6 +82,8 @@ def train(spec: dict) -> None:
     world = engine.world
     _, batch_of, _ = MODELS[spec["model"]]
     g = torch.Generator().manual_seed(1)
+    if spec.get("lr_scheduler"):  # the engine has none of its own yet: a checkpoint saves one it is given
+        engine.lr_scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=3, gamma=0.5)
     if spec.get("load"):
         path, client = engine.load_checkpoint(spec["load"], spec.get("tag"))
         g.set_state(client["data"])
@@ -92,7 +95,8 @@ def train(spec: dict) -> None:
         kwargs = {k: v[rank * rows:(rank + 1) * rows] for k, v in kwargs.items()}
         loss = engine(*args, **kwargs)
         engine.backward(loss)
-        engine.step()
+        if engine.step() and spec.get("lr_scheduler"):
+            engine.lr_scheduler.step()
         if spec.get("save") and engine.micro_steps in spec.get("save_at", []):
             if spec.get("kill_in_save") and engine.micro_steps == spec["save_at"][-1]:
                 os.environ[checkpoint.KILL_IN_SAVE] = "1"

@@ -66,6 +66,7 @@ def _straight_and_resumed(capfd, tmp_path, spec: dict, micro: int, save_at: int,
 
 EXACT = {  # name -> (model, Engine config, micro-steps, save after micro-step)
     "zero3": ("mlp", {}, 8, 4),
+    "zero3_lr_scheduler": ("mlp", {}, 8, 4),  # engine.lr_scheduler halves the lr every 3 steps
     "zero1": ("mlp", {"zero_stage": 1}, 8, 4),
     "zero3_offload": ("mlp", {"offload": {"budget": 520}}, 8, 4),
     "zero1_offload": ("mlp", {"zero_stage": 1, "offload": {"budget": 520}}, 8, 4),
@@ -81,10 +82,12 @@ def test_exact_resume_after_kill(case, tmp_path, capfd):
     """8 optimizer steps straight against 4, save, SIGKILL, fresh processes, load, 4 more:
     parameters and optimizer state bit for bit equal."""
     model, config, micro, save_at = EXACT[case]
-    straight, resumed = _straight_and_resumed(capfd, tmp_path, {"model": model, "config": config}, micro, save_at)
+    spec = {"model": model, "config": config, "lr_scheduler": "lr_scheduler" in case}
+    straight, resumed = _straight_and_resumed(capfd, tmp_path, spec, micro, save_at)
     for rank in range(2):
         a, b = _result(straight, rank), _result(resumed, rank)
         assert a["steps"] == b["steps"] and a["micro_steps"] == b["micro_steps"] == micro
+        assert a["lr"] == b["lr"] == (1e-2 * 0.25 if spec["lr_scheduler"] else 1e-2)
         for name in a["full"]:
             assert torch.equal(a["full"][name], b["full"][name]), (case, name)
         assert a["state"].keys() == b["state"].keys() and a["state"], case
@@ -160,7 +163,8 @@ def test_kill_mid_save_and_bad_checkpoints(tmp_path, capfd):
     for i, text in enumerate(expected):
         assert text in errors[2 * i] and text in errors[2 * i + 1], (text, errors[2 * i])
     mismatch = errors[-1]
-    assert "missing from the checkpoint: lm_head.weight" in mismatch and "not in the model: 0.bias, 0.weight" in mismatch
+    assert "missing from the checkpoint: lm_head.weight" in mismatch
+    assert "not in the model: 0.bias, 0.weight" in mismatch
 
 
 def test_export_loads_with_from_pretrained_and_load_state_dict(tmp_path, capfd):
@@ -199,11 +203,26 @@ def test_export_loads_with_from_pretrained_and_load_state_dict(tmp_path, capfd):
     cli = subprocess.run([sys.executable, "-m", "dcir_runtime.checkpoint", "export", str(tmp_path / "ckpt_mlp"),
                           str(tmp_path / "cli_out"), "--tag", "step2"], capture_output=True, text=True, timeout=60)
     assert cli.returncode == 0, cli.stderr
-    by_cli, in_process = load_file(tmp_path / "cli_out" / "model.safetensors"), load_file(tmp_path / "mlp_out" / "model.safetensors")
+    by_cli = load_file(tmp_path / "cli_out" / "model.safetensors")
+    in_process = load_file(tmp_path / "mlp_out" / "model.safetensors")
     assert by_cli.keys() == in_process.keys() and all(torch.equal(by_cli[k], in_process[k]) for k in by_cli)
     bad = subprocess.run([sys.executable, "-m", "dcir_runtime.checkpoint", "export", str(tmp_path / "nowhere"),
                           str(tmp_path / "x")], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "no complete checkpoint in" in bad.stderr, bad.stderr
+
+
+def _run_job(argv: list[str], timeout_s: float, **kwargs) -> subprocess.CompletedProcess:
+    """Runs a job in its own process group; past ``timeout_s`` the whole group (torchrun's
+    workers included) is killed and the test fails."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(argv[:6])} ... took over {timeout_s} s:\n{out}\n{err}")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 TRAIN = ["--steps", "6", "--layers", "1", "--hidden", "64", "--seq", "32", "--batch", "2"]
@@ -214,17 +233,18 @@ def test_elastic_restart_under_torchrun(tmp_path):
     restarts the job, which resumes from the step-4 checkpoint and ends with the final
     loss of an uninterrupted run, exactly."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    straight = subprocess.run([sys.executable, "-m", "dcir_runtime.train", "--nproc", "2", *TRAIN],
-                              capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    straight = _run_job([sys.executable, "-m", "dcir_runtime.train", "--nproc", "2", *TRAIN], 120, env=env,
+                        cwd=tmp_path)
     assert straight.returncode == 0, straight.stderr
     ckpt, marker = tmp_path / "ckpt", tmp_path / "killed"
-    elastic = subprocess.run(
+    elastic = _run_job(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
          "-m", "dcir_runtime.train", *TRAIN, "--save-every", "2", "--checkpoint-dir", str(ckpt), "--resume", str(ckpt)],
-        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        180, cwd=tmp_path,
         # the agent's shared store hands restarted workers the dead ones' gloo addresses now and
         # then (connectFullMesh: connection refused; pytorch/pytorch#135712): not shared, it does not
-        env={**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "DCIR_TEST_KILL_AT_STEP": "5", "DCIR_TEST_KILL_MARKER": str(marker), "OMP_NUM_THREADS": "1"})
+        env={**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "DCIR_TEST_KILL_AT_STEP": "5",
+             "DCIR_TEST_KILL_MARKER": str(marker), "OMP_NUM_THREADS": "1"})
     out = elastic.stdout + elastic.stderr
     assert elastic.returncode == 0, out
     assert marker.exists() and "no complete checkpoint" in out and "resumed from" in out and "at step 4" in out, out
