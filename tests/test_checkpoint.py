@@ -73,6 +73,8 @@ EXACT = {  # name -> (model, Engine config, micro-steps, save after micro-step)
     # saved inside gradient accumulation: the partial gradients and the position travel
     "zero3_accumulate2_mid": ("mlp", {"gradient_accumulation_steps": 2}, 16, 9),
     "zero1_accumulate2": ("mlp", {"zero_stage": 1, "gradient_accumulation_steps": 2}, 16, 8),
+    # replicated parameters, loaded mid-accumulation: the next call gathers them from the loaded shards
+    "zero2_accumulate2_mid": ("mlp", {"zero_stage": 2, "gradient_accumulation_steps": 2}, 16, 9),
     "llama_zero3_offload": ("llama", {"offload": {"budget": "200KiB"}}, 8, 4),
 }
 
