@@ -4,13 +4,15 @@
 for ``micro`` micro-steps on a fixed global batch per micro-step (``GLOBAL`` rows, each
 rank its slice, so any world of 1, 2, 3 sees the same data), optionally loading a
 checkpoint first (``load``: a fresh engine, before its first call) and saving after
-micro-step ``save_at`` (``save``; with ``lr_scheduler``, a StepLR on the engine), then dying by SIGKILL (``die``: no clean shutdown)
-or, with ``kill_in_save``, in the middle of that save. The data generator's state
+each micro-step in ``save_at`` (into ``save``), then, after the last save, dying by
+SIGKILL (``die``: no clean shutdown) or, with ``kill_in_save``, in the middle of that
+save. With ``lr_scheduler`` the engine carries a StepLR. The data generator's state
 travels in the checkpoint's ``client_state``. At the end each rank writes ``out``
-``.rank<r>.pt``: the full parameters, this rank's optimizer state and the counters.
+``.rank<r>.pt``: the full parameters, this rank's optimizer state, the counters and
+where it resumed from.
 
 ``python checkpoint_worker.py errors SPEC.json``: each bad load is a DcirError on every
-rank, printed as ``ERROR: ...``, and the engine's state is unchanged afterwards.
+rank, and the engine's state is unchanged afterwards.
 """
 
 from __future__ import annotations
@@ -84,10 +86,11 @@ def train(spec: dict) -> None:
     g = torch.Generator().manual_seed(1)
     if spec.get("lr_scheduler"):  # the engine has none of its own yet: a checkpoint saves one it is given
         engine.lr_scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=3, gamma=0.5)
+    resumed = None
     if spec.get("load"):
         path, client = engine.load_checkpoint(spec["load"], spec.get("tag"))
         g.set_state(client["data"])
-        print(f"rank {rank}: resumed from {path.name} at micro-step {engine.micro_steps}", flush=True)
+        resumed = (path.name, engine.micro_steps)
     rows = GLOBAL // world
     while engine.micro_steps < spec["micro"]:
         args, kwargs = batch_of(g)
@@ -103,24 +106,27 @@ def train(spec: dict) -> None:
             engine.save_checkpoint(spec["save"], client_state={"data": g.get_state()})
             if spec.get("die") and engine.micro_steps == spec["save_at"][-1]:
                 os.kill(os.getpid(), signal.SIGKILL)  # every process dies hard right after the save
-    torch.save(_snapshot(engine), f"{spec['out']}.rank{rank}.pt")
+    torch.save({**_snapshot(engine), "resumed": resumed}, f"{spec['out']}.rank{rank}.pt")
 
 
 def errors(spec: dict) -> None:
-    """Each bad load: a DcirError on every rank, and the engine unchanged."""
+    """Each bad load: a DcirError on every rank, and the engine unchanged. Each rank
+    writes ``out.rank<r>.json``: per attempt, the error (None: it loaded) and whether
+    the engine is unchanged."""
     engine = _engine(spec)
     before = _snapshot(engine)
+    results = []
     for attempt in spec["attempts"]:
         try:
             engine.load_checkpoint(attempt["dir"], attempt.get("tag"))
+            error = None
         except dcir.DcirError as e:
-            print("ERROR:", e.render().replace("\n", " | "), flush=True)
-        else:
-            print("NO ERROR", flush=True)
+            error = e.render()
         after = _snapshot(engine)
         same = all(torch.equal(before["shards"][n], after["shards"][n]) for n in before["shards"])
         same = same and before["state"].keys() == after["state"].keys() and before["steps"] == after["steps"]
-        print("UNCHANGED" if same else "CHANGED", flush=True)
+        results.append({"error": error, "unchanged": same})
+    Path(f"{spec['out']}.rank{engine.rank}.json").write_text(json.dumps(results))
 
 
 if __name__ == "__main__":
