@@ -164,6 +164,7 @@ class Engine:
         self._forward_args: tuple = ()
         self.micro_steps = 0
         self.steps = 0
+        self._gather_next = False  # after a checkpoint load: gather replicas at the next call
         self.capture_s = 0.0
         self.base_text = ""
         self.captured_peak: dict[str, int] = {}
@@ -387,9 +388,10 @@ class Engine:
             self._capture(args, kwargs)
         inputs = self.program._inputs(args, kwargs)
         self._check_inputs(inputs)
-        if self.micro_steps % self.config.gradient_accumulation_steps == 0:
+        if self.micro_steps % self.config.gradient_accumulation_steps == 0 or self._gather_next:
             with torch.no_grad():  # the first micro-step of a step: gathered copies, if any
                 self._run("unshard", self.program.unshard)
+            self._gather_next = False
         fn = self.program.forward_fn
         if self._profile is not None:
             fn = functools.partial(self._profile.run, "forward", self.program.forward_gm)
@@ -535,6 +537,21 @@ class Engine:
             f"replicas, accumulators and the peak of gathered parameters), over the memory budget of {format_bytes(budget)}"))
 
     # ---- state ---------------------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state=None):
+        """Writes everything needed to continue (shards, optimizer state, steps, RNG,
+        the position in gradient accumulation, ``client_state``) to ``save_dir/<tag>/``
+        (default ``step<N>``) on torch.distributed.checkpoint, visible only once complete;
+        a collective. Returns its directory (``dcir_runtime.checkpoint``, docs/checkpoint.md)."""
+        from dcir_runtime import checkpoint
+        return checkpoint.save(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir, tag: str | None = None):
+        """Loads ``load_dir/<tag>`` (default: the latest complete checkpoint), saved at any
+        world size, ZeRO stage or offload setting; a collective. Returns (its directory,
+        the ``client_state`` it was saved with). On any error the engine is unchanged."""
+        from dcir_runtime import checkpoint
+        return checkpoint.load(self, load_dir, tag)
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:

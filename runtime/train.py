@@ -41,6 +41,13 @@ def _args(argv):
                     help='the Engine config: a JSON file or inline JSON, e.g. \'{"gradient_accumulation_steps": 2}\'')
     ap.add_argument("--ir", default=None, metavar="FILE", help="write the program the engine runs (DCIR text) here")
     ap.add_argument("--seed", type=int, default=0, help="seed of the model and the data order (default 0)")
+    ap.add_argument("--save-every", type=int, default=0, metavar="N",
+                    help="save a checkpoint every N optimizer steps into --checkpoint-dir (default 0: never)")
+    ap.add_argument("--checkpoint-dir", default="checkpoints", metavar="DIR",
+                    help="where --save-every saves (default checkpoints/)")
+    ap.add_argument("--resume", default=None, metavar="DIR",
+                    help="continue from the latest complete checkpoint in DIR, if there is one (else start fresh); "
+                         "under torchrun --max-restarts a restarted job finds its last save this way")
     ap.add_argument("--timeout", type=float, default=900, help="end the local run after this many seconds (900)")
     return ap.parse_args(argv)
 
@@ -94,14 +101,27 @@ def rank_main(ns) -> None:
 
     begin = time.perf_counter()
     first_eval = evaluate()  # the first call captures the step
+    if ns.resume:
+        from dcir_runtime.checkpoint import latest
+
+        if latest(ns.resume) is None:
+            if rank == 0:
+                print(f"dcir-train: no complete checkpoint in {ns.resume}; starting fresh", flush=True)
+        else:
+            path, client = engine.load_checkpoint(ns.resume)
+            g.set_state(client["data"])  # the data order continues where it stopped
+            if rank == 0:
+                print(f"dcir-train: resumed from {path} at step {engine.steps}", flush=True)
     accumulate = engine.config.gradient_accumulation_steps
     bar = None
     if rank == 0:
         from tqdm import tqdm
-        bar = tqdm(total=ns.steps, desc=f"dcir {world} ranks", unit="step", file=sys.stdout, dynamic_ncols=True)
+        bar = tqdm(total=ns.steps, initial=engine.steps, desc=f"dcir {world} ranks", unit="step", file=sys.stdout,
+                   dynamic_ncols=True)
     losses, t0 = [], time.perf_counter()
     memory = None
-    for _ in range(ns.steps):
+    kill_at = int(os.environ.get("DCIR_TEST_KILL_AT_STEP", 0))  # test-only, see _test_kill
+    while engine.steps < ns.steps:
         for _ in range(accumulate):
             loss = engine(**batch(train))
             engine.backward(loss)
@@ -113,27 +133,36 @@ def rank_main(ns) -> None:
             bar.set_postfix(loss=f"{sum(losses[-accumulate:]) / accumulate:.3f}",
                             tok_s=f"{tokens / (time.perf_counter() - t0):,.0f}")
             bar.update()
+        if ns.save_every and engine.steps % ns.save_every == 0:
+            engine.save_checkpoint(ns.checkpoint_dir, client_state={"data": g.get_state()})
+        if engine.steps == kill_at:
+            _test_kill(rank)
     train_s = time.perf_counter() - t0
     if bar is not None:
         bar.close()
     last_eval = evaluate()
     last = engine.memory()
-    memory = {**memory, **{k: last[k] for k in ("optimizer_state", "optimizer_state_peak", "optimizer_state_host")}}
+    state = ("optimizer_state", "optimizer_state_peak", "optimizer_state_host")
+    memory = {**(memory or last), **{k: last[k] for k in state}}  # none before the last: resumed at the end
     everyone = [None] * world
     dist.all_gather_object(everyone, memory)
     if ns.ir and rank == 0:
         with open(ns.ir, "w") as f:
             f.write(str(engine.ir()))
-    if rank == 0:
-        tokens = ns.steps * accumulate * ns.batch * ns.seq * world
+    if rank == 0 and not losses:
+        print(f"\nnothing to train: step {engine.steps} of {ns.steps} is done")
+    elif rank == 0:
+        ran = max(1, len(losses) // accumulate)  # optimizer steps this run (fewer after a resume)
+        tokens = ran * accumulate * ns.batch * ns.seq * world
         mib = 2**20
         n_params = memory["full_parameters"] // 4  # fp32
         print(f"\nLlama {ns.layers} layers, hidden {ns.hidden}, {n_params / 1e6:.2f} M parameters; {world} ranks; "
-              f"{ns.steps} steps of {ns.batch * world * accumulate} x {ns.seq} tokens")
+              f"{ran} steps of {ns.batch * world * accumulate} x {ns.seq} tokens")
         print(f"loss            train {sum(losses[:accumulate]) / accumulate:.3f} -> "
               f"{sum(losses[-10:]) / len(losses[-10:]):.3f} (last 10); held out {first_eval:.3f} -> {last_eval:.3f}")
+        print(f"final loss      {losses[-1]!r} (step {engine.steps})")
         print(f"throughput      {tokens / train_s:,.0f} tokens/s ({tokens / train_s / world:,.0f} per rank), "
-              f"{train_s / ns.steps:.3f} s/step; capture + passes {engine.capture_s:.1f} s, "
+              f"{train_s / ran:.3f} s/step; capture + passes {engine.capture_s:.1f} s, "
               f"total {time.perf_counter() - begin:.1f} s")
         print("memory per rank (the runtime's accounting, MiB; optimizer state on the device at its peak, "
               "and in host memory):")
@@ -146,6 +175,19 @@ def rank_main(ns) -> None:
         if ns.ir:
             print(f"the program: {ns.ir} (dcir-opt {ns.ir} reads it)")
     dist.destroy_process_group()
+
+
+def _test_kill(rank: int) -> None:
+    """Test-only (tests/test_checkpoint.py, the elastic test): with
+    ``DCIR_TEST_KILL_AT_STEP=K`` and ``DCIR_TEST_KILL_MARKER=FILE``, rank 1 SIGKILLs itself
+    after step K, once: the marker file keeps the restarted job from dying again."""
+    import signal
+
+    marker = os.environ.get("DCIR_TEST_KILL_MARKER")
+    if rank != 1 or not marker or os.path.exists(marker):
+        return
+    open(marker, "w").close()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,539 @@
+"""Checkpoints of an Engine on ``torch.distributed.checkpoint`` (DCP): save, resume,
+reshard, export.
+
+``engine.save_checkpoint(dir, tag=None)`` writes, with every rank writing only its own
+shards (DCP's ``FileSystemWriter``), everything a run needs to continue on the same
+trajectory: the parameter shards, the optimizer state (host-resident offloaded state
+included), the partial gradients when saved inside gradient accumulation, the step
+counts, the RNG states, the LR scheduler and loss scaler when the engine has them, and
+the caller's ``client_state``. ``engine.load_checkpoint(dir, tag=None)`` reads it back
+at any world size, ZeRO stage or offload setting: each parameter is saved as a DTensor
+over its flat, unpadded elements (``Shard(0)`` on a 1-D mesh, the engine's layout less
+its padding), so DCP reshards on load.
+
+A checkpoint becomes visible only when complete: the ranks write ``DIR/<tag>.tmp-<nonce>/``;
+after a barrier rank 0 writes ``COMPLETE`` (the step, the world, a manifest of every
+file with its size and CRC-32) and renames the directory to ``DIR/<tag>/``, then points
+``DIR/latest`` at it (a temporary file and ``os.replace``). Loading trusts no directory
+without its marker, checks every file against the manifest and every key against the
+engine before it changes anything, so a bad checkpoint is an error that names the
+problem and leaves the engine as it was.
+
+``export(ckpt_dir, out_dir)`` (also ``dcir-checkpoint export``) consolidates a
+checkpoint on one process, without a process group, into ``model.safetensors`` under
+the model's own names, plus ``config.json`` for a ``transformers`` model, so
+``from_pretrained(out_dir)`` or ``load_state_dict`` loads it. See docs/checkpoint.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import re
+import secrets
+import shutil
+import signal
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+from dcir.diagnostics import DcirError, Diagnostic
+
+MARKER = "COMPLETE"
+LATEST = "latest"
+FORMAT = 1
+#: Test-only: ``DCIR_TEST_KILL_IN_SAVE=1`` makes every rank SIGKILL itself after its
+#: shards are written and before the commit, the way a job killed mid-save dies.
+KILL_IN_SAVE = "DCIR_TEST_KILL_IN_SAVE"
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
+_MESHES: dict[int, object] = {}
+
+
+def _error(message: str) -> DcirError:
+    return DcirError(Diagnostic(message))
+
+
+def _mesh(world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if world not in _MESHES:
+        _MESHES[world] = init_device_mesh("cpu", (world,))
+    return _MESHES[world]
+
+
+def _check_tag(tag: str) -> str:
+    if not isinstance(tag, str) or not _TAG.fullmatch(tag) or tag == LATEST or ".tmp-" in tag:
+        raise _error(f"bad checkpoint tag {tag!r}: letters, digits, '_', '.', '-' (not starting with '.' or '-'), "
+                     f"not {LATEST!r}, no '.tmp-'")
+    return tag
+
+
+# ---- the engine's state as DCP sees it -------------------------------------------------------
+
+def _numel(engine, name: str) -> int:
+    return engine.shapes[name].numel()
+
+
+def _local(engine, name: str, padded: torch.Tensor) -> torch.Tensor:
+    """The unpadded part of this rank's flat shard (torch.chunk's split of ``numel``)."""
+    n, chunk = _numel(engine, name), padded.numel()
+    return padded.reshape(-1)[:max(0, min(chunk, n - engine.rank * chunk))]
+
+
+def _dtensor(engine, name: str, padded: torch.Tensor):
+    from torch.distributed.tensor import DTensor, Shard
+
+    n = _numel(engine, name)
+    return DTensor.from_local(_local(engine, name, padded.detach()).cpu(), _mesh(engine.world), [Shard(0)],
+                              run_check=False, shape=torch.Size([n]), stride=(1,))
+
+
+def _empty_dtensor(engine, name: str, dtype: torch.dtype):
+    chunk = -(-_numel(engine, name) // engine.world)
+    return _dtensor(engine, name, torch.empty(chunk, dtype=dtype))  # DCP fills every element
+
+
+def _blob(obj) -> bytes:
+    return pickle.dumps(obj)
+
+
+def _persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    buffers = dict(model.named_buffers())
+    return {k: buffers[k] for k in model.state_dict(keep_vars=True) if k in buffers}
+
+
+def _accumulating(engine) -> bool:
+    return engine.micro_steps % engine.config.gradient_accumulation_steps != 0
+
+
+def _state_dict(engine, client_state) -> dict:
+    sd: dict = {}
+    for name, shard in engine.shards.items():
+        sd[name] = _dtensor(engine, name, shard)
+        if _accumulating(engine) and shard.grad is not None:
+            sd[f"grad.{name}"] = _dtensor(engine, name, shard.grad)
+        for key, value in engine.optimizer.state.get(shard, {}).items():
+            if isinstance(value, torch.Tensor) and value.shape == shard.shape:
+                sd[f"optim.{name}.{key}"] = _dtensor(engine, name, value)
+            elif isinstance(value, torch.Tensor):
+                sd[f"optim.{name}.{key}"] = value.detach().cpu()
+            else:
+                sd[f"optim.{name}.{key}"] = _blob(value)
+    for name, b in _persistent_buffers(engine.model).items():
+        sd[name] = b.detach().cpu()
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
+    sd["optim.param_groups"] = _blob(groups)
+    sd["dcir.engine"] = _blob({"steps": engine.steps, "micro_steps": engine.micro_steps})
+    sd["dcir.client_state"] = _blob(client_state)
+    sd[f"dcir.rng.{engine.rank}"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        sd[f"dcir.cuda_rng.{engine.rank}"] = torch.cuda.get_rng_state()
+    for attr in ("lr_scheduler", "loss_scaler"):
+        if getattr(engine, attr, None) is not None:
+            sd[f"dcir.{attr}"] = _blob(getattr(engine, attr).state_dict())
+    return sd
+
+
+def _manifest_of_model(engine) -> dict:
+    return {"parameters": {n: {"shape": list(engine.shapes[n]), "aliases": engine.aliases[n],
+                               "dtype": str(s.dtype).removeprefix("torch.")} for n, s in engine.shards.items()},
+            "buffers": sorted(_persistent_buffers(engine.model))}
+
+
+# ---- files -----------------------------------------------------------------------------------
+
+def _crc(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _mine(files: list[str], rank: int, world: int) -> list[str]:
+    """The files this rank checksums: its share, by position, of the sorted list."""
+    return [f for i, f in enumerate(sorted(files)) if i % world == rank]
+
+
+def _step_of(tag_dir: Path) -> int:
+    try:
+        return int(json.loads((tag_dir / MARKER).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+
+
+def latest(ckpt_dir) -> str | None:
+    """The tag of the newest complete checkpoint in ``ckpt_dir`` (``latest`` if it
+    names one with its marker, else the complete one with the highest step), or None."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return None
+    pointer = root / LATEST
+    if pointer.is_file():
+        tag = pointer.read_text().strip()
+        if _TAG.fullmatch(tag) and (root / tag / MARKER).is_file():
+            return tag
+    done = [d for d in root.iterdir() if d.is_dir() and ".tmp-" not in d.name and (d / MARKER).is_file()]
+    return max(done, key=lambda d: (_step_of(d), d.stat().st_mtime)).name if done else None
+
+
+def _resolve(ckpt_dir, tag: str | None) -> Path:
+    root = Path(ckpt_dir)
+    if tag is None:
+        tag = latest(root)
+        if tag is None:
+            partial = sorted(d.name for d in root.iterdir() if d.is_dir()) if root.is_dir() else []
+            seen = (f" (directories without a {MARKER} marker, unfinished saves: {', '.join(partial)})"
+                    if partial else "")
+            raise _error(f"no complete checkpoint in {root}{seen}")
+    path = root / _check_tag(tag)
+    if not path.is_dir():
+        have = sorted(d.name for d in root.iterdir() if d.is_dir() and (d / MARKER).is_file()) if root.is_dir() else []
+        raise _error(f"no checkpoint {tag!r} in {root}; complete checkpoints there: {', '.join(have) or 'none'}")
+    if not (path / MARKER).is_file():
+        raise _error(f"{path} has no {MARKER} marker: the save that wrote it did not finish; not loading it")
+    return path
+
+
+def _read_marker(path: Path) -> dict:
+    try:
+        marker = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError) as e:
+        raise _error(f"{path / MARKER} is unreadable ({e}): the checkpoint is damaged") from None
+    if marker.get("format") != FORMAT:
+        raise _error(f"{path}: checkpoint format {marker.get('format')!r}; this DCIR reads format {FORMAT}")
+    return marker
+
+
+def _verify_files(path: Path, marker: dict, rank: int, world: int) -> list[str]:
+    """Problems with the files against the manifest: sizes on every rank, checksums
+    of this rank's share."""
+    problems = []
+    files = marker["files"]
+    for name, (size, _) in sorted(files.items()):
+        f = path / name
+        if not f.is_file():
+            problems.append(f"file {name} is missing")
+        elif f.stat().st_size != size:
+            problems.append(f"file {name} is truncated or changed: {f.stat().st_size} bytes, the manifest says {size}")
+    if problems:
+        return problems
+    for name in _mine(list(files), rank, world):
+        if _crc(path / name) != files[name][1]:
+            problems.append(f"file {name} is corrupt: its CRC-32 differs from the manifest's")
+    return problems
+
+
+def _agree(problems: list[str], world: int) -> list[str]:
+    """Every rank's problems, on every rank (so all raise the same error together)."""
+    if world == 1:
+        return problems
+    everyone = [None] * world
+    dist.all_gather_object(everyone, problems)
+    return sorted({p for ps in everyone for p in ps})
+
+
+# ---- save ------------------------------------------------------------------------------------
+
+def save(engine, ckpt_dir, tag: str | None = None, client_state=None) -> Path:
+    """Writes the engine's state to ``ckpt_dir/<tag>/`` (default tag ``step<N>``); a
+    collective: every rank must call it. Returns the checkpoint's directory."""
+    if _accumulating(engine) and any("grad_acc.of" in d.attrs for d in (engine.module.decls.values()
+                                                                        if engine.module is not None else ())):
+        raise _error(f"save_checkpoint inside gradient accumulation (micro-step {engine.micro_steps} of "
+                     f"{engine.config.gradient_accumulation_steps}) under a program with per-rank gradient "
+                     "accumulators (zero1): those are not resharded; save at an optimizer-step boundary")
+    tag = _check_tag(tag if tag is not None else f"step{engine.steps}")
+    root = Path(ckpt_dir)
+    rank, world = engine.rank, engine.world
+    nonce = [secrets.token_hex(4) if rank == 0 else None]
+    if world > 1:
+        dist.broadcast_object_list(nonce, src=0)
+    tmp = root / f"{tag}.tmp-{nonce[0]}"
+    if rank == 0:
+        tmp.mkdir(parents=True)
+    if world > 1:
+        dist.barrier()
+    sd = _state_dict(engine, client_state)
+    elementwise = sorted(k for k, v in sd.items() if k.startswith("optim.") and _is_elementwise(v))
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp))
+    if os.environ.get(KILL_IN_SAVE):
+        os.kill(os.getpid(), signal.SIGKILL)
+    config = getattr(engine.model, "config", None)
+    if rank == 0 and hasattr(config, "to_json_string"):
+        (tmp / "config.json").write_text(config.to_json_string())
+    if world > 1:
+        dist.barrier()  # every rank's files are written
+    names = sorted(p.name for p in tmp.iterdir())
+    crcs = {n: _crc(tmp / n) for n in _mine(names, rank, world)}
+    everyone = [None] * world
+    if world > 1:
+        dist.all_gather_object(everyone, crcs)
+    else:
+        everyone = [crcs]
+    final = root / tag
+    if rank == 0:
+        crc = {k: v for part in everyone for k, v in part.items()}
+        marker = {"format": FORMAT, "tag": tag, "step": engine.steps, "micro_steps": engine.micro_steps,
+                  "world_size": world, "zero_stage": engine.config.zero_stage,
+                  "gradient_accumulation_steps": engine.config.gradient_accumulation_steps,
+                  "offload": engine.config.offload, "time": time.time(), **_manifest_of_model(engine),
+                  "elementwise": elementwise,
+                  "files": {n: [(tmp / n).stat().st_size, crc[n]] for n in names}}
+        _write_atomic(tmp / MARKER, json.dumps(marker, indent=1))
+        _fsync_dir(tmp)
+        if final.exists():  # the same tag again: the new one replaces it
+            old = root / f"{tag}.tmp-{nonce[0]}-old"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, final)
+        _write_atomic(root / LATEST, tag + "\n")
+        _fsync_dir(root)
+    if world > 1:
+        dist.barrier()
+    return final
+
+
+# ---- load ------------------------------------------------------------------------------------
+
+def _check_keys(engine, path: Path, marker: dict, meta: dict) -> None:
+    """The checkpoint's parameters and buffers against the engine's: one error listing
+    every difference."""
+    ours = {n: list(s) for n, s in engine.shapes.items()}
+    theirs = {n: p["shape"] for n, p in marker["parameters"].items()}
+    missing = sorted(set(ours) - set(theirs))
+    extra = sorted(set(theirs) - set(ours))
+    shapes = [f"{n}: {theirs[n]} in the checkpoint, {ours[n]} here" for n in sorted(set(ours) & set(theirs))
+              if theirs[n] != ours[n]]
+    buffers = set(_persistent_buffers(engine.model))
+    missing += sorted(buffers - set(marker["buffers"]))
+    extra += sorted(set(marker["buffers"]) - buffers)
+    absent = [n for n in list(theirs) + marker["buffers"] if n in set(ours) | buffers and n not in meta]
+    if not (missing or extra or shapes or absent):
+        return
+    lines = [f"{path} does not match this model ({type(engine.model).__name__}):"]
+    for what, keys in (("missing from the checkpoint", missing), ("in the checkpoint, not in the model", extra),
+                       ("with another shape", shapes), ("listed but not stored", absent)):
+        if keys:
+            lines.append(f"  {len(keys)} {what}: {', '.join(keys[:20])}{' ...' if len(keys) > 20 else ''}")
+    raise _error("\n".join(lines))
+
+
+def _load_dict(engine, meta: dict, marker: dict) -> dict:
+    """Fresh tensors in this world's layout for everything the checkpoint holds that
+    this engine takes (DCP fills them; the engine is not touched yet)."""
+    sd: dict = {}
+    elementwise = set(marker["elementwise"])
+
+    def plain(key):
+        m = meta[key]
+        if isinstance(m, BytesStorageMetadata):
+            return None
+        return torch.empty(m.size, dtype=m.properties.dtype)
+
+    for name, shard in engine.shards.items():
+        sd[name] = _empty_dtensor(engine, name, shard.dtype)
+        prefix = f"optim.{name}."
+        for key in meta:
+            if not key.startswith(prefix):
+                continue
+            m = meta[key]
+            if key in elementwise:
+                sd[key] = _empty_dtensor(engine, name, m.properties.dtype)
+            else:
+                sd[key] = plain(key)
+        if f"grad.{name}" in meta and marker["micro_steps"] % marker["gradient_accumulation_steps"]:
+            sd[f"grad.{name}"] = _empty_dtensor(engine, name, shard.dtype)
+    for name in _persistent_buffers(engine.model):
+        sd[name] = plain(name)
+    for key in ("optim.param_groups", "dcir.engine", "dcir.client_state", "dcir.lr_scheduler", "dcir.loss_scaler",
+                f"dcir.rng.{engine.rank}", f"dcir.cuda_rng.{engine.rank}"):
+        if key in meta:
+            sd[key] = plain(key)
+    return sd
+
+
+def _is_elementwise(value) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def load(engine, ckpt_dir, tag: str | None = None):
+    """Loads ``ckpt_dir/<tag>`` (default: the latest complete one) into the engine, at
+    this world size, stage and offload setting; a collective. Returns (the
+    checkpoint's directory, the ``client_state`` it was saved with)."""
+    rank, world = engine.rank, engine.world
+    # every rank resolves the same directory (the one rank 0 finds), or all raise
+    found: list = [None]
+    if rank == 0:
+        try:
+            found = [str(_resolve(ckpt_dir, tag))]
+        except DcirError as e:
+            found = [("error", e.diagnostics[0].message)]
+    if world > 1:
+        dist.broadcast_object_list(found, src=0)
+    if isinstance(found[0], tuple):
+        raise _error(found[0][1])
+    path = Path(found[0])
+    marker = _read_marker(path)
+    problems = _agree(_verify_files(path, marker, rank, world), world)
+    if problems:
+        raise _error(f"{path} is damaged; not loading it:\n  " + "\n  ".join(problems))
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    _check_keys(engine, path, marker, meta)
+    mid = marker["micro_steps"] % marker["gradient_accumulation_steps"]
+    if mid and marker["gradient_accumulation_steps"] != engine.config.gradient_accumulation_steps:
+        raise _error(f"{path} was saved at micro-step {marker['micro_steps']} inside gradient accumulation of "
+                     f"{marker['gradient_accumulation_steps']}; this engine accumulates "
+                     f"{engine.config.gradient_accumulation_steps}: resume with the same accumulation")
+    sd = _load_dict(engine, meta, marker)
+    try:
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(path))
+    except Exception as e:  # DCP raises CheckpointException with every rank's failure
+        raise _error(f"{path}: reading the checkpoint failed: {str(e).strip()[:2000]}") from None
+    groups = pickle.loads(sd["optim.param_groups"])
+    if len(groups) != len(engine.optimizer.param_groups):
+        raise _error(f"{path} has {len(groups)} optimizer parameter groups; this optimizer has "
+                     f"{len(engine.optimizer.param_groups)}")
+    _apply(engine, sd, groups, mid)
+    return path, pickle.loads(sd["dcir.client_state"])
+
+
+@torch.no_grad()
+def _apply(engine, sd: dict, groups: list, mid: int) -> None:
+    """Copies the loaded values into the engine, in place where a tensor exists (the
+    offload store's host buffers stay where they are)."""
+    def fill(dst: torch.Tensor, name: str, loaded) -> None:
+        local = loaded.to_local()
+        flat = dst.view(-1)
+        flat[:local.numel()].copy_(local)
+        flat[local.numel():].zero_()
+
+    for name, shard in engine.shards.items():
+        fill(shard.data, name, sd[name])
+        key = f"grad.{name}"
+        if mid and key in sd:
+            shard.grad = torch.zeros_like(shard)
+            fill(shard.grad, name, sd[key])
+        else:
+            shard.grad = None
+        if not shard.requires_grad:
+            continue
+        state = engine.optimizer.state[shard]
+        prefix = f"optim.{name}."
+        for k in [k for k in sd if k.startswith(prefix)]:
+            key, value = k[len(prefix):], sd[k]
+            if _is_elementwise(value):
+                if key not in state or state[key] is None or state[key].shape != shard.shape:
+                    state[key] = torch.zeros_like(shard)
+                fill(state[key], name, value)
+            elif isinstance(value, torch.Tensor):
+                if isinstance(state.get(key), torch.Tensor) and state[key].shape == value.shape:
+                    state[key].copy_(value)
+                else:
+                    state[key] = value.clone()
+            else:
+                state[key] = pickle.loads(value)
+    for group, saved in zip(engine.optimizer.param_groups, groups):
+        group.update(saved)
+    for name, b in _persistent_buffers(engine.model).items():
+        b.copy_(sd[name])
+    counts = pickle.loads(sd["dcir.engine"])
+    engine.steps, engine.micro_steps = counts["steps"], counts["micro_steps"]
+    if f"dcir.rng.{engine.rank}" in sd:
+        torch.set_rng_state(sd[f"dcir.rng.{engine.rank}"])
+    if f"dcir.cuda_rng.{engine.rank}" in sd and torch.cuda.is_available():
+        torch.cuda.set_rng_state(sd[f"dcir.cuda_rng.{engine.rank}"])
+    for attr in ("lr_scheduler", "loss_scaler"):
+        if getattr(engine, attr, None) is not None and f"dcir.{attr}" in sd:
+            getattr(engine, attr).load_state_dict(pickle.loads(sd[f"dcir.{attr}"]))
+    engine._saved = None  # a forward without its backward (an evaluation) is over
+    engine._gather_next = True  # replicas (zero1/2, unshard) come from the loaded shards
+
+
+# ---- export ----------------------------------------------------------------------------------
+
+def export(ckpt_dir, out_dir, tag: str | None = None) -> Path:
+    """Consolidates a checkpoint into ``out_dir/model.safetensors`` (every parameter
+    whole, under each of its names, and the persistent buffers), plus ``config.json``
+    when the model had a ``transformers`` config; one process, no process group.
+    Returns the safetensors file."""
+    from safetensors.torch import save_file
+
+    path = _resolve(ckpt_dir, tag)
+    marker = _read_marker(path)
+    problems = _verify_files(path, marker, 0, 1)
+    if problems:
+        raise _error(f"{path} is damaged; not exporting it:\n  " + "\n  ".join(problems))
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    sd = {}
+    for name in list(marker["parameters"]) + marker["buffers"]:
+        m = meta[name]
+        sd[name] = torch.empty(m.size, dtype=m.properties.dtype)
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    out: dict[str, torch.Tensor] = {}
+    for name, p in marker["parameters"].items():
+        full = sd[name].reshape(p["shape"])
+        for alias in p["aliases"]:
+            out[alias] = full.clone()  # safetensors refuses shared storage
+    for name in marker["buffers"]:
+        out[name] = sd[name].contiguous()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if (path / "config.json").is_file():
+        shutil.copyfile(path / "config.json", out_dir / "config.json")
+    target = out_dir / "model.safetensors"
+    save_file(out, str(target), metadata={"format": "pt", "dcir_step": str(marker["step"])})
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dcir-checkpoint", description="DCIR checkpoints (docs/checkpoint.md).")
+    sub = ap.add_subparsers(dest="command", required=True)
+    ex = sub.add_parser("export", help="consolidate a checkpoint into OUT_DIR/model.safetensors (+ config.json)",
+                        description="Consolidates a sharded checkpoint, on one process, into OUT_DIR/model.safetensors "
+                                    "under the model's own parameter names, and OUT_DIR/config.json when the model "
+                                    "was a transformers model (then from_pretrained(OUT_DIR) loads it).")
+    ex.add_argument("ckpt_dir", metavar="CKPT_DIR", help="the directory save_checkpoint wrote into")
+    ex.add_argument("out_dir", metavar="OUT_DIR", help="where to write model.safetensors (created if missing)")
+    ex.add_argument("--tag", default=None, help="the checkpoint to export (default: the latest complete one)")
+    ns = ap.parse_args(argv)
+    try:
+        target = export(ns.ckpt_dir, ns.out_dir, ns.tag)
+    except DcirError as e:
+        print(e.render(), file=sys.stderr)
+        return 1
+    print(f"wrote {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""One rank of a checkpoint test (started by ``dcir_runtime.launch``).
+
+``python checkpoint_worker.py train SPEC.json``: trains a small model through the Engine
+for ``micro`` micro-steps on a fixed global batch per micro-step (``GLOBAL`` rows, each
+rank its slice, so any world of 1, 2, 3 sees the same data), optionally loading a
+checkpoint first (``load``: a fresh engine, before its first call) and saving after
+each micro-step in ``save_at`` (into ``save``), then, after the last save, dying by
+SIGKILL (``die``: no clean shutdown) or, with ``kill_in_save``, in the middle of that
+save. With ``lr_scheduler`` the engine carries a StepLR. The data generator's state
+travels in the checkpoint's ``client_state``. At the end each rank writes ``out``
+``.rank<r>.pt``: the full parameters, this rank's optimizer state, the counters and
+where it resumed from.
+
+``python checkpoint_worker.py errors SPEC.json``: each bad load is a DcirError on every
+rank, and the engine's state is unchanged afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import dcir  # noqa: E402
+from dcir_runtime import checkpoint  # noqa: E402
+from test_backend import mlp, squared, tiny_llama  # noqa: E402
+
+GLOBAL = 6  # rows per micro-step, split evenly over 1, 2 or 3 ranks
+
+
+def tied_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager", tie_word_embeddings=True))
+
+
+def _mlp_batch(g):
+    return (torch.randn(GLOBAL, 8, generator=g),), {}
+
+
+def _llama_batch(g):
+    ids = torch.randint(0, 128, (GLOBAL, 16), generator=g)
+    return (), {"input_ids": ids, "labels": ids.clone()}
+
+
+MODELS = {  # name -> (model, batch(generator), loss_fn)
+    "mlp": (mlp, _mlp_batch, squared),
+    "llama": (tiny_llama, _llama_batch, lambda out: out.loss),
+    "llama_tied": (tied_llama, _llama_batch, lambda out: out.loss),
+}
+
+
+def _engine(spec: dict):
+    make, _, loss_fn = MODELS[spec["model"]]
+    torch.manual_seed(0)
+    model = make()
+    return dcir.initialize(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=spec.get("lr", 1e-2)),
+                           config={**spec.get("config", {}), "timeout_s": 60}, loss_fn=loss_fn)
+
+
+def _snapshot(engine) -> dict:
+    """This rank's state: full parameters, optimizer state of its shards, counters."""
+    full = {k: v.clone() for k, v in engine.full_parameters().items()}
+    state = {}
+    for name, shard in engine.shards.items():
+        for key, v in engine.optimizer.state.get(shard, {}).items():
+            state[f"{name}.{key}"] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+    grads = {n: s.grad.clone() for n, s in engine.shards.items() if s.grad is not None}
+    return {"full": full, "state": state, "shards": {n: s.detach().clone() for n, s in engine.shards.items()},
+            "grads": grads, "steps": engine.steps, "micro_steps": engine.micro_steps,
+            "lr": engine.optimizer.param_groups[0]["lr"]}
+
+
+def train(spec: dict) -> None:
+    rank = int(os.environ["RANK"])
+    engine = _engine(spec)
+    world = engine.world
+    _, batch_of, _ = MODELS[spec["model"]]
+    g = torch.Generator().manual_seed(1)
+    if spec.get("lr_scheduler"):  # the engine has none of its own yet: a checkpoint saves one it is given
+        engine.lr_scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=3, gamma=0.5)
+    resumed = None
+    if spec.get("load"):
+        path, client = engine.load_checkpoint(spec["load"], spec.get("tag"))
+        g.set_state(client["data"])
+        resumed = (path.name, engine.micro_steps)
+    rows = GLOBAL // world
+    while engine.micro_steps < spec["micro"]:
+        args, kwargs = batch_of(g)
+        args = tuple(a[rank * rows:(rank + 1) * rows] for a in args)
+        kwargs = {k: v[rank * rows:(rank + 1) * rows] for k, v in kwargs.items()}
+        loss = engine(*args, **kwargs)
+        engine.backward(loss)
+        if engine.step() and spec.get("lr_scheduler"):
+            engine.lr_scheduler.step()
+        if spec.get("save") and engine.micro_steps in spec.get("save_at", []):
+            if spec.get("kill_in_save") and engine.micro_steps == spec["save_at"][-1]:
+                os.environ[checkpoint.KILL_IN_SAVE] = "1"
+            engine.save_checkpoint(spec["save"], client_state={"data": g.get_state()})
+            if spec.get("die") and engine.micro_steps == spec["save_at"][-1]:
+                os.kill(os.getpid(), signal.SIGKILL)  # every process dies hard right after the save
+    torch.save({**_snapshot(engine), "resumed": resumed}, f"{spec['out']}.rank{rank}.pt")
+
+
+def errors(spec: dict) -> None:
+    """Each bad load: a DcirError on every rank, and the engine unchanged. Each rank
+    writes ``out.rank<r>.json``: per attempt, the error (None: it loaded) and whether
+    the engine is unchanged."""
+    engine = _engine(spec)
+    before = _snapshot(engine)
+    results = []
+    for attempt in spec["attempts"]:
+        try:
+            engine.load_checkpoint(attempt["dir"], attempt.get("tag"))
+            error = None
+        except dcir.DcirError as e:
+            error = e.render()
+        after = _snapshot(engine)
+        same = all(torch.equal(before["shards"][n], after["shards"][n]) for n in before["shards"])
+        same = same and before["state"].keys() == after["state"].keys() and before["steps"] == after["steps"]
+        results.append({"error": error, "unchanged": same})
+    Path(f"{spec['out']}.rank{engine.rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    spec = json.loads(Path(sys.argv[2]).read_text())
+    {"train": train, "errors": errors}[sys.argv[1]](spec)
