@@ -64,7 +64,8 @@ def initialize(model: torch.nn.Module, optimizer=None, config=None, *, loss_fn: 
     gives them, and returning an optimizer (``lambda ps: AdamW(ps, lr=1e-3)``, or
     parameter groups chosen by name), or an optimizer built on the model's own
     parameters (DeepSpeed's way), rebuilt with its groups over the shards; None: AdamW.
-    Groups keep their names (``engine.optimizer.param_groups[i]["param_names"]``). ``config`` is a dict or a JSON file (``Config``).
+    Groups keep their names (``engine.optimizer.param_groups[i]["param_names"]``).
+    ``config`` is a dict or a JSON file (``Config``).
     ``loss_fn(output)`` computes the loss when the model's output is not one (see
     ``dcir.compile_to_ir``). ``lr_scheduler`` is a callable taking the engine's
     optimizer and returning a ``torch.optim.lr_scheduler`` scheduler (``lambda opt:
@@ -96,9 +97,8 @@ def _check_scheduler_factory(make: Callable | None) -> None:
     parameters, would never see the shards the engine updates."""
     if make is not None and (isinstance(make, torch.optim.lr_scheduler.LRScheduler) or not callable(make)):
         raise DcirError(Diagnostic(
-            f"lr_scheduler takes a function of the engine's optimizer, like lambda opt: "
-            f"torch.optim.lr_scheduler.LambdaLR(opt, warmup), not {type(make).__name__}: the engine's optimizer "
-            "updates the parameter shards, and a scheduler built on another optimizer would not change their lr"))
+            f"lr_scheduler takes a function of the engine's optimizer, not a {type(make).__name__}: "
+            "the engine updates the shards, so give lambda opt: LambdaLR(opt, ...)"))
 
 
 def _scheduler(make: Callable | None, optimizer: torch.optim.Optimizer):
@@ -108,7 +108,7 @@ def _scheduler(make: Callable | None, optimizer: torch.optim.Optimizer):
     _check_scheduler_factory(make)
     scheduler = make(optimizer)
     if getattr(scheduler, "optimizer", optimizer) is not optimizer or not callable(getattr(scheduler, "step", None)):
-        raise DcirError(Diagnostic("lr_scheduler(optimizer) must return a scheduler of that optimizer (with a step())"))
+        raise DcirError(Diagnostic("lr_scheduler(optimizer) must return a scheduler of that optimizer"))
     return scheduler
 
 
@@ -142,19 +142,13 @@ class Engine:
             self.shards[name] = torch.nn.Parameter(self._shard_of(p.detach()), requires_grad=p.requires_grad)
             self.ops.set_shard(self.store_prefix + name, self.shards[name])
         self.full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        if optimizer is None:
-            optimizer = torch.optim.AdamW
-        if isinstance(optimizer, torch.optim.Optimizer):
-            optimizer = self._rebuild(optimizer, model)
-        self._make_optimizer = optimizer
-        self.optimizer = optimizer([(n, s) for n, s in self.shards.items() if s.requires_grad])
-        self.lr_scheduler = _scheduler(lr_scheduler, self.optimizer)
+        try:
+            self._build_optimizer(optimizer, model, lr_scheduler)
+        except BaseException:  # a half-built engine keeps no shards (nor leaves them to interpreter shutdown)
+            self.ops.drop_shards(self.store_prefix)
+            self.store_prefix = None
+            raise
         self.last_grad_norm: torch.Tensor | None = None  # what the last clipping measured
-        # the optimizer-state store @step runs on (the offload pass); None: optimizer.step()
-        self.state_store = None
-        if config.offload is not None:
-            self.state_store = StateStore(self.optimizer, {n: s for n, s in self.shards.items() if s.requires_grad},
-                                          self.device)
         self.module: dcir.Module | None = None
         self.program: Program | None = None
         self._saved = None
@@ -197,20 +191,35 @@ class Engine:
         only GPU tensors, gloo CPU ones."""
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
+    def _build_optimizer(self, optimizer, model: torch.nn.Module, lr_scheduler: Callable | None) -> None:
+        """The optimizer over the trainable shards, its schedule, and the optimizer-state
+        store ``@step`` runs on (the ``offload`` pass; None: ``optimizer.step()``)."""
+        if optimizer is None:
+            optimizer = torch.optim.AdamW
+        if isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = self._rebuild(optimizer, model)
+        self._make_optimizer = optimizer
+        trainable = {n: s for n, s in self.shards.items() if s.requires_grad}
+        self.optimizer = optimizer(list(trainable.items()))
+        self.lr_scheduler = _scheduler(lr_scheduler, self.optimizer)
+        self.state_store = None
+        if self.config.offload is not None:
+            self.state_store = StateStore(self.optimizer, trainable, self.device)
+
     def _rebuild(self, built: torch.optim.Optimizer, model: torch.nn.Module) -> Callable:
         """An optimizer built on the model's own parameters (DeepSpeed's ``initialize(model,
         optimizer=opt)``) as a factory of the same class, groups and hyperparameters over
         the shards, each named by its parameter's FQN; frozen parameters are left out."""
         if built.state:
             raise DcirError(Diagnostic(
-                f"optimizer {type(built).__name__} has state already (it has stepped); give the engine a fresh one, "
-                "or a function of the parameter shards"))
+                f"optimizer {type(built).__name__} has state already (it has stepped): "
+                "give the engine a fresh one, or a function of the shards"))
         name_of = {id(p): n for n, p in model.named_parameters()}
         strangers = [p for g in built.param_groups for p in g["params"] if id(p) not in name_of]
         if strangers:
             raise DcirError(Diagnostic(
-                f"optimizer {type(built).__name__} holds {len(strangers)} tensor(s) that are not parameters of the "
-                "model; build it on model.parameters() (or named_parameters()), or pass a function of the shards"))
+                f"optimizer {type(built).__name__} holds {len(strangers)} tensor(s) that are not the model's: "
+                "build it on model.parameters(), or pass a function of the shards"))
         groups = [{**{k: v for k, v in g.items() if k not in ("params", "param_names")},
                    "params": [name_of[id(p)] for p in g["params"]]} for g in built.param_groups]
 
@@ -476,8 +485,8 @@ class Engine:
         micro-step of an optimizer step and before ``engine.step()``."""
         if self.program is None or (self.micro_steps + 1) % self.config.gradient_accumulation_steps:
             raise DcirError(Diagnostic(
-                "clip_grad_norm_ clips the gradients of a whole optimizer step: call it after the backward of its "
-                f"last micro-step (every {self.config.gradient_accumulation_steps}), before engine.step()"))
+                "clip_grad_norm_ clips a whole step's gradients: call it after its last micro-step's backward "
+                f"(every {self.config.gradient_accumulation_steps}), before engine.step()"))
         return self._clip(float(max_norm), float(norm_type))
 
     @torch.no_grad()

@@ -6,8 +6,8 @@ rank its slice, so any world of 1, 2, 3 sees the same data), optionally loading 
 checkpoint first (``load``: a fresh engine, before its first call) and saving after
 each micro-step in ``save_at`` (into ``save``), then, after the last save, dying by
 SIGKILL (``die``: no clean shutdown) or, with ``kill_in_save``, in the middle of that
-save. With ``lr_scheduler`` the engine carries a StepLR. The data generator's state
-travels in the checkpoint's ``client_state``. At the end each rank writes ``out``
+save. With ``lr_scheduler`` the engine steps a StepLR (``initialize(..., lr_scheduler=)``).
+The data generator's state travels in the checkpoint's ``client_state``. At the end each rank writes ``out``
 ``.rank<r>.pt``: the full parameters, this rank's optimizer state, the counters and
 where it resumed from.
 
@@ -61,8 +61,11 @@ def _engine(spec: dict):
     make, _, loss_fn = MODELS[spec["model"]]
     torch.manual_seed(0)
     model = make()
+    schedule = (lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)) \
+        if spec.get("lr_scheduler") else None
     return dcir.initialize(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=spec.get("lr", 1e-2)),
-                           config={**spec.get("config", {}), "timeout_s": 60}, loss_fn=loss_fn)
+                           config={**spec.get("config", {}), "timeout_s": 60}, loss_fn=loss_fn,
+                           lr_scheduler=schedule)
 
 
 def _snapshot(engine) -> dict:
@@ -84,8 +87,6 @@ def train(spec: dict) -> None:
     world = engine.world
     _, batch_of, _ = MODELS[spec["model"]]
     g = torch.Generator().manual_seed(1)
-    if spec.get("lr_scheduler"):  # the engine has none of its own yet: a checkpoint saves one it is given
-        engine.lr_scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=3, gamma=0.5)
     resumed = None
     if spec.get("load"):
         path, client = engine.load_checkpoint(spec["load"], spec.get("tag"))
@@ -98,8 +99,7 @@ def train(spec: dict) -> None:
         kwargs = {k: v[rank * rows:(rank + 1) * rows] for k, v in kwargs.items()}
         loss = engine(*args, **kwargs)
         engine.backward(loss)
-        if engine.step() and spec.get("lr_scheduler"):
-            engine.lr_scheduler.step()
+        engine.step()  # and the schedule, at each optimizer step
         if spec.get("save") and engine.micro_steps in spec.get("save_at", []):
             if spec.get("kill_in_save") and engine.micro_steps == spec["save_at"][-1]:
                 os.environ[checkpoint.KILL_IN_SAVE] = "1"

@@ -391,6 +391,11 @@ def user_errors() -> None:
     model(torch.randn(2, 8)).sum().backward()
     stepped.step()
     attempt(lambda: dcir.initialize(model, optimizer=stepped, config={"timeout_s": 30}))
+    other = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    attempt(lambda: dcir.initialize(mlp(), config={"timeout_s": 30},
+                                    lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(other, 1)))
+    stranger = torch.optim.AdamW([*mlp().parameters()][:1])
+    attempt(lambda: dcir.initialize(mlp(), optimizer=stranger, config={"timeout_s": 30}))
 
 
 def native_ops() -> None:

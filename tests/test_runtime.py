@@ -167,11 +167,12 @@ def test_user_errors_are_messages_on_every_rank(capfd):
         "(shapes are static: give every micro-batch the captured shape)",
         " (parameters, gradients, optimizer state, buffers, replicas, accumulators and the peak of gathered parameters), over the memory budget of ",
         "error: /nonexistent/dcir.json: cannot read the config: No such file or directory",
-        "error: clip_grad_norm_ clips the gradients of a whole optimizer step: call it after the backward of its "
-        "last micro-step (every 2), before engine.step()",
-        "error: lr_scheduler takes a function of the engine's optimizer, like lambda opt: "
-        "torch.optim.lr_scheduler.LambdaLR(opt, warmup), not StepLR",
-        "error: optimizer SGD has state already (it has stepped); give the engine a fresh one",
+        "error: clip_grad_norm_ clips a whole step's gradients: call it after its last micro-step's backward (every 2)",
+        "error: lr_scheduler takes a function of the engine's optimizer, not a StepLR: ",
+        "the engine updates the shards, so give lambda opt: LambdaLR(opt, ...)",
+        "error: lr_scheduler(optimizer) must return a scheduler of that optimizer",
+        "optimizer SGD has state already (it has stepped): give the engine a fresh one, or a function of the shards",
+        "1 tensor(s) that are not the model's: build it on model.parameters(), or pass a function of the shards",
     ]
     for message in expected:
         assert out.count(message) == 2, (message, out)  # once per rank
