@@ -6,7 +6,8 @@ rank its slice, so any world of 1, 2, 3 sees the same data), optionally loading 
 checkpoint first (``load``: a fresh engine, before its first call) and saving after
 each micro-step in ``save_at`` (into ``save``), then, after the last save, dying by
 SIGKILL (``die``: no clean shutdown) or, with ``kill_in_save``, in the middle of that
-save. With ``lr_scheduler`` the engine carries a StepLR. The data generator's state
+save. ``save_tag``: the tag of every save (default ``step<N>``). With ``lr_scheduler``
+the engine carries a StepLR. The data generator's state
 travels in the checkpoint's ``client_state``. At the end each rank writes ``out``
 ``.rank<r>.pt``: the full parameters, this rank's optimizer state, the counters and
 where it resumed from.
@@ -103,7 +104,7 @@ def train(spec: dict) -> None:
         if spec.get("save") and engine.micro_steps in spec.get("save_at", []):
             if spec.get("kill_in_save") and engine.micro_steps == spec["save_at"][-1]:
                 os.environ[checkpoint.KILL_IN_SAVE] = "1"
-            engine.save_checkpoint(spec["save"], client_state={"data": g.get_state()})
+            engine.save_checkpoint(spec["save"], spec.get("save_tag"), client_state={"data": g.get_state()})
             if spec.get("die") and engine.micro_steps == spec["save_at"][-1]:
                 os.kill(os.getpid(), signal.SIGKILL)  # every process dies hard right after the save
     torch.save({**_snapshot(engine), "resumed": resumed}, f"{spec['out']}.rank{rank}.pt")

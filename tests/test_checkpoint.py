@@ -137,10 +137,13 @@ def test_kill_mid_save_and_bad_checkpoints(tmp_path, capfd):
     assert checkpoint.latest(ckpt) == "step2" and (ckpt / "latest").read_text().strip() == "step2"
     (ckpt / "latest").unlink()  # without the pointer the scan still finds only the complete one
     assert checkpoint.latest(ckpt) == "step2"
+    # resumed, it saves twice under one tag: the second replaces the first
     code, out = _run(capfd, tmp_path, 2, {"model": "mlp", "micro": 4, "out": str(tmp_path / "resumed"),
-                                          "load": str(ckpt)})
+                                          "load": str(ckpt), "save": str(ckpt), "save_at": [3, 4], "save_tag": "last"})
     assert code == 0, out
     assert [_result(tmp_path / "resumed", r)["resumed"] for r in range(2)] == [("step2", 2)] * 2
+    assert checkpoint.latest(ckpt) == "last" and json.loads((ckpt / "last" / "COMPLETE").read_text())["step"] == 4
+    assert sorted(d.name for d in ckpt.iterdir() if ".tmp-" not in d.name) == ["last", "latest", "step2"]
 
     unmarked = tmp_path / "unmarked"
     shutil.copytree(partial[0], unmarked / "step4")
@@ -154,7 +157,7 @@ def test_kill_mid_save_and_bad_checkpoints(tmp_path, capfd):
     (corrupt / "step2" / "__0_0.distcp").write_bytes(bytes(data))
     (tmp_path / "empty").mkdir()
     # an LLM engine loads the MLP's checkpoint: the keys differ
-    attempts = [{"dir": str(truncated)}, {"dir": str(corrupt), "tag": "step2"}, {"dir": str(unmarked), "tag": "step4"},
+    attempts = [{"dir": str(truncated), "tag": "step2"}, {"dir": str(corrupt), "tag": "step2"}, {"dir": str(unmarked), "tag": "step4"},
                 {"dir": str(ckpt), "tag": partial[0].name}, {"dir": str(ckpt), "tag": "step9"},
                 {"dir": str(tmp_path / "empty")}, {"dir": str(ckpt)}]
     out_prefix = tmp_path / "errors"
