@@ -76,7 +76,7 @@ def _snapshot(engine) -> dict:
     grads = {n: s.grad.clone() for n, s in engine.shards.items() if s.grad is not None}
     return {"full": full, "state": state, "shards": {n: s.detach().clone() for n, s in engine.shards.items()},
             "grads": grads, "steps": engine.steps, "micro_steps": engine.micro_steps,
-            "lr": engine.optimizer.param_groups[0]["lr"]}
+            "lr": engine.optimizer.param_groups[0]["lr"], "memory": engine.memory()}
 
 
 def train(spec: dict) -> None:

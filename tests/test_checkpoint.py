@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dcir_runtime import checkpoint, native
+from dcir_runtime import checkpoint, native, parse_bytes
 from dcir_runtime.launch import launch
 
 HERE = Path(__file__).resolve().parent
@@ -97,6 +97,9 @@ def test_exact_resume_after_kill(case, tmp_path, capfd):
         assert a["state"].keys() == b["state"].keys() and a["state"], case
         for key in a["state"]:
             assert torch.equal(torch.as_tensor(a["state"][key]), torch.as_tensor(b["state"][key])), (case, key)
+        # loaded state lives where the run keeps it: offloaded state in host memory, the rest on the device
+        placement = ("optimizer_state", "optimizer_state_peak", "optimizer_state_host")
+        assert [a["memory"][k] for k in placement] == [b["memory"][k] for k in placement], case
 
 
 RESHARD = {  # name -> (model, config saved with, world after, config after)
@@ -118,6 +121,9 @@ def test_reshard(case, tmp_path, capfd):
                                               8, 4, world_after=world, after={"config": after})
     a, b = _result(straight), _result(resumed)
     assert b["steps"] == 8
+    if "offload" in after:  # state loaded into a fresh engine goes to host memory beyond the budget
+        m = b["memory"]
+        assert m["optimizer_state_host"] > 0 and m["optimizer_state_peak"] <= parse_bytes(after["offload"]["budget"]), m
     for name in a["full"]:
         assert _rel(a["full"][name], b["full"][name]) <= 1e-6, (case, name, _rel(a["full"][name], b["full"][name]))
 
