@@ -6,7 +6,8 @@ rank its slice, so any world of 1, 2, 3 sees the same data), optionally loading 
 checkpoint first (``load``: a fresh engine, before its first call) and saving after
 each micro-step in ``save_at`` (into ``save``), then, after the last save, dying by
 SIGKILL (``die``: no clean shutdown) or, with ``kill_in_save``, in the middle of that
-save. ``save_tag``: the tag of every save (default ``step<N>``). With ``lr_scheduler``
+save. ``save_tag``: the tag of every save (default ``step<N>``). ``evaluate_first``:
+a forward without backward before the load, so the load meets a captured program. With ``lr_scheduler``
 the engine carries a StepLR. The data generator's state
 travels in the checkpoint's ``client_state``. At the end each rank writes ``out``
 ``.rank<r>.pt``: the full parameters, this rank's optimizer state, the counters and
@@ -88,6 +89,10 @@ def train(spec: dict) -> None:
     if spec.get("lr_scheduler"):  # the engine has none of its own yet: a checkpoint saves one it is given
         engine.lr_scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=3, gamma=0.5)
     resumed = None
+    if spec.get("load") and spec.get("evaluate_first"):  # as dcir-train does: the first call captures
+        args, kwargs = batch_of(torch.Generator().manual_seed(7))
+        rows = GLOBAL // world
+        engine(*(a[:rows] for a in args), **{k: v[:rows] for k, v in kwargs.items()})
     if spec.get("load"):
         path, client = engine.load_checkpoint(spec["load"], spec.get("tag"))
         g.set_state(client["data"])

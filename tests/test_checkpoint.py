@@ -78,6 +78,8 @@ EXACT = {  # name -> (model, Engine config, micro-steps, save after micro-step)
     # replicated parameters, loaded mid-accumulation: the next call gathers them from the loaded shards
     "zero2_accumulate2_mid": ("mlp", {"zero_stage": 2, "gradient_accumulation_steps": 2}, 16, 9),
     "llama_zero3_offload": ("llama", {"offload": {"budget": "200KiB"}}, 8, 4),
+    # loaded after an evaluation captured the program (dcir-train's order), state created then
+    "llama_zero3_offload_evaluate_first": ("llama", {"offload": {"budget": "200KiB"}}, 8, 4),
 }
 
 
@@ -87,7 +89,8 @@ def test_exact_resume_after_kill(case, tmp_path, capfd):
     parameters and optimizer state bit for bit equal."""
     model, config, micro, save_at = EXACT[case]
     spec = {"model": model, "config": config, "lr_scheduler": "lr_scheduler" in case}
-    straight, resumed = _straight_and_resumed(capfd, tmp_path, spec, micro, save_at)
+    straight, resumed = _straight_and_resumed(capfd, tmp_path, spec, micro, save_at,
+                                              after={"evaluate_first": "evaluate_first" in case})
     for rank in range(2):
         a, b = _result(straight, rank), _result(resumed, rank)
         assert a["steps"] == b["steps"] and a["micro_steps"] == b["micro_steps"] == micro
