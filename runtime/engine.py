@@ -159,6 +159,7 @@ class Engine:
         self.micro_steps = 0
         self.steps = 0
         self._gather_next = False  # after a checkpoint load: gather replicas at the next call
+        self._place_loaded_state = False  # a checkpoint loaded before capture: offloaded state goes home
         self.capture_s = 0.0
         self.base_text = ""
         self.captured_peak: dict[str, int] = {}
@@ -302,7 +303,11 @@ class Engine:
 
     def _install(self, module: dcir.Module) -> None:
         state = dict(self.model.named_buffers())
-        if self.state_store is not None:
+        if self.state_store is not None and self._place_loaded_state:
+            from dcir_runtime.checkpoint import place_loaded_state
+            place_loaded_state(self, module)  # binds the store too
+            self._place_loaded_state = False
+        elif self.state_store is not None:
             self.state_store.bind(module)
         self.program = lower(module, state, inductor=self.config.inductor, group=self.group,
                              store_prefix=self.store_prefix, optimizer_state=self.state_store)

@@ -8,7 +8,9 @@ them runs this script again as one rank; under ``torchrun`` (the environment has
 ``pydoc_data.topics``, the reference manual's topics that ship with every Python
 (about 465 kB of English), 95% for training and 5% held out. Rank 0 draws a progress
 bar and ends with a summary: losses, tokens per second, the time capture took, and the
-bytes each rank holds as the runtime accounts them.
+bytes each rank holds as the runtime accounts them. ``--save-every N`` checkpoints every
+N optimizer steps and ``--resume DIR`` continues from the latest complete checkpoint,
+data order included (docs/checkpoint.md).
 """
 
 from __future__ import annotations

@@ -6,8 +6,10 @@ rank its slice, so any world of 1, 2, 3 sees the same data), optionally loading 
 checkpoint first (``load``: a fresh engine, before its first call) and saving after
 each micro-step in ``save_at`` (into ``save``), then, after the last save, dying by
 SIGKILL (``die``: no clean shutdown) or, with ``kill_in_save``, in the middle of that
-save. With ``lr_scheduler`` the engine steps a StepLR (``initialize(..., lr_scheduler=)``).
-The data generator's state travels in the checkpoint's ``client_state``. At the end each rank writes ``out``
+save. ``save_tag``: the tag of every save (default ``step<N>``). ``evaluate_first``:
+a forward without backward before the load, so the load meets a captured program. With
+``lr_scheduler`` the engine steps a StepLR (``initialize(..., lr_scheduler=)``). The data
+generator's state travels in the checkpoint's ``client_state``. At the end each rank writes ``out``
 ``.rank<r>.pt``: the full parameters, this rank's optimizer state, the counters and
 where it resumed from.
 
@@ -78,7 +80,7 @@ def _snapshot(engine) -> dict:
     grads = {n: s.grad.clone() for n, s in engine.shards.items() if s.grad is not None}
     return {"full": full, "state": state, "shards": {n: s.detach().clone() for n, s in engine.shards.items()},
             "grads": grads, "steps": engine.steps, "micro_steps": engine.micro_steps,
-            "lr": engine.optimizer.param_groups[0]["lr"]}
+            "lr": engine.optimizer.param_groups[0]["lr"], "memory": engine.memory()}
 
 
 def train(spec: dict) -> None:
@@ -88,6 +90,10 @@ def train(spec: dict) -> None:
     _, batch_of, _ = MODELS[spec["model"]]
     g = torch.Generator().manual_seed(1)
     resumed = None
+    if spec.get("load") and spec.get("evaluate_first"):  # as dcir-train does: the first call captures
+        args, kwargs = batch_of(torch.Generator().manual_seed(7))
+        rows = GLOBAL // world
+        engine(*(a[:rows] for a in args), **{k: v[:rows] for k, v in kwargs.items()})
     if spec.get("load"):
         path, client = engine.load_checkpoint(spec["load"], spec.get("tag"))
         g.set_state(client["data"])
@@ -103,7 +109,7 @@ def train(spec: dict) -> None:
         if spec.get("save") and engine.micro_steps in spec.get("save_at", []):
             if spec.get("kill_in_save") and engine.micro_steps == spec["save_at"][-1]:
                 os.environ[checkpoint.KILL_IN_SAVE] = "1"
-            engine.save_checkpoint(spec["save"], client_state={"data": g.get_state()})
+            engine.save_checkpoint(spec["save"], spec.get("save_tag"), client_state={"data": g.get_state()})
             if spec.get("die") and engine.micro_steps == spec["save_at"][-1]:
                 os.kill(os.getpid(), signal.SIGKILL)  # every process dies hard right after the save
     torch.save({**_snapshot(engine), "resumed": resumed}, f"{spec['out']}.rank{rank}.pt")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dcir_runtime import checkpoint, native
+from dcir_runtime import checkpoint, native, parse_bytes
 from dcir_runtime.launch import launch
 
 HERE = Path(__file__).resolve().parent
@@ -78,6 +78,8 @@ EXACT = {  # name -> (model, Engine config, micro-steps, save after micro-step)
     # replicated parameters, loaded mid-accumulation: the next call gathers them from the loaded shards
     "zero2_accumulate2_mid": ("mlp", {"zero_stage": 2, "gradient_accumulation_steps": 2}, 16, 9),
     "llama_zero3_offload": ("llama", {"offload": {"budget": "200KiB"}}, 8, 4),
+    # loaded after an evaluation captured the program (dcir-train's order), state created then
+    "llama_zero3_offload_evaluate_first": ("llama", {"offload": {"budget": "200KiB"}}, 8, 4),
 }
 
 
@@ -87,7 +89,8 @@ def test_exact_resume_after_kill(case, tmp_path, capfd):
     parameters and optimizer state bit for bit equal."""
     model, config, micro, save_at = EXACT[case]
     spec = {"model": model, "config": config, "lr_scheduler": "lr_scheduler" in case}
-    straight, resumed = _straight_and_resumed(capfd, tmp_path, spec, micro, save_at)
+    straight, resumed = _straight_and_resumed(capfd, tmp_path, spec, micro, save_at,
+                                              after={"evaluate_first": "evaluate_first" in case})
     for rank in range(2):
         a, b = _result(straight, rank), _result(resumed, rank)
         assert a["steps"] == b["steps"] and a["micro_steps"] == b["micro_steps"] == micro
@@ -97,6 +100,9 @@ def test_exact_resume_after_kill(case, tmp_path, capfd):
         assert a["state"].keys() == b["state"].keys() and a["state"], case
         for key in a["state"]:
             assert torch.equal(torch.as_tensor(a["state"][key]), torch.as_tensor(b["state"][key])), (case, key)
+        # loaded state lives where the run keeps it: offloaded state in host memory, the rest on the device
+        placement = ("optimizer_state", "optimizer_state_peak", "optimizer_state_host")
+        assert [a["memory"][k] for k in placement] == [b["memory"][k] for k in placement], case
 
 
 RESHARD = {  # name -> (model, config saved with, world after, config after)
@@ -118,6 +124,9 @@ def test_reshard(case, tmp_path, capfd):
                                               8, 4, world_after=world, after={"config": after})
     a, b = _result(straight), _result(resumed)
     assert b["steps"] == 8
+    if "offload" in after:  # state loaded into a fresh engine goes to host memory beyond the budget
+        m = b["memory"]
+        assert m["optimizer_state_host"] > 0 and m["optimizer_state_peak"] <= parse_bytes(after["offload"]["budget"]), m
     for name in a["full"]:
         assert _rel(a["full"][name], b["full"][name]) <= 1e-6, (case, name, _rel(a["full"][name], b["full"][name]))
 
@@ -137,10 +146,13 @@ def test_kill_mid_save_and_bad_checkpoints(tmp_path, capfd):
     assert checkpoint.latest(ckpt) == "step2" and (ckpt / "latest").read_text().strip() == "step2"
     (ckpt / "latest").unlink()  # without the pointer the scan still finds only the complete one
     assert checkpoint.latest(ckpt) == "step2"
+    # resumed, it saves twice under one tag: the second replaces the first
     code, out = _run(capfd, tmp_path, 2, {"model": "mlp", "micro": 4, "out": str(tmp_path / "resumed"),
-                                          "load": str(ckpt)})
+                                          "load": str(ckpt), "save": str(ckpt), "save_at": [3, 4], "save_tag": "last"})
     assert code == 0, out
     assert [_result(tmp_path / "resumed", r)["resumed"] for r in range(2)] == [("step2", 2)] * 2
+    assert checkpoint.latest(ckpt) == "last" and json.loads((ckpt / "last" / "COMPLETE").read_text())["step"] == 4
+    assert sorted(d.name for d in ckpt.iterdir() if ".tmp-" not in d.name) == ["last", "latest", "step2"]
 
     unmarked = tmp_path / "unmarked"
     shutil.copytree(partial[0], unmarked / "step4")
@@ -154,7 +166,7 @@ def test_kill_mid_save_and_bad_checkpoints(tmp_path, capfd):
     (corrupt / "step2" / "__0_0.distcp").write_bytes(bytes(data))
     (tmp_path / "empty").mkdir()
     # an LLM engine loads the MLP's checkpoint: the keys differ
-    attempts = [{"dir": str(truncated)}, {"dir": str(corrupt), "tag": "step2"}, {"dir": str(unmarked), "tag": "step4"},
+    attempts = [{"dir": str(truncated), "tag": "step2"}, {"dir": str(corrupt), "tag": "step2"}, {"dir": str(unmarked), "tag": "step4"},
                 {"dir": str(ckpt), "tag": partial[0].name}, {"dir": str(ckpt), "tag": "step9"},
                 {"dir": str(tmp_path / "empty")}, {"dir": str(ckpt)}]
     out_prefix = tmp_path / "errors"
