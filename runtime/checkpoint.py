@@ -37,6 +37,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 import zlib
 from pathlib import Path
 
@@ -522,7 +523,9 @@ def export(ckpt_dir, out_dir, tag: str | None = None) -> Path:
     for name in list(marker["parameters"]) + marker["buffers"]:
         m = meta[name]
         sd[name] = torch.empty(m.size, dtype=m.properties.dtype)
-    dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is the intent
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=True)
     out: dict[str, torch.Tensor] = {}
     for name, p in marker["parameters"].items():
         full = sd[name].reshape(p["shape"])
