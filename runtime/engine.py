@@ -355,7 +355,7 @@ class Engine:
         the captured schedule, and switch to the new program."""
         # the ranks agree on every figure, so each one's estimates below, and with them
         # whether to switch, come out the same: every rank must run the same program
-        peaks = self._profile.annotate(dist.group.WORLD)
+        peaks = self._profile.annotate(dist.group.WORLD, self._collective_device())
         self._profile, self._profiled = None, self.module
         profiled = dcir.print(self.module)
         budget = self._pass_budget()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -178,7 +179,6 @@ def build_info() -> BuildInfo | None:
     return _loaded
 
 
-#: Every op the runtime registers (``TORCH_LIBRARY(dcir, m)`` in the source).
 def registered_ops() -> list[str]:
-    import re
+    """Every op the runtime registers (``m.def`` in the source's ``TORCH_LIBRARY(dcir, m)``)."""
     return sorted(set(re.findall(r'm\.def\("(\w+)\(', SOURCE.read_text())))

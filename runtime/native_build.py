@@ -30,15 +30,15 @@ def check(variant: str, werror: bool = True) -> int:
     except (RuntimeError, OSError) as e:  # the extension builder reports compiler errors so
         print(f"dcir native check: the build failed: {e}", file=sys.stderr)
         return 1
-    missing = []
-    for name in registered_ops():
+    ops, missing = registered_ops(), []
+    for name in ops:
         try:
             getattr(torch.ops.dcir, name).default
         except (AttributeError, RuntimeError):
             missing.append(name)
     if info.variant == "cuda" and not bool(torch.ops.dcir.has_cuda()):
         missing.append("has_cuda() is false in a CUDA build")
-    print(f"{info}; {len(registered_ops()) - len(missing)} of {len(registered_ops())} torch.ops.dcir ops resolved; "
+    print(f"{info}; {len(ops) - len(missing)} of {len(ops)} torch.ops.dcir ops resolved; "
           f"torch {torch.__version__}; {time.perf_counter() - begin:.1f} s")
     if missing:
         print(f"dcir native check: unresolved: {', '.join(missing)}", file=sys.stderr)

@@ -156,9 +156,10 @@ class Profile:
         self.runs.setdefault(name, []).append(rec)
         return out
 
-    def annotate(self, group=None) -> dict[str, int]:
+    def annotate(self, group=None, device: torch.device | str = "cpu") -> dict[str, int]:
         """Write the (rank-agreed, median) measurements into the module's ops as
-        attributes; returns the measured peak bytes per function."""
+        attributes; returns the measured peak bytes per function. ``device`` is where the
+        agreement's tensors go for ``group``'s backend (NCCL reduces only GPU tensors)."""
         peaks = {}
         for name, recs in self.runs.items():
             func = self.module.functions[name]
@@ -167,7 +168,7 @@ class Profile:
             mem = [max(r.mem[k] for r in recs) for k in range(len(func.ops))]
             cuda = [max(r.cuda_mem[k] for r in recs) for k in range(len(func.ops))]
             transfer = [k for k, op in enumerate(func.ops) if is_transfer(op)]
-            time_s, launch, mem, cuda = _agree(func, time_s, launch, mem, cuda, set(transfer), group)
+            time_s, launch, mem, cuda = _agree(func, time_s, launch, mem, cuda, set(transfer), group, device)
             for k, op in enumerate(func.ops):
                 for key in [key for key in op.attrs if key.startswith("prof.")]:
                     del op.attrs[key]
@@ -183,13 +184,11 @@ class Profile:
         return peaks
 
 
-def _agree(func: Function, time_s, launch, mem, cuda, transfer: set[int], group):
+def _agree(func: Function, time_s, launch, mem, cuda, transfer: set[int], group, device):
     """Every rank takes the same numbers: compute, the ranks' mean; transfers, the fastest's; bytes, the most."""
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return time_s, launch, mem, cuda
     n, world = len(func.ops), dist.get_world_size(group)
-    # NCCL reduces only GPU tensors, gloo CPU ones
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
     mean = torch.tensor([*(0.0 if k in transfer else t for k, t in enumerate(time_s)), *launch],
                         dtype=torch.float64, device=device)
     most = torch.tensor([*map(float, mem), *map(float, cuda)], dtype=torch.float64, device=device)
