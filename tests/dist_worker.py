@@ -396,6 +396,10 @@ def user_errors() -> None:
                                     lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(other, 1)))
     stranger = torch.optim.AdamW([*mlp().parameters()][:1])
     attempt(lambda: dcir.initialize(mlp(), optimizer=stranger, config={"timeout_s": 30}))
+    # an initialize that failed after joining the group leaves the peers' last broadcast
+    # in flight; leaving the group at interpreter exit then can abort gloo's threads
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def native_ops() -> None:
