@@ -20,6 +20,7 @@ Traits:
 ``side_effect`` must run even when nothing reads its results
 ``reads_state`` reads a module-level symbol's storage
 ``writes_state`` writes a module-level symbol's storage
+``schema``      operands, attributes and results follow a torch overload's schema
 =============  =====================================================================
 """
 
@@ -34,7 +35,7 @@ from dcir.ir import NONE, HostType, Op, PendingType, ShardType, TensorType, Type
 
 PURE, COMPUTE, ASYNC, WAITS, COLLECTIVE, REDUCES = "pure", "compute", "async", "waits", "collective", "reduces"
 FREES, ALLOCATES, SIDE_EFFECT, READS_STATE, WRITES_STATE = "frees", "allocates", "side_effect", "reads_state", "writes_state"
-GRADIENT = "gradient"
+GRADIENT, SCHEMA = "gradient", "schema"
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
@@ -250,11 +251,12 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
 ]}
 
 ATEN = OpDef("aten.*", "Compute: one-to-one with a torch.ops.aten overload (operands are its tensor arguments, "
-             "attributes its other arguments).", (0, None), (0, None), frozenset({PURE, COMPUTE, ALLOCATES}), _rule_aten,
+             "attributes its other arguments).", (0, None), (0, None),
+             frozenset({PURE, COMPUTE, ALLOCATES, SCHEMA}), _rule_aten,
              example="%addmm = aten.addmm.default(%b, %x, %t) : f32[4, 16]")
 
-_MUTATING_ATEN = OpDef("aten.*", ATEN.summary, (0, None), (0, None), frozenset({COMPUTE, SIDE_EFFECT, ALLOCATES}),
-                       _rule_aten, example=ATEN.example)
+_MUTATING_ATEN = OpDef("aten.*", ATEN.summary, (0, None), (0, None),
+                       frozenset({COMPUTE, SIDE_EFFECT, ALLOCATES, SCHEMA}), _rule_aten, example=ATEN.example)
 
 FAMILIES = ("aten", "comm", "grad", "mem", "optim", "param")
 

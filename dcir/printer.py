@@ -110,31 +110,41 @@ def print_module(m: Module) -> str:
     return "\n".join(out) + "\n"
 
 
-def locate(m: Module) -> str:
-    """Print ``m`` and record each op's position in that text (for diagnostics on
-    modules built in memory). Returns the text."""
+def positions(m: Module) -> tuple[str, dict[int, tuple[int, int]]]:
+    """Print ``m`` and say where each function, op, return and declaration lies in that
+    text, keyed by ``id()`` (a function's return under ``("return", id(f))``). Leaves
+    ``m`` untouched: the verifier locates diagnostics on in-memory modules with it."""
     text = print_module(m)
     lines = text.split("\n")
+    where: dict = {}
     lineno = 1
-    for i, line in enumerate(lines):
-        if line.startswith("  func "):
-            lineno = i + 1
-            break
     for f in m.functions.values():
         while not lines[lineno - 1].startswith("  func "):
             lineno += 1
-        f.loc = (lineno, 3)
+        where[id(f)] = (lineno, 3)
         for op in f.ops:
             lineno += 1
-            op.loc = (lineno, 5)
+            where[id(op)] = (lineno, 5)
         lineno += 1
-        f.return_loc = (lineno, 5)
+        where[("return", id(f))] = (lineno, 5)
         lineno += 1
+    by_symbol = {symbol(d.name): d for d in m.decls.values()}
     for i, line in enumerate(lines):
         stripped = line.lstrip()
-        if stripped.startswith(("param ", "buffer ")):
-            name = stripped.split()[1]
-            for d in m.decls.values():
-                if symbol(d.name) == name:
-                    d.loc = (i + 1, 3)
+        if stripped.startswith(("param ", "buffer ")) and stripped.split()[1] in by_symbol:
+            where[id(by_symbol[stripped.split()[1]])] = (i + 1, 3)
+    return text, where
+
+
+def locate(m: Module) -> str:
+    """Print ``m`` and record each op's position in that text on the op (for
+    diagnostics raised while lowering a module built in memory). Returns the text."""
+    text, where = positions(m)
+    for f in m.functions.values():
+        f.loc = where[id(f)]
+        f.return_loc = where[("return", id(f))]
+        for op in f.ops:
+            op.loc = where[id(op)]
+    for d in m.decls.values():
+        d.loc = where.get(id(d), d.loc)
     return text

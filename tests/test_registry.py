@@ -51,9 +51,10 @@ def test_language_reference_covers_every_op():
 
 # ---- every diagnostic has a golden test -------------------------------------------------
 
-_REPORTERS = {"error", "op_error", "operand_error", "TypeRuleError", "MappingError", "_SemanticError", "Diagnostic",
-              "_fail", "_error", "RankFailure"}
-_SOURCES = ["dcir/verifier.py", "dcir/ops.py", "dcir/aten.py", "dcir/parser.py", "dcir/passes/__init__.py",
+_REPORTERS = {"error", "op_error", "operand_error", "result_error", "return_error", "TypeRuleError", "MappingError",
+              "_SemanticError", "Diagnostic", "_fail", "_error", "RankFailure"}
+_SOURCES = [*(str(p.relative_to(ROOT)) for p in sorted((ROOT / "dcir" / "verifier").glob("*.py"))),
+            "dcir/ops.py", "dcir/aten.py", "dcir/parser.py", "dcir/passes/__init__.py",
             "dcir_lowering/frontend.py", "dcir_lowering/backend.py", "runtime/config.py", "runtime/engine.py"]
 
 

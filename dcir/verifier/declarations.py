@@ -1,0 +1,51 @@
+"""Declarations: the module's attributes, and each parameter's and buffer's
+attributes, type and (for a buffer) value."""
+
+from __future__ import annotations
+
+from dcir.ir import UNIT, HostType, ShardType, TensorType
+from dcir.verifier.checker import Checker
+
+
+class Declarations(Checker):
+    def module(self) -> None:
+        for key, value in self.m.attrs.items():
+            if "." in key:
+                continue
+            if key != "world_size":
+                self.report.error(f"unknown module attribute '{key}'; modules take: world_size (and dotted names)",
+                                  self.report.loc(self.m), 6)
+            elif not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                self.report.error("module attribute world_size must be a positive integer", self.report.loc(self.m), 6)
+        for decl in self.m.decls.values():
+            self._attrs(decl)
+            self._type(decl)
+
+    def _attrs(self, d) -> None:
+        for key, value in d.attrs.items():
+            if "." in key:
+                continue
+            if key == "value" and d.kind == "buffer":
+                self._value(d, value)
+            elif key != "trainable" or d.kind != "param":
+                allowed = "trainable (and dotted names)" if d.kind == "param" else "value (and dotted names)"
+                self.report.error(f"unknown attribute '{key}' on {d.kind} @{d.name}; a {d.kind} takes {allowed}",
+                                  self.report.loc(d), len(d.kind))
+            elif value is not UNIT:
+                self.report.error("'trainable' is a unit attribute: write {trainable}", self.report.loc(d), len(d.kind))
+
+    def _type(self, d) -> None:
+        held = d.type.inner if isinstance(d.type, HostType) and d.kind == "buffer" else d.type
+        if not isinstance(held, (TensorType, ShardType)):
+            kinds = "a tensor, a shard or (in host memory) host<...>" if d.kind == "buffer" else "a tensor or a shard"
+            self.report.error(f"{d.kind} @{d.name} must hold {kinds}, not {d.type}", self.report.loc(d), len(d.kind))
+
+    def _value(self, d, value) -> None:
+        """A buffer's ``value``: its elements, flattened, as numbers (booleans for bool)."""
+        numel = d.type.numel if isinstance(d.type, TensorType) else None
+        kinds = (bool,) if getattr(d.type, "dtype", None) == "bool" else (int, float)
+        ok = (isinstance(value, tuple) and len(value) == numel
+              and all(isinstance(v, kinds) and (kinds == (bool,) or not isinstance(v, bool)) for v in value))
+        if not ok:
+            self.report.error(f"value of buffer @{d.name} must list its {numel} elements, flattened, as "
+                              f"{'true/false' if kinds == (bool,) else 'numbers'}", self.report.loc(d), len(d.kind))

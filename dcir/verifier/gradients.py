@@ -1,0 +1,88 @@
+"""Gradients: only a trainable parameter has a gradient; it is reduced across ranks
+exactly once (when the module runs on more than one rank) before the ``gradient`` op
+hands it to the optimizer; and each optimizer step gets it exactly once, from the
+final backward (see ``roles``)."""
+
+from __future__ import annotations
+
+from dcir import ops as registry
+from dcir.verifier import roles
+from dcir.verifier.checker import Checker
+
+
+class Gradients(Checker):
+    def __init__(self, report, module):
+        super().__init__(report, module)
+        self.handed = {}  # function -> parameter -> the gradient ops handing it over
+
+    def function(self, f) -> None:
+        self.func = f.name
+        self.reductions = {}  # how many cross-rank reductions a value went through
+
+    def effects(self, op, d, ok: bool) -> None:
+        if d is not None and registry.GRADIENT in d.traits and op.symbol in self.m.decls:
+            self.handed.setdefault(self.func, {}).setdefault(op.symbol, []).append(op)
+        if not ok:
+            return
+        # a reduce collective adds one; everything else keeps the most of its inputs
+        if self.reductions or registry.REDUCES in d.traits:
+            self._count(op, d)
+        if registry.GRADIENT in d.traits:
+            self._reduced_once(op, self.reductions.get(op.operands[0], 0))
+
+    def _count(self, op, d) -> None:
+        if registry.WAITS in d.traits:
+            for v, r in zip(op.operands, op.results):
+                self.reductions[r] = self.reductions.get(v, 0)
+            return
+        count = max((self.reductions.get(v, 0) for v in op.operands), default=0)
+        count += registry.REDUCES in d.traits
+        if count:
+            for r in op.results:
+                self.reductions[r] = count
+
+    def _reduced_once(self, op, reduced: int) -> None:
+        decl = self.m.decls[op.symbol]
+        if not decl.trainable:
+            what = "a buffer" if decl.kind == "buffer" else "a frozen parameter (no 'trainable')"
+            self.report.op_error(op, f"grad.set of @{decl.name}, which is {what}; only trainable parameters have "
+                                     "gradients")
+            return
+        ws = self.m.world_size or 1
+        if reduced > 1:
+            self.report.op_error(op, f"the gradient of @{decl.name} is reduced across ranks {reduced} times; it must "
+                                     "be reduced exactly once")
+        elif reduced == 0 and ws > 1:
+            self.report.op_error(op, f"the gradient of @{decl.name} is not reduced across ranks (world_size = {ws}); "
+                                     "reduce_scatter or all_reduce it before grad.set")
+
+    def end_module(self) -> None:
+        """Each trainable parameter gets one gradient per optimizer step: the final
+        backward hands it over exactly once. The backwards are alternatives (each runs
+        alone in its micro-step), so the count is per function."""
+        final = roles.final_backward(self.m)
+        training = final in self.m.functions
+        for decl in self.m.decls.values():
+            if not decl.trainable:
+                continue
+            if training and not self.handed.get(final, {}).get(decl.name):
+                self.report.error(f"trainable parameter @{decl.name} never gets a gradient: @{final} must grad.set "
+                                  "it exactly once (or drop 'trainable' to freeze it)",
+                                  self.report.loc(decl), len(decl.kind))
+            self._handed_once(decl.name)
+
+    def _handed_once(self, name: str) -> None:
+        for func, per in self.handed.items():  # within one backward: once
+            sets = per.get(name, [])
+            for extra in sets[1:] if roles.is_backward(func) else ():
+                self._twice(extra, name, sets[0])
+        # in any other function: a second hand-over (or, without a backward, a second one)
+        first = next((per[name][0] for func, per in self.handed.items()
+                      if roles.is_backward(func) and per.get(name)), None)
+        others = [op for func, per in self.handed.items() if not roles.is_backward(func) for op in per.get(name, [])]
+        for extra in others if first is not None else others[1:]:
+            self._twice(extra, name, first or others[0])
+
+    def _twice(self, extra, name: str, first) -> None:
+        self.report.op_error(extra, f"the gradient of @{name} is handed to the optimizer twice",
+                             (self.report.op_note(first, "first grad.set here"),))

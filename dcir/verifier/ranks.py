@@ -1,0 +1,51 @@
+"""Ranks and collective order: an op with a ``ranks`` attribute runs only on those
+ranks. A ``collective`` op never does, and no collective or unrestricted op may read
+a value that only some ranks have, so every rank issues the same collectives in the
+same order (no deadlock)."""
+
+from __future__ import annotations
+
+from dcir import ops as registry
+from dcir.verifier.checker import Checker
+
+
+def _ranks(op) -> tuple | None:
+    """The ranks an op is restricted to, if its ``ranks`` attribute is well formed."""
+    ranks = op.attrs.get("ranks") if op.attrs else None
+    return ranks if isinstance(ranks, tuple) and ranks and all(isinstance(r, int) for r in ranks) else None
+
+
+class Ranks(Checker):
+    def function(self, f) -> None:
+        self.restricted = {}  # value -> the ranks that have it
+
+    def operand(self, op, d, k: int, v) -> bool:
+        have = self.restricted.get(v)
+        if have is None:
+            return True
+        if d is not None and registry.COLLECTIVE in d.traits:
+            self.report.operand_error(op, k, f"collective {op.name} reads %{v.name}, which only ranks {list(have)} "
+                                             "compute; every rank must contribute the same collective",
+                                      (self.report.def_note(v),))
+            return False
+        op_ranks = _ranks(op)
+        if op_ranks is None or not set(op_ranks) <= set(have):
+            who = "every rank" if op_ranks is None else f"ranks {list(op_ranks)}"
+            self.report.operand_error(op, k, f"%{v.name} exists only on ranks {list(have)}, but {op.name} runs on "
+                                             f"{who}", (self.report.def_note(v),))
+            return False
+        return True
+
+    def op(self, op, d, ok: bool) -> bool:
+        op_ranks = _ranks(op)
+        if op_ranks is None or d is None or registry.COLLECTIVE not in d.traits:
+            return ok
+        self.report.op_error(op, f"collective {op.name} is restricted to ranks {list(op_ranks)}; every rank must "
+                                 "issue the same collectives in the same order")
+        return False
+
+    def effects(self, op, d, ok: bool) -> None:
+        ranks = _ranks(op) if ok else None
+        if ranks is not None:
+            for r in op.results:
+                self.restricted[r] = ranks
