@@ -1,21 +1,10 @@
 """Text -> ``Module``: the Lark grammar in ``grammar.lark`` defines the language.
 
-Lark parses everything, but a real module is large (an 80-layer model's training
-step has ~100k ops) and Lark's pure-Python lexer costs ~10 us a token. Op lines of a
-module repeat the same few hundred shapes with different value names, so the parser
-parses each distinct *shape* once:
-
-1. In a function body, a line that holds exactly one complete op (brackets balanced,
-   no string literal) is a candidate. Its value names are replaced by a placeholder,
-   and that template is parsed with the grammar's ``op`` rule once per distinct
-   template; the line's own names are put back in.
-2. Candidate lines are blanked (newlines kept, so positions stay right) and the rest,
-   the skeleton, is parsed with the full grammar; it still accepts any op, on any
-   number of lines.
-
-A candidate whose template does not parse is left in the skeleton, so every error is
-reported by the full grammar in context. ``parse(text, fast=False)`` parses with the
-full grammar alone; tests check that both give the same module.
+One parser, Lark's, with one shortcut: op lines that repeat a shape already seen are
+not re-lexed (``dcir/fast_parse.py`` says why and exactly which lines qualify). Lines
+the shortcut does not take, and every error, go through the full grammar in context.
+``parse(text, fast=False)`` parses with the full grammar alone; tests check that both
+give the same module and the same errors.
 """
 
 from __future__ import annotations
@@ -30,6 +19,7 @@ from pathlib import Path
 from lark import Lark, Token, Transformer, UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, v_args
 from lark.exceptions import VisitError
 
+from dcir import fast_parse
 from dcir.diagnostics import DcirError, Diagnostic, Note
 from dcir.ir import (NONE, UNIT, Decl, DType, Function, HostType, Module, Op, PendingType, ShardType, Source,
                      SymbolRef, TensorType, Value)
@@ -234,128 +224,24 @@ class _Span(str):
 _NONE_ATTR = object()
 
 
-# ---- the fast path: op-line templates ------------------------------------------------
+# ---- the fast path (dcir/fast_parse.py) ---------------------------------------------
+
+def _template_op(template: str) -> RawOp | None:
+    """A template op line parsed with the grammar's ``op`` rule; None when it does not
+    parse alone (the full grammar then reports it in context)."""
+    try:
+        return _ToRaw().transform(_lark().parse(template, start="op"))
+    except (UnexpectedInput, _SemanticError, VisitError):
+        return None
+
+
+_TEMPLATES = fast_parse.Templates(_template_op)
+
 
 @lru_cache(maxsize=1)
-def _fast_patterns() -> tuple[re.Pattern, re.Pattern, re.Pattern]:
-    """The value-name and op-line patterns, built from the grammar's own terminals so
-    the fast path can never accept a name the grammar rejects."""
+def _terminals() -> tuple[str, str, str]:
     terms = {t.name: t.pattern.to_regexp() for t in _lark().terminals}
-    value, op = terms["VALUE"], terms["OP_NAME"]
-    op_line = rf"[ \t]*(?:{value}[ \t]*(?:,[ \t]*{value}[ \t]*)*=[ \t]*)?{op}"
-    bare_symbol = r"@[A-Za-z_$][\w.$-]*"  # quoted symbols (with '"') are left to the grammar
-    assert re.fullmatch(terms["SYMBOL"], "@a.b$-1"), "SYMBOL terminal changed: update bare_symbol"
-    return re.compile(value), re.compile(op_line), re.compile(bare_symbol)
-
-
-
-_FUNC_HEADER = re.compile(r"[ \t]*func[ \t]")
-_STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')  # only to blank strings out when counting brackets
-_PLACEHOLDER = "%_"
-_SYMBOL_PLACEHOLDER = "@_"
-
-
-def _net_depth(code: str) -> tuple[int, int]:
-    opens = code.count("(") + code.count("[") + code.count("{")
-    closes = code.count(")") + code.count("]") + code.count("}")
-    return opens, closes
-
-
-def _blank(m: re.Match) -> str:
-    return '"' + " " * (len(m.group()) - 2) + '"'
-
-
-def _code(line: str) -> tuple[str, str]:
-    """The line without its comment, and the same with string contents blanked (same
-    length, for bracket counting and finding the comment)."""
-    blanked = _STRING.sub(_blank, line) if '"' in line else line
-    cut = blanked.find("//")
-    if cut < 0:
-        return line, blanked
-    return line[:cut], blanked[:cut]
-
-
-class _Templates:
-    def __init__(self):
-        self.cache: dict[str, RawOp | None] = {}
-        self.raw = _ToRaw()
-
-    LIMIT = 50_000  # distinct op shapes kept; a long-lived process starts over past this
-
-    def get(self, template: str) -> RawOp | None:
-        try:
-            return self.cache[template]
-        except KeyError:
-            pass
-        if len(self.cache) >= self.LIMIT:
-            self.cache.clear()
-        try:
-            tree = _lark().parse(template, start="op")
-            op = self.raw.transform(tree)
-        except (UnexpectedInput, _SemanticError, VisitError):
-            op = None  # left to the full grammar, which reports it in context
-        self.cache[template] = op
-        return op
-
-
-_TEMPLATES = _Templates()
-
-
-def _split_candidates(lines: list[str]) -> dict[int, RawOp]:
-    """Op lines parsed from templates, by 0-based line index (see the module docstring)."""
-    found: dict[int, RawOp] = {}
-    in_body = False
-    depth = 0
-    get = _TEMPLATES.get
-    value_re, op_line_re, symbol_re = _fast_patterns()
-    previous = ""  # the last line of code before this one, stripped
-    for i, line in enumerate(lines):
-        if not in_body:
-            if _FUNC_HEADER.match(line):
-                _, blanked = _code(line)
-                o, c = _net_depth(blanked)
-                if o - c == 1 and blanked.rstrip().endswith("{"):
-                    in_body, depth, previous = True, 0, "{"
-            continue
-        code, blanked = _code(line) if ('"' in line or "//" in line) else (line, line)
-        # A line whose template parses as one whole op is balanced (the grammar pairs
-        # every bracket), so brackets are counted only on the other lines.
-        if depth == 0 and op_line_re.match(code) and not previous.endswith((",", "=")) and _plain_strings(code, blanked):
-            names = value_re.findall(code)
-            symbols = symbol_re.findall(code)
-            tpl = get(symbol_re.sub(_SYMBOL_PLACEHOLDER, value_re.sub(_PLACEHOLDER, code)))
-            if (tpl is not None and len(names) == len(tpl.results) + len(tpl.operands or ())
-                    and (tpl.symbol == "_" if symbols else tpl.symbol is None) and len(symbols) <= 1):
-                found[i] = _instantiate(tpl, names, symbols, i + 1, len(code) - len(code.lstrip()) + 1)
-                previous = ""  # a complete op: it ends neither with ',' nor with '='
-                continue
-        o, c = _net_depth(blanked)
-        stripped = blanked.strip()
-        if stripped:
-            previous = stripped
-        depth += o - c
-        if depth < 0:
-            in_body = False
-    return {i: op for i, op in found.items() if not _continues(lines, i)}
-
-
-_CONTINUATION = (":", "{", "(", ",", "@", "=", "[", "<", "->")
-
-
-def _continues(lines: list[str], i: int) -> bool:
-    """Whether the code after line ``i`` goes on with the op on it (``: f32[4]`` on the
-    next line): then that line is not a whole op, and the grammar must see it."""
-    j = i + 1
-    while j < len(lines) and _no_code(lines[j]):
-        j += 1
-    return j < len(lines) and lines[j].lstrip().startswith(_CONTINUATION)
-
-
-def _plain_strings(code: str, blanked: str) -> bool:
-    """No string literal on the line holds text the templating would touch."""
-    if code is blanked:
-        return True
-    return not any(c in m for m in _STRING.findall(code) for c in "%@")
+    return terms["VALUE"], terms["OP_NAME"], terms["SYMBOL"]
 
 
 def _instantiate(tpl: RawOp, names: list[str], symbols: list[str], line: int, col: int) -> RawOp:
@@ -385,7 +271,7 @@ def parse(text: str, name: str = "<string>", *, fast: bool = True, line_offset: 
 def _parse(text: str, name: str, fast: bool, line_offset: int) -> Module:
     source = Source(name, text, line_offset)
     lines = text.split("\n")
-    fast_ops = _split_candidates(lines) if fast else {}
+    fast_ops = fast_parse.candidates(lines, _TEMPLATES, _terminals(), _instantiate) if fast else {}
     while True:
         skeleton = "\n".join("" if i in fast_ops else line for i, line in enumerate(lines)) if fast_ops else text
         try:
@@ -393,7 +279,7 @@ def _parse(text: str, name: str, fast: bool, line_offset: int) -> Module:
             mod_name, attrs, items, loc = _ToRaw().transform(tree)
             break
         except UnexpectedInput as e:
-            fast_line = _continued_fast_line(e, lines, fast_ops)
+            fast_line = fast_parse.continued_line(getattr(e, "line", None), e.column, lines, fast_ops)
             if fast_line is None:
                 raise DcirError(_syntax_diagnostic(e, source, skeleton)) from None
             del fast_ops[fast_line]  # an op that goes on in the next line: give it back to the grammar
@@ -402,7 +288,7 @@ def _parse(text: str, name: str, fast: bool, line_offset: int) -> Module:
                 raise DcirError(_token_diag(source, e.orig_exc.token, str(e.orig_exc))) from None
             raise
     funcs = [x for x in items if isinstance(x, RawFunc)]
-    by_line = _assign(funcs, fast_ops)
+    by_line = fast_parse.assign(funcs, fast_ops)
     if by_line is None:  # the fast path's view of the text was wrong: let the full grammar judge it
         return _parse(text, name, False, line_offset)
     module = Module(unquote_symbol(mod_name), attrs=attrs, loc=_shift(loc, line_offset), source=source)
@@ -428,46 +314,8 @@ def _parse(text: str, name: str, fast: bool, line_offset: int) -> Module:
     return module
 
 
-def _continued_fast_line(e: UnexpectedInput, lines: list[str], fast_ops: dict) -> int | None:
-    """The fast-path line an error at the start of a line may belong to: a complete-looking
-    op line whose op goes on (``%a = aten.relu.default(%x)`` then ``: f32[4]``)."""
-    line = getattr(e, "line", None)
-    if not fast_ops or not isinstance(line, int) or line < 1:
-        return None
-    if lines[line - 1][:e.column - 1].strip():
-        return None  # the error is not where a line starts
-    i = line - 2
-    while i >= 0 and _no_code(lines[i]):
-        i -= 1
-    return i if i in fast_ops else None
-
-
-def _no_code(line: str) -> bool:
-    stripped = line.strip()
-    return not stripped or stripped.startswith("//")
-
-
 def _shift(loc, offset):
     return None if loc is None else (loc[0] + offset, loc[1])
-
-
-def _assign(funcs: list[RawFunc], fast_ops: dict[int, RawOp]) -> list[list[RawOp]] | None:
-    """Each function's ops (from the skeleton and the fast path), in text order; None
-    when a fast-path op is not between its function's header and its return."""
-    per_func = [list(f.ops) for f in funcs]
-    if fast_ops:
-        bounds = [(f.line, f.end_line) for f in funcs]
-        k = 0
-        for idx in sorted(fast_ops):
-            lineno = idx + 1
-            while k < len(bounds) and bounds[k][1] < lineno:
-                k += 1
-            if k == len(bounds) or not bounds[k][0] < lineno < funcs[k].ret_loc[0]:
-                return None
-            per_func[k].append(fast_ops[idx])
-        for ops in per_func:
-            ops.sort(key=lambda o: (o.line, o.col))
-    return per_func
 
 
 def _count(n: int, noun: str) -> str:

@@ -3,12 +3,14 @@ text means; these are the cases where it has to step aside."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 import dcir
-from dcir.ir import UNIT, SymbolRef
+from dcir.cli import SPLIT_MARKER
+from dcir.ir import UNIT, SymbolRef, structure
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.dcir"))
@@ -105,3 +107,40 @@ def test_end_of_file_inside_a_function_is_reported_at_the_end():
     text = "module @m {\n  func @f(%x: f32[4]) {\n    %a = aten.relu.default(%x) : f32[4]\n"
     with pytest.raises(dcir.DcirError, match=r"<string>:3:40: error: unexpected end of file"):
         dcir.parse(text)
+
+
+# ---- the fast path against the full grammar, on every text we ship ------------------
+
+GOLDENS = sorted((ROOT / "tests" / "golden").rglob("*.dcir"))
+_MODULE = re.compile(r"^module .*?^}$", re.M | re.S)
+# (a snapshot of rendered diagnostics holds no module: its input is a golden file)
+SNAPSHOTS = sorted(p for p in (ROOT / "tests" / "snapshots").glob("*") if _MODULE.search(p.read_text()))
+
+
+def _texts(path: Path) -> list[tuple[str, int]]:
+    """The chunks of a golden file (with the line each starts after), or the modules
+    a snapshot holds: what dcir-opt reads and what it prints."""
+    text = path.read_text()
+    if path.suffix == ".dcir":
+        out, offset = [], 0
+        for chunk in SPLIT_MARKER.split(text):
+            out.append((chunk, offset))
+            offset += chunk.count("\n")
+        return out
+    return [(m.group() + "\n", 0) for m in _MODULE.finditer(text)]
+
+
+def _outcome(text: str, offset: int, fast: bool):
+    try:
+        return "module", structure(dcir.parse(text, "f.dcir", fast=fast, line_offset=offset))
+    except dcir.DcirError as e:
+        return "error", [(d.loc, d.length, d.message) for d in e.diagnostics]
+
+
+@pytest.mark.parametrize("path", GOLDENS + SNAPSHOTS, ids=[str(p.relative_to(ROOT)) for p in GOLDENS + SNAPSHOTS])
+def test_fast_path_and_full_grammar_agree(path: Path):
+    """Same module (structurally), or the same errors at the same places."""
+    texts = _texts(path)
+    assert texts, f"{path} holds no module"
+    for text, offset in texts:
+        assert _outcome(text, offset, True) == _outcome(text, offset, False), f"chunk at line {offset + 1}"
