@@ -27,11 +27,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import dcir  # noqa: E402
-from dcir_runtime import checkpoint  # noqa: E402
-from test_backend import mlp, squared, tiny_llama  # noqa: E402
+import dcir
+from dcir_runtime import checkpoint
+from models import mlp, squared, tiny_llama
 
 GLOBAL = 6  # rows per micro-step, split evenly over 1, 2 or 3 ranks
 

@@ -35,13 +35,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import dcir  # noqa: E402
-from dcir_runtime import RankFailure  # noqa: E402
-from test_backend import mlp, tiny_llama  # noqa: E402  (mlp: 16*8+16 and 4*16+4 split unevenly over 3)
-from test_backend import squared as _squared  # noqa: E402
-from test_frontend import Breaks, Tied  # noqa: E402  (a graph break; tied embeddings, a frozen layer)
+import dcir
+from dcir_runtime import RankFailure
+from models import Breaks, Tied  # a graph break; tied embeddings, a frozen layer
+from models import mlp, tiny_llama  # mlp: 16*8+16 and 4*16+4 split unevenly over 3
+from models import squared as _squared
 
 
 class TinyTransformer(torch.nn.Module):

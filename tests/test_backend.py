@@ -11,31 +11,15 @@ import torch
 
 import dcir
 from dcir_lowering.backend import state_of
-from test_frontend import ConvBN, Tied
+from models import ConvBN, Tied, mlp, squared, tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def mlp():
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-
-
-def squared(out):
-    return out.pow(2).mean()
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-6) -> bool:
     """Within ``rtol`` of the tensor's scale, or 1e-7 absolute (for values that are zero
     in exact arithmetic and rounding noise in floats)."""
     return (a - b).abs().max().item() <= rtol * a.abs().max().item() + 1e-7
-
-
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         attn_implementation="eager")
-    return LlamaForCausalLM(config)
 
 
 def _tokens():

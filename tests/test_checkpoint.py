@@ -194,7 +194,6 @@ def test_export_loads_with_from_pretrained_and_load_state_dict(tmp_path, capfd):
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
 
-    sys.path.insert(0, str(HERE))
     from checkpoint_worker import MODELS
 
     for model in ("llama_tied", "mlp"):

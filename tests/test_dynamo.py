@@ -7,7 +7,7 @@ import copy
 import torch
 
 import dcir_lowering.dynamo as dynamo
-from test_frontend import ConvBN
+from models import ConvBN
 
 
 def test_backend_is_registered():

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import dcir
+from models import Breaks, ConvBN, Tied
 
 
 def _check(module: dcir.Module) -> str:
@@ -33,21 +34,6 @@ def test_mlp():
     assert all(p.grad is None for p in model.parameters())
 
 
-class ConvBN(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        # no bias before BatchNorm: it would have an exactly-zero gradient, which AdamW
-        # turns from rounding noise into a visible update
-        self.conv = torch.nn.Conv2d(3, 4, 3, bias=False)
-        self.bn = torch.nn.BatchNorm2d(4)
-        self.fc = torch.nn.Linear(4 * 6 * 6, 2)
-        self.bn.weight.requires_grad_(False)  # a frozen parameter
-
-    def forward(self, x, y):
-        h = torch.relu(self.bn(self.conv(x))).flatten(1)
-        return torch.nn.functional.cross_entropy(self.fc(h), y)
-
-
 def test_cnn_with_batchnorm_and_a_frozen_parameter():
     torch.manual_seed(0)
     model = ConvBN()
@@ -62,21 +48,6 @@ def test_cnn_with_batchnorm_and_a_frozen_parameter():
     assert torch.equal(model.bn.running_mean, before)  # the caller's model is untouched
 
 
-class Tied(torch.nn.Module):
-    """Tied input and output embeddings, and a frozen layer between them."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = torch.nn.Embedding(10, 8)
-        self.mix = torch.nn.Linear(8, 8)
-        self.head = torch.nn.Linear(8, 10, bias=False)
-        self.head.weight = self.embed.weight  # tied
-        self.mix.weight.requires_grad_(False)  # frozen
-
-    def forward(self, ids):
-        return self.head(torch.tanh(self.mix(self.embed(ids)))).logsumexp(-1).mean()
-
-
 def test_tied_weights_are_one_symbol_with_one_gradient():
     m = dcir.compile_to_ir(Tied(), (torch.tensor([[1, 2, 3]]),))
     _check(m)
@@ -85,24 +56,12 @@ def test_tied_weights_are_one_symbol_with_one_gradient():
     assert [op.symbol for op in _ops(m, "backward", "grad.set")] == ["embed.weight", "mix.bias"]
 
 
-class Breaks(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(4, 4)
-
-    def forward(self, x):
-        y = self.fc(x)
-        if y.sum() > 0:  # data-dependent control flow: a graph break
-            y = y * 2
-        return y.mean()
-
-
 def test_a_graph_break_is_a_located_error():
     with pytest.raises(dcir.DcirError) as e:
         dcir.compile_to_ir(Breaks(), (torch.randn(2, 4),))
     message = e.value.render()
     assert message.startswith("error: cannot capture the model as one graph:")
-    assert "test_frontend.py:" in message
+    assert "models.py:" in message  # where the break is, in the model's source
 
 
 def test_a_step_without_a_loss_is_an_error():

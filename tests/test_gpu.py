@@ -69,7 +69,7 @@ def profile_on_cuda() -> None:
     op of the profiled program has a time, and ops that allocate on the GPU carry the
     CUDA allocator's figure."""
     import dcir
-    from test_backend import mlp, squared
+    from models import mlp, squared
 
     torch.manual_seed(0)
     engine = dcir.initialize(mlp().cuda(), config={"optimize": {"passes": ["prefetch"], "profile_at": [1]}},

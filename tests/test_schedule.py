@@ -13,7 +13,7 @@ from dcir.cost import Machine, estimate, estimate_module, source
 from dcir.diagnostics import DcirError
 from dcir.memory import parse_bytes, peaks, timeline
 from dcir.passes import PassManager, parse_pipeline
-from test_backend import tiny_llama
+from models import tiny_llama
 
 TWO_GATHERS = """
 module @m attributes {world_size = 2} {

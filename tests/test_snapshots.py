@@ -40,8 +40,7 @@ def test_snapshot(case: str, update_goldens: bool, monkeypatch):
 
 
 def _models():
-    from test_backend import mlp, squared, tiny_llama
-    from test_frontend import ConvBN
+    from models import ConvBN, mlp, squared, tiny_llama
     return {
         "mlp": lambda: dcir.compile_to_ir(mlp(), (torch.randn(4, 8),), loss_fn=squared, name="mlp"),
         "cnn_batchnorm": lambda: dcir.compile_to_ir(ConvBN(), (torch.randn(2, 3, 8, 8), torch.tensor([0, 1])),
