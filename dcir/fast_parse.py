@@ -85,7 +85,8 @@ def candidates(lines: list[str], templates: Templates, terminals: tuple[str, str
         code, blanked = _code(line) if ('"' in line or "//" in line) else (line, line)
         # A line whose template parses as one whole op is balanced (the grammar pairs
         # every bracket), so brackets are counted only on the other lines.
-        if depth == 0 and op_line_re.match(code) and not previous.endswith((",", "=")) and _plain_strings(code, blanked):
+        whole = depth == 0 and not previous.endswith((",", "="))  # not inside, nor continuing, another op
+        if whole and op_line_re.match(code) and _plain_strings(code, blanked):
             names, symbols = value_re.findall(code), symbol_re.findall(code)
             tpl = templates.get(symbol_re.sub(_SYMBOL_PLACEHOLDER, value_re.sub(_PLACEHOLDER, code)))
             if (tpl is not None and len(names) == len(tpl.results) + len(tpl.operands or ())
