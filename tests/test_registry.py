@@ -45,7 +45,7 @@ def test_language_reference_covers_every_op():
     for name in registry.OPS:
         assert f"`{name}`" in doc or name in doc, f"docs/language.md does not describe {name}"
     for trait in ("pure", "compute", "async", "waits", "collective", "reduces", "gradient", "frees", "allocates",
-                  "side_effect", "reads_state", "writes_state"):
+                  "side_effect", "reads_state", "writes_state", "schema"):
         assert trait in doc, f"docs/language.md does not describe the trait {trait}"
 
 
