@@ -11,7 +11,7 @@ from dcir.verifier.checker import Checker
 
 def _ranks(op) -> tuple | None:
     """The ranks an op is restricted to, if its ``ranks`` attribute is well formed."""
-    ranks = op.attrs.get("ranks") if op.attrs else None
+    ranks = op.attrs.get("ranks")
     return ranks if isinstance(ranks, tuple) and ranks and all(isinstance(r, int) for r in ranks) else None
 
 
@@ -37,6 +37,8 @@ class Ranks(Checker):
         return True
 
     def op(self, op, d, ok: bool) -> bool:
+        if "ranks" not in op.attrs:  # most ops: checked here, as this runs for every op
+            return ok
         op_ranks = _ranks(op)
         if op_ranks is None or d is None or registry.COLLECTIVE not in d.traits:
             return ok
@@ -45,7 +47,7 @@ class Ranks(Checker):
         return False
 
     def effects(self, op, d, ok: bool) -> None:
-        ranks = _ranks(op) if ok else None
+        ranks = _ranks(op) if ok and "ranks" in op.attrs else None
         if ranks is not None:
             for r in op.results:
                 self.restricted[r] = ranks

@@ -45,6 +45,9 @@ def walk(module: Module, shapes: bool = False) -> list[Diagnostic]:
     return report.diags
 
 
+_UNSEEN = object()
+
+
 class _Hooks:
     """Each hook as the list of the bound methods that override it: a 100k-op module
     makes millions of hook calls, and most checkers leave most hooks alone."""
@@ -58,9 +61,12 @@ class _Hooks:
 def _function(f, ssa: Ssa, hooks: _Hooks) -> None:
     for hook in hooks.function:
         hook(f)
-    lookup, defined = registry.lookup, ssa.defined
+    defs: dict = {}  # op name -> its definition: one registry lookup per name, not per op
+    defined = ssa.defined
     for i, op in enumerate(f.ops):
-        d = lookup(op.name)
+        d = defs.get(op.name, _UNSEEN)
+        if d is _UNSEEN:
+            d = defs[op.name] = registry.lookup(op.name)
         ok = True
         for k, v in enumerate(op.operands):
             if not defined(i, op, k, v):
