@@ -69,8 +69,8 @@ def _messages(path: Path) -> list[str]:
             continue
         if not node.func.attr.endswith("error") or not node.args:
             continue
-        arg = node.args[0] if not isinstance(node.args[0], ast.Name) else node.args[-1]
-        pieces = [v.value for v in ast.walk(arg) if isinstance(v, ast.Constant) and isinstance(v.value, str)]
+        arg = next((a for a in node.args if isinstance(a, (ast.Constant, ast.JoinedStr, ast.BinOp))), None)
+        pieces = [v.value for v in ast.walk(arg) if isinstance(v, ast.Constant) and isinstance(v.value, str)] if arg else []
         if pieces:
             out.append(max(pieces, key=len).strip(" ;:,.'\"").split("{")[0].strip())
     return [m for m in out if len(m) >= 6]
