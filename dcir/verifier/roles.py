@@ -3,7 +3,9 @@
 A training module's backward is ``@backward``, with ``@backward_last`` as the
 alternative that runs in the last micro-step of gradient accumulation. Until function
 roles are declared in the language, these names are the declaration; a checker that
-needs a function's role asks here.
+needs a function's role asks here. When ``dcir/roles.py`` (the role table issue 18
+adds) is on main, these become ``roles.last_micro_step(module.functions, BACKWARD)``
+and ``roles.role(name).gradients``.
 """
 
 from __future__ import annotations
