@@ -27,7 +27,7 @@ import difflib
 import gc
 from functools import lru_cache
 
-from dcir import aten, ops as registry
+from dcir import aten, dtypes, ops as registry
 from dcir.diagnostics import DcirError, Diagnostic, Note
 from dcir.ir import UNIT, attr_key, HostType, Module, Op, PendingType, ShardType, TensorType, Value
 from dcir.ops import COMMON_ATTRS, OpDef, TypeRuleError
@@ -159,6 +159,7 @@ class _Verifier:
         for func in self.m.functions.values():
             self._check_function(func)
         self._check_gradients()
+        dtypes.check(self.m, self.op_error)
         return self.diags
 
     def _check_module_attrs(self) -> None:
