@@ -1,0 +1,194 @@
+"""One rank of a mixed-precision test (started by ``dcir_runtime.launch``, world 2).
+
+``python precision_worker.py CASE OUT.json [DIR]``; rank 0 writes what it measured:
+
+* ``reference``: ``param_dtype=bf16, reduce_dtype=fp32`` (also through DeepSpeed's
+  ``bf16`` section) for 5 AdamW steps against a single-device reference that does what
+  the policy says, written out here: per rank's micro-batch, the fp32 master parameters
+  cast to bf16, the input cast to bf16, the bf16 gradients cast to fp32 and averaged in
+  rank order, the optimizer on the fp32 masters. The largest relative difference of the
+  master parameters.
+* ``fsdp2``: DCIR and FSDP2 (``fully_shard`` with ``MixedPrecisionPolicy(bf16, fp32)``,
+  CPU, gloo) train the same model on the same micro-batches for 20 steps; both loss
+  trajectories.
+* ``overflow``: fp16 with dynamic loss scaling; the second step's input overflows fp16
+  on one rank. That step must be skipped on every rank, the scale halved, the weights
+  unchanged; the next step trains; a checkpoint (to DIR) keeps the scaler's state.
+* ``bytes``: the runtime's count of bytes sent by a forward (its all_gathers only) in
+  fp32 and in bf16.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import dcir  # noqa: E402
+from test_backend import mlp, squared  # noqa: E402
+
+ROWS = 4  # rows of each rank's micro-batch
+BF16 = {"mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "float32"}}
+
+
+def _batches(world: int, steps: int):
+    """The global batch of every step, the same on every rank (seeded)."""
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(ROWS * world, 8, generator=g) for _ in range(steps)]
+
+
+def _mine(whole: torch.Tensor, rank: int) -> torch.Tensor:
+    return whole[rank * ROWS:(rank + 1) * ROWS]
+
+
+def _reference_step(ref: torch.nn.Module, opt, whole: torch.Tensor, world: int, dtype=torch.bfloat16) -> None:
+    """What ``dtype`` compute with fp32 masters and fp32 reduction means, on one device."""
+    names = [n for n, _ in ref.named_parameters()]
+    per_rank = []
+    for r in range(world):
+        low = {n: p.detach().to(dtype).requires_grad_() for n, p in ref.named_parameters()}
+        out = torch.func.functional_call(ref, low, (_mine(whole, r).to(dtype),))
+        loss = squared(out)
+        grads = torch.autograd.grad(loss, [low[n] for n in names], torch.ones_like(loss))
+        per_rank.append([g.float() for g in grads])
+    for k, p in enumerate(ref.parameters()):
+        total = per_rank[0][k]
+        for r in range(1, world):
+            total = total + per_rank[r][k]  # the runtime's reduce-scatter sums in rank order
+        p.grad = total / world
+    opt.step()
+    opt.zero_grad()
+
+
+def reference(rank: int, world: int) -> dict:
+    out = {}
+    for name, config in (("mixed_precision", BF16), ("bf16", {"bf16": {"enabled": True}})):
+        torch.manual_seed(0)
+        ref = mlp()
+        engine = dcir.initialize(copy.deepcopy(ref), lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                                 {**config, "timeout_s": 60}, loss_fn=squared)
+        ref32 = copy.deepcopy(ref)  # no casts: how far the policy's rounding moves the weights
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        opt32 = torch.optim.AdamW(ref32.parameters(), lr=1e-2)
+        for whole in _batches(world, 5):
+            loss = engine(_mine(whole, rank))
+            engine.backward(loss)
+            engine.step()
+            _reference_step(ref, opt, whole, world)
+            _reference_step(ref32, opt32, whole, world, torch.float32)
+        full = engine.full_parameters()
+
+        def rel(model):
+            return max(((p.detach() - full[n]).abs().max() / p.detach().abs().max()).item()
+                       for n, p in model.named_parameters())
+        drift = max(((p.detach() - p.detach().to(torch.bfloat16).float()).abs().max()).item()
+                    for p in ref.parameters())
+        out[name] = {"max_rel_err": rel(ref), "fp32_rel_err": rel(ref32), "loss_dtype": str(loss.dtype),
+                     "master_not_bf16": drift > 0,
+                     "shard_dtypes": sorted({str(s.dtype) for s in engine.shards.values()}),
+                     "state_dtypes": sorted({str(t.dtype) for st in engine.optimizer.state.values()
+                                             for t in st.values() if t.dim() > 0})}
+    return out
+
+
+def fsdp2(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.GELU(),
+                                torch.nn.Linear(32, 4))
+    theirs = copy.deepcopy(model)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in theirs:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mp_policy=policy)
+    fully_shard(theirs, mp_policy=policy)
+    their_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    engine = dcir.initialize(model, lambda ps: torch.optim.AdamW(ps, lr=1e-2), {**BF16, "timeout_s": 60},
+                             loss_fn=squared)
+    ours, fsdp = [], []
+    for whole in _batches(world, 20):
+        x = _mine(whole, rank)
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        their_loss = squared(theirs(x))
+        their_loss.backward()
+        their_opt.step()
+        their_opt.zero_grad()
+        both = torch.tensor([loss.float().item(), their_loss.float().item()], dtype=torch.float64)
+        dist.all_reduce(both)  # the global batch's mean loss
+        ours.append(both[0].item() / world)
+        fsdp.append(both[1].item() / world)
+    return {"dcir": ours, "fsdp2": fsdp}
+
+
+def overflow(rank: int, world: int, ckpt_dir: str) -> dict:
+    torch.manual_seed(0)
+    fp16 = {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}, "timeout_s": 60}
+    engine = dcir.initialize(mlp(), lambda ps: torch.optim.SGD(ps, lr=0.1), fp16, loss_fn=squared)
+    record = {"scales": [engine.loss_scale], "took": [], "changed": [], "finite": []}
+    for step, whole in enumerate(_batches(world, 3)):
+        x = _mine(whole, rank)
+        if step == 1 and rank == 1:
+            x = x * 1e6  # beyond fp16's range (65504): inf on this rank only
+        before = engine.full_parameters()
+        loss = engine(x)
+        engine.backward(loss)
+        record["took"].append(engine.step())
+        after = engine.full_parameters()
+        record["scales"].append(engine.loss_scale)
+        record["changed"].append(any(not torch.equal(before[n], after[n]) for n in before))
+        record["finite"].append(all(torch.isfinite(t).all().item() for t in after.values()))
+    record["skipped_steps"], record["steps"] = engine.skipped_steps, engine.steps
+    engine.save_checkpoint(ckpt_dir, tag="t")
+    fresh = dcir.initialize(mlp(), lambda ps: torch.optim.SGD(ps, lr=0.1), fp16, loss_fn=squared)
+    fresh.load_checkpoint(ckpt_dir, tag="t")
+    record["scaler_saved"] = engine.loss_scaler.state_dict()
+    record["scaler_loaded"] = fresh.loss_scaler.state_dict()
+    return record
+
+
+def sent_bytes(rank: int, world: int) -> dict:
+    out = {}
+    for name, config in (("f32", {}), ("bf16", BF16)):
+        torch.manual_seed(0)
+        engine = dcir.initialize(mlp(), lambda ps: torch.optim.SGD(ps, lr=0.1), {**config, "timeout_s": 60},
+                                 loss_fn=squared)
+        whole = _batches(world, 1)[0]
+        for _ in range(2):  # the first call captures
+            before = engine.memory()["sent"]
+            loss = engine(_mine(whole, rank))
+            forward = engine.memory()["sent"] - before
+            engine.backward(loss)
+            engine.step()
+        out[name] = {"forward_sent": forward, "ir": str(engine.ir()) if rank == 0 else ""}
+    return out
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    case, out_file = sys.argv[1], sys.argv[2]
+    if case == "reference":
+        result = reference(rank, world)
+    elif case == "fsdp2":
+        result = fsdp2(rank, world)
+    elif case == "overflow":
+        result = overflow(rank, world, sys.argv[3])
+    elif case == "bytes":
+        result = sent_bytes(rank, world)
+    else:
+        raise SystemExit(f"unknown case {case!r}")
+    if rank == 0:
+        Path(out_file).write_text(json.dumps(result))
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)  # skip the teardown of the process group and of the runtime's threads: not under test
