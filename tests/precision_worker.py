@@ -3,7 +3,7 @@
 ``python precision_worker.py CASE OUT.json [DIR]``; rank 0 writes what it measured:
 
 * ``reference``: ``param_dtype=bf16, reduce_dtype=fp32`` (also through DeepSpeed's
-  ``bf16`` section) for 5 AdamW steps against a single-device reference that does what
+  ``bf16`` section, at ZeRO-2 and with offload) for 5 AdamW steps against a single-device reference that does what
   the policy says, written out here: per rank's micro-batch, the fp32 master parameters
   cast to bf16, the input cast to bf16, the bf16 gradients cast to fp32 and averaged in
   rank order, the optimizer on the fp32 masters. The largest relative difference of the
@@ -67,9 +67,14 @@ def _reference_step(ref: torch.nn.Module, opt, whole: torch.Tensor, world: int, 
     opt.zero_grad()
 
 
+#: the policy through FSDP2's and DeepSpeed's names, at ZeRO-3, ZeRO-2, and with optimizer-state offload
+CONFIGS = {"mixed_precision": BF16, "bf16": {"bf16": {"enabled": True}}, "zero2": {**BF16, "zero_stage": 2},
+           "offload": {**BF16, "offload": {"budget": 512}}}
+
+
 def reference(rank: int, world: int) -> dict:
     out = {}
-    for name, config in (("mixed_precision", BF16), ("bf16", {"bf16": {"enabled": True}})):
+    for name, config in CONFIGS.items():
         torch.manual_seed(0)
         ref = mlp()
         engine = dcir.initialize(copy.deepcopy(ref), lambda ps: torch.optim.AdamW(ps, lr=1e-2),
@@ -91,6 +96,7 @@ def reference(rank: int, world: int) -> dict:
         drift = max(((p.detach() - p.detach().to(torch.bfloat16).float()).abs().max()).item()
                     for p in ref.parameters())
         out[name] = {"max_rel_err": rel(ref), "fp32_rel_err": rel(ref32), "loss_dtype": str(loss.dtype),
+                     "host_state": engine.memory()["optimizer_state_host"],
                      "master_not_bf16": drift > 0,
                      "shard_dtypes": sorted({str(s.dtype) for s in engine.shards.values()}),
                      "state_dtypes": sorted({str(t.dtype) for st in engine.optimizer.state.values()
