@@ -167,3 +167,19 @@ def test_bf16_gathers_move_half_the_bytes(tmp_path, capfd):
     print("forward bytes sent, fp32:", r["f32"]["forward_sent"], "bf16:", r["bf16"]["forward_sent"])
     assert r["f32"]["forward_sent"] == 2 * r["bf16"]["forward_sent"] > 0
     assert "mem.cast" in r["bf16"]["ir"] and "pending<bf16[16, 8]>" in r["bf16"]["ir"]
+
+
+def test_the_config_reference_lists_every_key():
+    """docs/config.md has a row for every key the Engine accepts, and for every key of
+    the precision sections, each with its FSDP2 and DeepSpeed columns."""
+    import dataclasses
+
+    from dcir_runtime import precision
+
+    doc = (HERE.parent / "docs" / "config.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in doc.splitlines() if line.startswith("| `")}
+    for f in dataclasses.fields(Config):
+        assert f"`{f.name}`" in rows, f"docs/config.md does not list the config key {f.name}"
+        assert rows[f"`{f.name}`"].count("|") == 6, f"the row of {f.name} needs its FSDP2 and DeepSpeed columns"
+    for key in [*precision._POLICY_KEYS, *precision._FP16_KEYS]:
+        assert f"`{key}`" in rows, f"docs/config.md does not list {key}"
