@@ -183,3 +183,19 @@ def test_the_config_reference_lists_every_key():
         assert rows[f"`{f.name}`"].count("|") == 6, f"the row of {f.name} needs its FSDP2 and DeepSpeed columns"
     for key in [*precision._POLICY_KEYS, *precision._FP16_KEYS]:
         assert f"`{key}`" in rows, f"docs/config.md does not list {key}"
+
+
+def test_dcir_train_precision_flag(capfd):
+    """--precision adds the config's section: checked before any rank starts, and the
+    summary says what ran (fp16: the first step's 65536 overflows fp16 and is skipped)."""
+    from dcir_runtime.train import main
+
+    assert main(["--precision", "bf16", "--config", '{"fp16": {"enabled": true}}']) == 1
+    assert "the config enables bf16 and fp16: give one of" in capfd.readouterr().err
+    code = main(["--precision", "fp16", "--steps", "2", "--layers", "1", "--hidden", "64", "--seq", "32",
+                 "--batch", "2", "--timeout", "300"])
+    out = capfd.readouterr()
+    assert code == 0, out.out + out.err
+    assert "precision       compute and gathers in f16, gradients reduced in f32, master weights f32; " \
+           "loss scale 65536, 1 steps skipped (inf/NaN)" in out.out
+    assert "final loss" in out.out and "(step 2)" in out.out
