@@ -3,7 +3,7 @@
 ``python precision_worker.py CASE OUT.json [DIR]``; rank 0 writes what it measured:
 
 * ``reference``: ``param_dtype=bf16, reduce_dtype=fp32`` (also through DeepSpeed's
-  ``bf16`` section, at ZeRO-2 and with offload) for 5 AdamW steps against a single-device reference that does what
+  ``bf16`` section, at ZeRO-2, with offload, with the optimization cycle) for 5 AdamW steps against a single-device reference that does what
   the policy says, written out here: per rank's micro-batch, the fp32 master parameters
   cast to bf16, the input cast to bf16, the bf16 gradients cast to fp32 and averaged in
   rank order, the optimizer on the fp32 masters. The largest relative difference of the
@@ -67,9 +67,11 @@ def _reference_step(ref: torch.nn.Module, opt, whole: torch.Tensor, world: int, 
     opt.zero_grad()
 
 
-#: the policy through FSDP2's and DeepSpeed's names, at ZeRO-3, ZeRO-2, and with optimizer-state offload
+#: the policy through FSDP2's and DeepSpeed's names, at ZeRO-3, ZeRO-2, with optimizer-state offload, and
+#: with the optimization cycle's schedule passes (planned after step 1's profile)
 CONFIGS = {"mixed_precision": BF16, "bf16": {"bf16": {"enabled": True}}, "zero2": {**BF16, "zero_stage": 2},
-           "offload": {**BF16, "offload": {"budget": 512}}}
+           "offload": {**BF16, "offload": {"budget": 512}},
+           "optimized": {**BF16, "optimize": {"passes": ["prefetch", "unshard", "bucket"], "profile_at": [1]}}}
 
 
 def reference(rank: int, world: int) -> dict:
@@ -96,7 +98,7 @@ def reference(rank: int, world: int) -> dict:
         drift = max(((p.detach() - p.detach().to(torch.bfloat16).float()).abs().max()).item()
                     for p in ref.parameters())
         out[name] = {"max_rel_err": rel(ref), "fp32_rel_err": rel(ref32), "loss_dtype": str(loss.dtype),
-                     "host_state": engine.memory()["optimizer_state_host"],
+                     "host_state": engine.memory()["optimizer_state_host"], "replans": len(engine.optimize_log),
                      "master_not_bf16": drift > 0,
                      "shard_dtypes": sorted({str(s.dtype) for s in engine.shards.values()}),
                      "state_dtypes": sorted({str(t.dtype) for st in engine.optimizer.state.values()

@@ -128,18 +128,18 @@ def test_dynamic_loss_scale_follows_deepspeed():
 
 def test_bf16_matches_a_reference_that_casts_per_micro_batch(tmp_path, capfd):
     """World 2, param_dtype=bf16 and reduce_dtype=fp32 (and DeepSpeed's bf16 section;
-    at ZeRO-3, ZeRO-2 and with optimizer-state offload),
+    at ZeRO-3, ZeRO-2, with optimizer-state offload and with the schedule passes),
     5 AdamW steps: the fp32 master parameters match the reference in the worker to
     1e-5; a reference without the casts is 1e-3 away, so the casts are what is matched."""
     r = _run(capfd, "reference", tmp_path / "out.json")
-    for name in ("mixed_precision", "bf16", "zero2", "offload"):
+    for name in ("mixed_precision", "bf16", "zero2", "offload", "optimized"):
         case = r[name]
         print(name, "largest relative difference", case["max_rel_err"], "vs fp32 reference", case["fp32_rel_err"])
         assert case["max_rel_err"] <= 1e-5
         assert case["fp32_rel_err"] > 1e-4
         assert case["loss_dtype"] == "torch.bfloat16" and case["master_not_bf16"]
         assert case["shard_dtypes"] == case["state_dtypes"] == ["torch.float32"]
-    assert r["offload"]["host_state"] > 0 and r["zero2"]["host_state"] == 0
+    assert r["offload"]["host_state"] > 0 and r["zero2"]["host_state"] == 0 and r["optimized"]["replans"] == 1
 
 
 def test_bf16_loss_trajectory_matches_fsdp2(tmp_path, capfd):
