@@ -32,6 +32,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dcir  # noqa: E402
+from dist_worker import TinyTransformer  # noqa: E402
 from test_backend import mlp, squared  # noqa: E402
 
 ROWS = 4  # rows of each rank's micro-batch
@@ -44,18 +45,25 @@ def _batches(world: int, steps: int):
     return [torch.randn(ROWS * world, 8, generator=g) for _ in range(steps)]
 
 
-def _mine(whole: torch.Tensor, rank: int) -> torch.Tensor:
+def _mine(whole, rank: int):
+    """This rank's rows of a tensor, or of each tensor of a tuple."""
+    if isinstance(whole, tuple):
+        return tuple(t[rank * ROWS:(rank + 1) * ROWS] for t in whole)
     return whole[rank * ROWS:(rank + 1) * ROWS]
 
 
-def _reference_step(ref: torch.nn.Module, opt, whole: torch.Tensor, world: int, dtype=torch.bfloat16) -> None:
+def _floats_to(args: tuple, dtype) -> tuple:
+    return tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
+
+
+def _reference_step(ref: torch.nn.Module, opt, loss_fn, whole: tuple, world: int, dtype=torch.bfloat16) -> None:
     """What ``dtype`` compute with fp32 masters and fp32 reduction means, on one device."""
     names = [n for n, _ in ref.named_parameters()]
     per_rank = []
     for r in range(world):
         low = {n: p.detach().to(dtype).requires_grad_() for n, p in ref.named_parameters()}
-        out = torch.func.functional_call(ref, low, (_mine(whole, r).to(dtype),))
-        loss = squared(out)
+        out = torch.func.functional_call(ref, low, _floats_to(_mine(whole, r), dtype))
+        loss = loss_fn(out) if loss_fn else out
         grads = torch.autograd.grad(loss, [low[n] for n in names], torch.ones_like(loss))
         per_rank.append([g.float() for g in grads])
     for k, p in enumerate(ref.parameters()):
@@ -68,28 +76,39 @@ def _reference_step(ref: torch.nn.Module, opt, whole: torch.Tensor, world: int, 
 
 
 #: the policy through FSDP2's and DeepSpeed's names, at ZeRO-3, ZeRO-2, with optimizer-state offload, and
-#: with the optimization cycle's schedule passes (planned after step 1's profile)
+#: with the optimization cycle's schedule passes (planned after step 1's profile); the MLP, and a transformer
+#: (embedding, LayerNorm, attention, cross-entropy in bf16) at ZeRO-3
 CONFIGS = {"mixed_precision": BF16, "bf16": {"bf16": {"enabled": True}}, "zero2": {**BF16, "zero_stage": 2},
            "offload": {**BF16, "offload": {"budget": 512}},
-           "optimized": {**BF16, "optimize": {"passes": ["prefetch", "unshard", "bucket"], "profile_at": [1]}}}
+           "optimized": {**BF16, "optimize": {"passes": ["prefetch", "unshard", "bucket"], "profile_at": [1]}},
+           "transformer": BF16}
+
+
+def _model(name: str):
+    """(model, global batches of 5 steps, loss_fn) of a case."""
+    g = torch.Generator().manual_seed(1)
+    torch.manual_seed(0)
+    if name == "transformer":
+        ids = [torch.randint(0, 64, (ROWS * 2, 16), generator=g) for _ in range(5)]
+        return TinyTransformer(), [(i, torch.roll(i, -1, 1)) for i in ids], None
+    return mlp(), [(x,) for x in _batches(2, 5)], squared
 
 
 def reference(rank: int, world: int) -> dict:
     out = {}
     for name, config in CONFIGS.items():
-        torch.manual_seed(0)
-        ref = mlp()
+        ref, batches, loss_fn = _model(name)
         engine = dcir.initialize(copy.deepcopy(ref), lambda ps: torch.optim.AdamW(ps, lr=1e-2),
-                                 {**config, "timeout_s": 60}, loss_fn=squared)
+                                 {**config, "timeout_s": 60}, loss_fn=loss_fn)
         ref32 = copy.deepcopy(ref)  # no casts: how far the policy's rounding moves the weights
         opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         opt32 = torch.optim.AdamW(ref32.parameters(), lr=1e-2)
-        for whole in _batches(world, 5):
-            loss = engine(_mine(whole, rank))
+        for whole in batches:
+            loss = engine(*_mine(whole, rank))
             engine.backward(loss)
             engine.step()
-            _reference_step(ref, opt, whole, world)
-            _reference_step(ref32, opt32, whole, world, torch.float32)
+            _reference_step(ref, opt, loss_fn, whole, world)
+            _reference_step(ref32, opt32, loss_fn, whole, world, torch.float32)
         full = engine.full_parameters()
 
         def rel(model):

@@ -132,7 +132,7 @@ def test_bf16_matches_a_reference_that_casts_per_micro_batch(tmp_path, capfd):
     5 AdamW steps: the fp32 master parameters match the reference in the worker to
     1e-5; a reference without the casts is 1e-3 away, so the casts are what is matched."""
     r = _run(capfd, "reference", tmp_path / "out.json")
-    for name in ("mixed_precision", "bf16", "zero2", "offload", "optimized"):
+    for name in ("mixed_precision", "bf16", "zero2", "offload", "optimized", "transformer"):
         case = r[name]
         print(name, "largest relative difference", case["max_rel_err"], "vs fp32 reference", case["fp32_rel_err"])
         assert case["max_rel_err"] <= 1e-5
