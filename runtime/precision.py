@@ -72,12 +72,13 @@ def check_fp16(v):
     for key in ("enabled", "consecutive_hysteresis"):
         if not isinstance(out[key], bool):
             raise ValueError(f"'{key}' is {out[key]!r}; true or false")
-    for key in ("initial_scale_power", "loss_scale_window", "hysteresis"):
-        if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < (0 if key == "initial_scale_power" else 1):
-            raise ValueError(f"'{key}' is {out[key]!r}; a whole number >= {0 if key == 'initial_scale_power' else 1}")
+    for key, least in (("initial_scale_power", 0), ("loss_scale_window", 1), ("hysteresis", 1)):
+        if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < least:
+            raise ValueError(f"'{key}' is {out[key]!r}; a whole number >= {least}")
     for key in ("loss_scale", "min_loss_scale"):
-        if not isinstance(out[key], (int, float)) or isinstance(out[key], bool) or out[key] < 0 or out[key] == float("inf"):
-            raise ValueError(f"'{key}' is {out[key]!r}; a finite number >= 0")
+        value = out[key]
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
+            raise ValueError(f"'{key}' is {value!r}; a finite number >= 0")
         out[key] = float(out[key])
     return out if out["enabled"] else None
 

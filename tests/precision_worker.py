@@ -3,7 +3,8 @@
 ``python precision_worker.py CASE OUT.json [DIR]``; rank 0 writes what it measured:
 
 * ``reference``: ``param_dtype=bf16, reduce_dtype=fp32`` (also through DeepSpeed's
-  ``bf16`` section, at ZeRO-2, with offload, with the optimization cycle) for 5 AdamW steps against a single-device reference that does what
+  ``bf16`` section, at ZeRO-2, with offload, with the optimization cycle; the MLP and
+  a transformer) for 5 AdamW steps against a single-device reference that does what
   the policy says, written out here: per rank's micro-batch, the fp32 master parameters
   cast to bf16, the input cast to bf16, the bf16 gradients cast to fp32 and averaged in
   rank order, the optimizer on the fp32 masters. The largest relative difference of the
@@ -157,10 +158,12 @@ def fsdp2(rank: int, world: int) -> dict:
     return {"dcir": ours, "fsdp2": fsdp}
 
 
-def overflow(rank: int, world: int, ckpt_dir: str) -> dict:
+def _fp16_run(rank: int, world: int, extra: dict):
+    """An fp16 engine (initial scale 256, hysteresis 1) over 3 steps whose second
+    overflows on rank 1; what each step did, and the engine."""
     torch.manual_seed(0)
-    fp16 = {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}, "timeout_s": 60}
-    engine = dcir.initialize(mlp(), lambda ps: torch.optim.SGD(ps, lr=0.1), fp16, loss_fn=squared)
+    fp16 = {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}, "timeout_s": 60, **extra}
+    engine = dcir.initialize(mlp(), lambda ps: torch.optim.AdamW(ps, lr=1e-2), fp16, loss_fn=squared)
     record = {"scales": [engine.loss_scale], "took": [], "changed": [], "finite": []}
     for step, whole in enumerate(_batches(world, 3)):
         x = _mine(whole, rank)
@@ -175,11 +178,21 @@ def overflow(rank: int, world: int, ckpt_dir: str) -> dict:
         record["changed"].append(any(not torch.equal(before[n], after[n]) for n in before))
         record["finite"].append(all(torch.isfinite(t).all().item() for t in after.values()))
     record["skipped_steps"], record["steps"] = engine.skipped_steps, engine.steps
+    return record, engine
+
+
+def overflow(rank: int, world: int, ckpt_dir: str) -> dict:
+    record, engine = _fp16_run(rank, world, {})
     engine.save_checkpoint(ckpt_dir, tag="t")
-    fresh = dcir.initialize(mlp(), lambda ps: torch.optim.SGD(ps, lr=0.1), fp16, loss_fn=squared)
+    fresh = dcir.initialize(mlp(), lambda ps: torch.optim.AdamW(ps, lr=1e-2), engine.config, loss_fn=squared)
     fresh.load_checkpoint(ckpt_dir, tag="t")
     record["scaler_saved"] = engine.loss_scaler.state_dict()
     record["scaler_loaded"] = fresh.loss_scaler.state_dict()
+    # with optimizer state offloaded, the skipped step leaves the state where it was too
+    offloaded, other = _fp16_run(rank, world, {"offload": {"budget": 512}})
+    ours, theirs = engine.full_parameters(), other.full_parameters()
+    record["offload"] = {**offloaded, "host_state": other.memory()["optimizer_state_host"],
+                         "max_diff": max((ours[n] - theirs[n]).abs().max().item() for n in ours)}
     return record
 
 

@@ -159,6 +159,8 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path, capfd):
     assert (r["skipped_steps"], r["steps"]) == (1, 2)
     assert "dcir: step 2: inf/NaN gradients, step skipped (1 so far); loss scale 256 -> 128" in r["_stderr"]
     assert r["scaler_loaded"] == r["scaler_saved"] and r["scaler_saved"]["cur_iter"] == 3
+    off = r["offload"]  # the same with optimizer state in host memory: the same weights
+    assert off["took"] == r["took"] and off["host_state"] > 0 and off["max_diff"] == 0
 
 
 def test_bf16_gathers_move_half_the_bytes(tmp_path, capfd):
