@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from dcir import ops as registry
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.dtypes import is_float, parse_dtype
-from dcir.ir import DType, Function, HostType, Module, Op, PendingType, ShardType, TensorType, Type, Value
+from dcir.ir import DType, Function, Module, Op, PendingType, ShardType, TensorType, Type, Value
 from dcir.passes import Pass
 
 #: the dtype of the master parameters (and so of the optimizer state and the gradients it sees)
@@ -60,15 +60,13 @@ MASTER = "f32"
 
 
 def retyped(t: Type, dtype: str) -> Type:
-    """``t`` with its element type replaced (through shard, pending and host wrappers)."""
+    """``t`` with its element type replaced (through shard and pending wrappers)."""
     if isinstance(t, TensorType):
         return TensorType(dtype, t.shape)
     if isinstance(t, ShardType):
         return ShardType(TensorType(dtype, t.full.shape), t.parts)
     if isinstance(t, PendingType):
         return PendingType(retyped(t.inner, dtype))
-    if isinstance(t, HostType):
-        return HostType(retyped(t.inner, dtype))
     return t
 
 
@@ -140,7 +138,7 @@ def cast_gradient(edit: _Edit, op: Op, policy: "MixedPrecision", stats: Counter)
     grad = op.operands[0]
     reduction = _reduction_of(edit, grad)
     if reduction is not None and policy.reduce_dtype != grad.type.dtype:
-        start, k, wait = reduction
+        start, k = reduction
         full = start.operands[k]
         start.operands[k] = edit.cast(full, policy.reduce_dtype, start)
         start.results[k].type = retyped(start.results[k].type, policy.reduce_dtype)
@@ -152,8 +150,8 @@ def cast_gradient(edit: _Edit, op: Op, policy: "MixedPrecision", stats: Counter)
         stats["gradients cast to " + MASTER] += 1
 
 
-def _reduction_of(edit: _Edit, grad: Value) -> tuple[Op, int, Op] | None:
-    """(the reducing collective, the index of ``grad`` among its results, the wait) when
+def _reduction_of(edit: _Edit, grad: Value) -> tuple[Op, int] | None:
+    """(the reducing collective, the index of ``grad``'s pending value among its results) when
     ``grad`` is the result of a wait on a reduction that nothing else reads, else None."""
     wait = grad.owner
     if not isinstance(wait, Op) or not registry.has_trait(wait, registry.WAITS):
@@ -164,7 +162,7 @@ def _reduction_of(edit: _Edit, grad: Value) -> tuple[Op, int, Op] | None:
         return None
     if len(edit.uses.get(grad, ())) != 1 or grad in edit.returned:
         return None
-    return start, pending.index, wait
+    return start, pending.index
 
 
 def _converted(module: Module, op: Op) -> bool:
