@@ -57,16 +57,21 @@ def _floats_to(args: tuple, dtype) -> tuple:
     return tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
 
 
-def _reference_step(ref: torch.nn.Module, opt, loss_fn, whole: tuple, world: int, dtype=torch.bfloat16) -> None:
-    """What ``dtype`` compute with fp32 masters and fp32 reduction means, on one device."""
+def _reference_step(ref: torch.nn.Module, opt, loss_fn, micro: list, world: int, dtype=torch.bfloat16) -> None:
+    """What ``dtype`` compute with fp32 masters and fp32 reduction means, on one device,
+    for one optimizer step over the global batches ``micro`` (several: accumulation, with
+    each rank's fp32 gradients summed over its micro-steps before the ranks are, as
+    ``zero1`` does)."""
     names = [n for n, _ in ref.named_parameters()]
-    per_rank = []
-    for r in range(world):
-        low = {n: p.detach().to(dtype).requires_grad_() for n, p in ref.named_parameters()}
-        out = torch.func.functional_call(ref, low, _floats_to(_mine(whole, r), dtype))
-        loss = loss_fn(out) if loss_fn else out
-        grads = torch.autograd.grad(loss, [low[n] for n in names], torch.ones_like(loss))
-        per_rank.append([g.float() for g in grads])
+    per_rank = [None] * world
+    for whole in micro:
+        for r in range(world):
+            low = {n: p.detach().to(dtype).requires_grad_() for n, p in ref.named_parameters()}
+            out = torch.func.functional_call(ref, low, _floats_to(_mine(whole, r), dtype))
+            loss = loss_fn(out) if loss_fn else out
+            grads = torch.autograd.grad(loss, [low[n] for n in names], torch.full_like(loss, 1 / len(micro)))
+            mine = [g.float() for g in grads]
+            per_rank[r] = mine if per_rank[r] is None else [a + g for a, g in zip(per_rank[r], mine)]
     for k, p in enumerate(ref.parameters()):
         total = per_rank[0][k]
         for r in range(1, world):
@@ -78,38 +83,41 @@ def _reference_step(ref: torch.nn.Module, opt, loss_fn, whole: tuple, world: int
 
 #: the policy through FSDP2's and DeepSpeed's names, at ZeRO-3, ZeRO-2, with optimizer-state offload, and
 #: with the optimization cycle's schedule passes (planned after step 1's profile); the MLP, and a transformer
-#: (embedding, LayerNorm, attention, cross-entropy in bf16) at ZeRO-3
+#: (embedding, LayerNorm, attention, cross-entropy in bf16) at ZeRO-3; ZeRO-1 under accumulation (fp32 sums)
 CONFIGS = {"mixed_precision": BF16, "bf16": {"bf16": {"enabled": True}}, "zero2": {**BF16, "zero_stage": 2},
            "offload": {**BF16, "offload": {"budget": 512}},
            "optimized": {**BF16, "optimize": {"passes": ["prefetch", "unshard", "bucket"], "profile_at": [1]}},
-           "transformer": BF16}
+           "transformer": BF16, "zero1_accumulate2": {**BF16, "zero_stage": 1, "gradient_accumulation_steps": 2}}
 
 
-def _model(name: str):
-    """(model, global batches of 5 steps, loss_fn) of a case."""
+def _model(name: str, n: int):
+    """(model, ``n`` global batches, loss_fn) of a case."""
     g = torch.Generator().manual_seed(1)
     torch.manual_seed(0)
     if name == "transformer":
-        ids = [torch.randint(0, 64, (ROWS * 2, 16), generator=g) for _ in range(5)]
+        ids = [torch.randint(0, 64, (ROWS * 2, 16), generator=g) for _ in range(n)]
         return TinyTransformer(), [(i, torch.roll(i, -1, 1)) for i in ids], None
-    return mlp(), [(x,) for x in _batches(2, 5)], squared
+    return mlp(), [(x,) for x in _batches(2, n)], squared
 
 
 def reference(rank: int, world: int) -> dict:
     out = {}
     for name, config in CONFIGS.items():
-        ref, batches, loss_fn = _model(name)
+        accumulate = config.get("gradient_accumulation_steps", 1)
+        ref, batches, loss_fn = _model(name, 5 * accumulate)
         engine = dcir.initialize(copy.deepcopy(ref), lambda ps: torch.optim.AdamW(ps, lr=1e-2),
                                  {**config, "timeout_s": 60}, loss_fn=loss_fn)
         ref32 = copy.deepcopy(ref)  # no casts: how far the policy's rounding moves the weights
         opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         opt32 = torch.optim.AdamW(ref32.parameters(), lr=1e-2)
-        for whole in batches:
-            loss = engine(*_mine(whole, rank))
-            engine.backward(loss)
-            engine.step()
-            _reference_step(ref, opt, loss_fn, whole, world)
-            _reference_step(ref32, opt32, loss_fn, whole, world, torch.float32)
+        for step in range(5):
+            micro = batches[step * accumulate:(step + 1) * accumulate]
+            for whole in micro:
+                loss = engine(*_mine(whole, rank))
+                engine.backward(loss)
+                engine.step()
+            _reference_step(ref, opt, loss_fn, micro, world)
+            _reference_step(ref32, opt32, loss_fn, micro, world, torch.float32)
         full = engine.full_parameters()
 
         def rel(model):

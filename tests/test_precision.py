@@ -128,11 +128,12 @@ def test_dynamic_loss_scale_follows_deepspeed():
 
 def test_bf16_matches_a_reference_that_casts_per_micro_batch(tmp_path, capfd):
     """World 2, param_dtype=bf16 and reduce_dtype=fp32 (and DeepSpeed's bf16 section;
-    at ZeRO-3, ZeRO-2, with optimizer-state offload and with the schedule passes),
+    at ZeRO-3, ZeRO-2, with optimizer-state offload and with the schedule passes; a
+    transformer; ZeRO-1 summing 2 micro-steps in fp32),
     5 AdamW steps: the fp32 master parameters match the reference in the worker to
     1e-5; a reference without the casts is 1e-3 away, so the casts are what is matched."""
     r = _run(capfd, "reference", tmp_path / "out.json")
-    for name in ("mixed_precision", "bf16", "zero2", "offload", "optimized", "transformer"):
+    for name in ("mixed_precision", "bf16", "zero2", "offload", "optimized", "transformer", "zero1_accumulate2"):
         case = r[name]
         print(name, "largest relative difference", case["max_rel_err"], "vs fp32 reference", case["fp32_rel_err"])
         assert case["max_rel_err"] <= 1e-5

@@ -15,7 +15,9 @@ places the casts where they pay:
 * a gradient is cast to ``reduce_dtype`` before its reduction (``comm.reduce_scatter``
   or ``comm.all_reduce``), so the ranks sum in that dtype, and the reduced gradient is
   cast to fp32 before ``grad.set`` when ``reduce_dtype`` is not fp32: the optimizer
-  always sees fp32 gradients.
+  always sees fp32 gradients;
+* ``zero1``'s gradient accumulators hold ``reduce_dtype`` when it is wider than
+  ``param_dtype``, so the micro-steps' gradients are summed in it (the add promotes).
 
 Run it after the ZeRO stage's pass: the casts then sit next to the collectives that
 pass placed. (Run before, it would cast after the gather, which moves fp32 bytes.)
@@ -52,7 +54,8 @@ from dataclasses import dataclass, field
 from dcir import ops as registry
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.dtypes import is_float, parse_dtype
-from dcir.ir import DType, Function, Module, Op, PendingType, ShardType, TensorType, Type, Value
+from dcir.memory import GRAD_ACC_OF
+from dcir.ir import DTYPE_BYTES, DType, Function, Module, Op, PendingType, ShardType, TensorType, Type, Value
 from dcir.passes import Pass
 
 #: the dtype of the master parameters (and so of the optimizer state and the gradients it sees)
@@ -137,17 +140,35 @@ def cast_gradient(edit: _Edit, op: Op, policy: "MixedPrecision", stats: Counter)
     then %g_shard is cast to f32 before grad.set when it is not f32 already."""
     grad = op.operands[0]
     reduction = _reduction_of(edit, grad)
-    if reduction is not None and policy.reduce_dtype != grad.type.dtype:
+    if reduction is not None:
         start, k = reduction
-        full = start.operands[k]
-        start.operands[k] = edit.cast(full, policy.reduce_dtype, start)
-        start.results[k].type = retyped(start.results[k].type, policy.reduce_dtype)
-        grad.type = retyped(grad.type, policy.reduce_dtype)
-        edit.free_when_done(start.operands[k], start)
-        stats["gradients reduced in " + policy.reduce_dtype] += 1
+        if start.operands[k].type.dtype != policy.reduce_dtype:
+            start.operands[k] = edit.cast(start.operands[k], policy.reduce_dtype, start)
+            edit.free_when_done(start.operands[k], start)
+            stats["gradients reduced in " + policy.reduce_dtype] += 1
+        reduced = start.operands[k].type.dtype  # (an accumulated sum may be in reduce_dtype already)
+        start.results[k].type = retyped(start.results[k].type, reduced)
+        grad.type = retyped(grad.type, reduced)
     if grad.type.dtype != MASTER:
         op.operands = [edit.cast(grad, MASTER, op)]
         stats["gradients cast to " + MASTER] += 1
+
+
+def accumulate_in_reduce_dtype(func: Function, accumulators: set[str], dtype: str, stats: Counter) -> None:
+    """zero1's gradient accumulators hold ``dtype`` (fp32: the micro-steps' gradients
+    are summed in fp32, as FSDP2 accumulates them after an fp32 reduction): a read of
+    one, and each aten op on it (the add of a bf16 gradient promotes to fp32, the zero),
+    is retyped. The reduction of the sum then runs in ``dtype`` with no cast."""
+    retyped_values = set()
+    for op in func.ops:
+        reads = op.name == "param.get" and op.symbol in accumulators
+        if not reads and not (op.family == "aten" and retyped_values.intersection(op.operands)):
+            continue
+        for r in op.results:
+            if isinstance(r.type, TensorType) and is_float(r.type.dtype):
+                r.type = retyped(r.type, dtype)
+                retyped_values.add(r)
+        stats["gradient accumulator ops in " + dtype] += 1
 
 
 def _reduction_of(edit: _Edit, grad: Value) -> tuple[Op, int] | None:
@@ -201,7 +222,10 @@ class MixedPrecision(Pass):
                 f"expects a step captured with its parameters in {self.param_dtype} "
                 "(compile_to_ir(..., param_dtype=...)), and makes their storage f32",
                 source, decl.loc, len(decl.kind)))
+        accumulators = self._accumulators(module)
         for func in module.functions.values():
+            if accumulators:
+                accumulate_in_reduce_dtype(func, accumulators, self.reduce_dtype, stats)
             edit = _Edit(func)
             for op in list(func.ops):
                 rule = RULES.get(op.name)
@@ -211,3 +235,12 @@ class MixedPrecision(Pass):
         for decl in module.decls.values():
             if decl.kind == "param" and decl.type.dtype == self.param_dtype:
                 decl.type = retyped(decl.type, MASTER)
+            elif decl.name in accumulators:
+                decl.type = retyped(decl.type, self.reduce_dtype)
+
+    def _accumulators(self, module: Module) -> set[str]:
+        """The gradient accumulators (``zero1``) to keep in ``reduce_dtype``: when it is
+        wider than ``param_dtype``, so adding a ``param_dtype`` gradient promotes to it."""
+        if DTYPE_BYTES[self.reduce_dtype] <= DTYPE_BYTES[self.param_dtype]:
+            return set()
+        return {d.name for d in module.decls.values() if GRAD_ACC_OF in d.attrs and d.type.dtype == self.param_dtype}
