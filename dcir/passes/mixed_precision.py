@@ -108,6 +108,18 @@ class _Edit:
             done = next(op for op in self.uses.get(reader.results[0], []) if registry.has_trait(op, registry.WAITS))
         self.after.setdefault(done, []).append(Op("mem.free", [value], parens=True))
 
+    def set_result(self, op: Op, value: Value) -> None:
+        """``value`` becomes ``op``'s (only) result."""
+        op.results = [value]
+        value.owner, value.index = op, 0
+
+    def set_operand(self, op: Op, index: int, value: Value) -> None:
+        op.operands[index] = value
+
+    def retype(self, value: Value, dtype: str) -> None:
+        """``value`` holds ``dtype`` now (its readers are this pass's to keep consistent)."""
+        value.type = retyped(value.type, dtype)
+
     def apply(self) -> None:
         self.func.ops = [new for op in self.func.ops
                          for new in (*self.before.get(op, ()), op, *self.after.get(op, ()))]
@@ -123,8 +135,8 @@ def cast_parameter_read(edit: _Edit, op: Op, policy: "MixedPrecision", stats: Co
     low = op.results[0]
     if low.type.dtype == policy.param_dtype == MASTER:
         return  # reduced in low precision only: parameters stay as they are
-    master = Value(edit.fresh(f"{low.name}_{MASTER}"), retyped(low.type, MASTER), op, 0)
-    op.results = [master]
+    master = Value(edit.fresh(f"{low.name}_{MASTER}"), retyped(low.type, MASTER))
+    edit.set_result(op, master)
     users = edit.uses.get(low)
     if not users:
         return
@@ -143,30 +155,30 @@ def cast_gradient(edit: _Edit, op: Op, policy: "MixedPrecision", stats: Counter)
     if reduction is not None:
         start, k = reduction
         if start.operands[k].type.dtype != policy.reduce_dtype:
-            start.operands[k] = edit.cast(start.operands[k], policy.reduce_dtype, start)
+            edit.set_operand(start, k, edit.cast(start.operands[k], policy.reduce_dtype, start))
             edit.free_when_done(start.operands[k], start)
             stats["gradients reduced in " + policy.reduce_dtype] += 1
         reduced = start.operands[k].type.dtype  # (an accumulated sum may be in reduce_dtype already)
-        start.results[k].type = retyped(start.results[k].type, reduced)
-        grad.type = retyped(grad.type, reduced)
+        edit.retype(start.results[k], reduced)
+        edit.retype(grad, reduced)
     if grad.type.dtype != MASTER:
-        op.operands = [edit.cast(grad, MASTER, op)]
+        edit.set_operand(op, 0, edit.cast(grad, MASTER, op))
         stats["gradients cast to " + MASTER] += 1
 
 
-def accumulate_in_reduce_dtype(func: Function, accumulators: set[str], dtype: str, stats: Counter) -> None:
+def accumulate_in_reduce_dtype(edit: _Edit, accumulators: set[str], dtype: str, stats: Counter) -> None:
     """zero1's gradient accumulators hold ``dtype`` (fp32: the micro-steps' gradients
     are summed in fp32, as FSDP2 accumulates them after an fp32 reduction): a read of
     one, and each aten op on it (the add of a bf16 gradient promotes to fp32, the zero),
     is retyped. The reduction of the sum then runs in ``dtype`` with no cast."""
     retyped_values = set()
-    for op in func.ops:
+    for op in edit.func.ops:
         reads = op.name == "param.get" and op.symbol in accumulators
         if not reads and not (op.family == "aten" and retyped_values.intersection(op.operands)):
             continue
         for r in op.results:
             if isinstance(r.type, TensorType) and is_float(r.type.dtype):
-                r.type = retyped(r.type, dtype)
+                edit.retype(r, dtype)
                 retyped_values.add(r)
         stats["gradient accumulator ops in " + dtype] += 1
 
@@ -224,9 +236,9 @@ class MixedPrecision(Pass):
                 source, decl.loc, len(decl.kind)))
         accumulators = self._accumulators(module)
         for func in module.functions.values():
-            if accumulators:
-                accumulate_in_reduce_dtype(func, accumulators, self.reduce_dtype, stats)
             edit = _Edit(func)
+            if accumulators:
+                accumulate_in_reduce_dtype(edit, accumulators, self.reduce_dtype, stats)
             for op in list(func.ops):
                 rule = RULES.get(op.name)
                 if rule is not None and rule[0](module, op):
