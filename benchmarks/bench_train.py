@@ -18,7 +18,11 @@ Every system trains the same HF Llama (from a config, fp32) on the same batches:
 * ``dcir-offload``: ``zero3`` with ``dcir-optimized``'s passes and optimizer-state
   offload, its budget half of a rank's AdamW state (2 fp32 tensors per parameter
   element, sharded over the world);
+* ``dcir-bf16``: ``dcir`` in mixed precision (the config's ``bf16`` section: bf16
+  compute and gathers, fp32 gradient reduction and master weights, docs/config.md);
 * ``fsdp2``: PyTorch FSDP2, ``fully_shard`` per decoder layer and on the root;
+* ``fsdp2-bf16``: the same with the same policy,
+  ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``;
 * ``fsdp2-offload``: the same with ``offload_policy=CPUOffloadPolicy()``; without an
   accelerator host memory cannot be pinned (``pin_memory=False`` then), and the
   "device" and the host are the same RAM, as for ``dcir-offload``;
@@ -51,7 +55,9 @@ Peak memory is each rank's peak resident set (the process, torch included), as C
 tensors have no allocator statistics to compare across systems. Exposed
 communication is the host time DCIR's ranks spent blocked in ``comm.wait`` per step
 (the slowest rank's), for collectives and, with offload, for host copies; the others
-have no such counter ("n/a").
+have no such counter ("n/a"). Sent is the bytes a rank hands to collectives per step, as
+DCIR's runtime counts them (the largest rank's; "n/a" for the others), and "x fp32" a
+bf16 row's step time over its fp32 row's in the same run.
 """
 
 from __future__ import annotations
@@ -68,7 +74,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SYSTEMS = ["floor", "eager", "dcir", "dcir-prefetch", "dcir-unshard", "dcir-optimized", "dcir-inductor",
-           "dcir-zero1", "dcir-zero2", "dcir-offload", "fsdp2", "fsdp2-offload", "deepspeed-zero1", "deepspeed-zero2",
+           "dcir-zero1", "dcir-zero2", "dcir-offload", "dcir-bf16", "fsdp2", "fsdp2-offload", "fsdp2-bf16", "deepspeed-zero1", "deepspeed-zero2",
            "deepspeed", "deepspeed-offload"]
 WORKLOAD = [("layers", 6), ("hidden", 256), ("seq", 128), ("batch", 4), ("vocab", 32000), ("accumulate", 1)]
 
@@ -131,6 +137,7 @@ def summarize(runs: dict[str, list[dict]], ns) -> dict:
             continue
         steps = [t for r in results for t in r["step_s"]]
         waits = [w for r in results if r["wait_s"] for w in r["wait_s"]]
+        sent = [b for r in results for b in r.get("sent_bytes") or () if b is not None]
         rows[system] = {
             "step_s": statistics.median(steps),
             "step_s_min": min(steps), "step_s_max": max(steps), "measured_steps": len(steps),
@@ -139,17 +146,21 @@ def summarize(runs: dict[str, list[dict]], ns) -> dict:
             "peak_cuda_mib": _max([m for r in results for m in r.get("peak_cuda_mib") or ()]),
             "exposed_comm_s": statistics.median(waits) if waits else None,
             "predicted_s": _median([r.get("predicted_s") for r in results]),
+            "sent_bytes_per_step": statistics.median(sent) if sent else None,
         }
     floor = rows.get("floor", {}).get("step_s")
-    for row in rows.values():
+    for system, row in rows.items():
         row["x_floor"] = row["step_s"] / floor if floor else None
+        fp32 = rows.get(system.removesuffix("-bf16")) if system.endswith("-bf16") else None
+        row["x_fp32"] = row["step_s"] / fp32["step_s"] if fp32 else None
     return rows
 
 
 def table(rows: dict, unavailable: dict) -> str:
     cuda = any(r.get("peak_cuda_mib") is not None for r in rows.values())
     head = (f"{'system':<16}{'step s':>9}{'x floor':>9}{'tok/s/rank':>12}{'peak RSS MiB':>14}"
-            + (f"{'peak CUDA MiB':>15}" if cuda else "") + f"{'exposed comm s':>16}{'predicted s':>13}")
+            + (f"{'peak CUDA MiB':>15}" if cuda else "") + f"{'exposed comm s':>16}{'predicted s':>13}"
+            + f"{'sent MiB/step':>15}{'x fp32':>8}")
     lines = [head, "-" * len(head)]
     for system, r in rows.items():
         x = f"{r['x_floor']:.2f}" if r["x_floor"] else "-"
@@ -157,8 +168,10 @@ def table(rows: dict, unavailable: dict) -> str:
         pred = f"{r['predicted_s']:.3f}" if r.get("predicted_s") is not None else "n/a"
         gpu = f"{r['peak_cuda_mib']:>15,.0f}" if cuda and r.get("peak_cuda_mib") is not None else (
             f"{'n/a':>15}" if cuda else "")
+        sent = f"{r['sent_bytes_per_step'] / 2**20:.3f}" if r.get("sent_bytes_per_step") is not None else "n/a"
+        vs32 = f"{r['x_fp32']:.2f}" if r.get("x_fp32") else "-"
         lines.append(f"{system:<16}{r['step_s']:>9.3f}{x:>9}{r['tokens_per_s_per_rank']:>12,.0f}"
-                     f"{r['peak_rss_mib']:>14,.0f}{gpu}{comm:>16}{pred:>13}")
+                     f"{r['peak_rss_mib']:>14,.0f}{gpu}{comm:>16}{pred:>13}{sent:>15}{vs32:>8}")
     for system, why in unavailable.items():
         lines.append(f"{system:<16}  unavailable: {why}")
     return "\n".join(lines)

@@ -111,6 +111,10 @@ class Dcir:
         m = self.engine.memory()
         return m["wait_s"] + m["copy_wait_s"]
 
+    def sent_bytes(self) -> int:
+        """Bytes this rank has handed to collectives, as the runtime counts them."""
+        return self.engine.memory()["sent"]
+
 
 class _Plain:
     """A model and an optimizer, stepped every ``accumulate`` micro-steps."""
@@ -129,16 +133,19 @@ class _Plain:
 
 class Fsdp2(_Plain):
     """``fully_shard`` per decoder layer and on the root; with ``offload``, the
-    parameters, gradients and optimizer step live on the CPU (``CPUOffloadPolicy``)."""
+    parameters, gradients and optimizer step live on the CPU (``CPUOffloadPolicy``);
+    with ``bf16``, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``."""
 
-    def __init__(self, ns, offload: bool = False):
-        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    def __init__(self, ns, offload: bool = False, bf16: bool = False):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         dist.init_process_group(backend(ns))
         model = llama(ns)
         # pinning host memory needs an accelerator ("Cannot access accelerator device")
         pin = torch.accelerator.is_available()
         kwargs = {"offload_policy": CPUOffloadPolicy(pin_memory=pin)} if offload else {}
+        if bf16:  # the policy dcir-bf16 runs: bf16 compute and gathers, fp32 reduction
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in model.model.layers:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
@@ -206,6 +213,10 @@ def make(system: str, ns):
         return Fsdp2(ns)
     if system == "fsdp2-offload":
         return Fsdp2(ns, offload=True)
+    if system == "fsdp2-bf16":
+        return Fsdp2(ns, bf16=True)
+    if system == "dcir-bf16":  # plain zero3, as dcir, in FSDP2's bf16 policy (DeepSpeed's bf16 section)
+        return Dcir(ns, inductor=False, extra={"bf16": {"enabled": True}})
     if system in DEEPSPEED:
         return DeepSpeed(ns, stage=DEEPSPEED[system])
     if system == "deepspeed-offload":
@@ -231,9 +242,10 @@ def main() -> None:
     distributed = dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     data = batches(ns, rank, world)
-    times, waits = [], []
+    times, waits, sent = [], [], []
     for step in range(ns.warmup + ns.steps):
         wait0 = runner.wait_s() if hasattr(runner, "wait_s") else 0.0
+        sent0 = runner.sent_bytes() if hasattr(runner, "sent_bytes") else None
         if distributed:
             dist.barrier()
         synchronize(ns)
@@ -246,8 +258,9 @@ def main() -> None:
         if step >= ns.warmup:
             times.append(elapsed)
             waits.append(waited)
+            sent.append(runner.sent_bytes() - sent0 if sent0 is not None else None)
     predicted = runner.predicted_s() if hasattr(runner, "predicted_s") else None
-    per_rank = {"times": times, "waits": waits, "peak_rss_mib": peak_rss_mib(), "predicted_s": predicted,
+    per_rank = {"times": times, "waits": waits, "sent": sent, "peak_rss_mib": peak_rss_mib(), "predicted_s": predicted,
                 "peak_cuda_mib": torch.cuda.max_memory_allocated() / 2**20 if ns.device == "cuda" else None}
     everyone = [per_rank]
     if distributed:
@@ -262,6 +275,8 @@ def main() -> None:
             waits = [max(r["waits"][i] for r in everyone) for i in range(ns.steps)]
         with open(ns.out, "w") as f:
             json.dump({"system": ns.system, "world": world, "step_s": steps, "wait_s": waits,
+                       "sent_bytes": [max(r["sent"][i] for r in everyone) if everyone[0]["sent"][i] is not None
+                                      else None for i in range(ns.steps)],
                        "peak_rss_mib": [r["peak_rss_mib"] for r in everyone],
                        "peak_cuda_mib": [r["peak_cuda_mib"] for r in everyone],
                        "predicted_s": everyone[0]["predicted_s"]}, f)

@@ -21,6 +21,7 @@ Traits:
 ``reads_state`` reads a module-level symbol's storage
 ``writes_state`` writes a module-level symbol's storage
 ``schema``      operands, attributes and results follow a torch overload's schema
+``casts``       copies its operand converted to the element type its ``dtype`` attribute names
 =============  =====================================================================
 """
 
@@ -31,11 +32,11 @@ from functools import lru_cache
 from typing import Callable
 
 from dcir import aten
-from dcir.ir import NONE, HostType, Op, PendingType, ShardType, TensorType, Type
+from dcir.ir import DTYPE_BYTES, NONE, DType, HostType, Op, PendingType, ShardType, TensorType, Type
 
 PURE, COMPUTE, ASYNC, WAITS, COLLECTIVE, REDUCES = "pure", "compute", "async", "waits", "collective", "reduces"
 FREES, ALLOCATES, SIDE_EFFECT, READS_STATE, WRITES_STATE = "frees", "allocates", "side_effect", "reads_state", "writes_state"
-GRADIENT, SCHEMA = "gradient", "schema"
+GRADIENT, SCHEMA, CASTS = "gradient", "schema", "casts"
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
@@ -50,7 +51,7 @@ class TypeRuleError(ValueError):
 
 @dataclass(frozen=True)
 class AttrSpec:
-    kind: str  # "int", "str", "unit", "enum", "int_list"
+    kind: str  # "int", "str", "unit", "enum", "int_list", "dtype"
     required: bool = False
     choices: tuple[str, ...] = ()
 
@@ -61,12 +62,14 @@ class AttrSpec:
             "str": isinstance(value, str),
             "enum": isinstance(value, str) and value in self.choices,
             "int_list": isinstance(value, tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value),
+            "dtype": isinstance(value, DType) and value.name in DTYPE_BYTES,
         }.get(self.kind, True)
         if ok:
             return None
         if self.kind == "enum":
             return "one of " + ", ".join(f'"{c}"' for c in self.choices)
-        return {"int": "an integer", "str": "a string", "int_list": "a list of integers"}.get(self.kind, self.kind)
+        return {"int": "an integer", "str": "a string", "int_list": "a list of integers",
+                "dtype": "a dtype: " + ", ".join(DTYPE_BYTES)}.get(self.kind, self.kind)
 
 
 # A type rule gets the op, its operand types and the module; it returns the result
@@ -175,6 +178,13 @@ def _rule_reload(op, types, module):
     return [PendingType(types[0].inner)]
 
 
+def _rule_cast(op, types, module):
+    t = _full_or_shard(types[0], "the cast value")
+    to = op.attrs.get("dtype")
+    full = TensorType(to.name, t.full.shape if isinstance(t, ShardType) else t.shape)
+    return [ShardType(full, t.parts) if isinstance(t, ShardType) else full]
+
+
 def _rule_optim_step(op, types, module):
     decl = module.decls[op.symbol]
     if not decl.trainable:
@@ -244,6 +254,10 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
     OpDef("mem.reload", "Start copying a host value back to the device.",
           (1, 1), (1, 1), frozenset({ASYNC, ALLOCATES}), _rule_reload,
           example="%d = mem.reload(%h) : pending<shard<f32[16, 8], 2>>"),
+    OpDef("mem.cast", "Copy a tensor or shard converted to another element type (mixed precision: a shard cast "
+          "before its gather, a gradient before its reduction).",
+          (1, 1), (1, 1), frozenset({PURE, ALLOCATES, CASTS}), _rule_cast, {"dtype": AttrSpec("dtype", required=True)},
+          example="%w_bf16 = mem.cast(%w) {dtype = bf16} : shard<bf16[16, 8], 2>"),
     OpDef("optim.step", "Run the optimizer's update of one parameter with its gradient and the given state, in "
           "place; the results are the updated state (the operands' storage).",
           (0, None), "per_operand", frozenset({SIDE_EFFECT, READS_STATE, WRITES_STATE}), _rule_optim_step, symbol=True,

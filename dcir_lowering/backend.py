@@ -279,6 +279,9 @@ def _lower_op(module: Module, func: Function, op: Op, g: fx.Graph, env: dict, st
         g.call_function(_grad_set, (grads, op.symbol, env[op.operands[0]]))
     elif op.name == "mem.free":
         pass  # one process: memory is released with the value's last use
+    elif op.name == "mem.cast":
+        env[op.results[0]] = g.call_function(torch.ops.aten._to_copy.default, (env[op.operands[0]],),
+                                             {"dtype": torch_dtype(op.attrs["dtype"].name)})
     elif op.name.startswith("aten."):
         _lower_aten(op, g, env)
     else:

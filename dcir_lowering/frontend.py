@@ -42,20 +42,36 @@ MAX_CONSTANT = 4096
 
 
 def compile_to_ir(model: torch.nn.Module, example_inputs, *, kwargs: dict | None = None, loss_fn=None,
-                  name: str | None = None) -> Module:
+                  name: str | None = None, param_dtype: torch.dtype | None = None,
+                  output_dtype: torch.dtype | None = None, cast_inputs: bool = True) -> Module:
     """Capture ``model``'s training step on ``example_inputs`` as a DCIR module.
 
     The loss is ``loss_fn(output)`` when given; otherwise the model's output itself (a
     scalar tensor), its ``.loss`` (Hugging Face models called with ``labels=``), its
     ``["loss"]`` or its first element.
+
+    ``param_dtype`` and ``output_dtype`` mean what they mean in FSDP2's
+    ``MixedPrecisionPolicy``: the step is captured with the floating parameters in
+    ``param_dtype`` and (``cast_inputs``, FSDP2's ``cast_forward_inputs``) the floating
+    inputs cast to it inside the step, the model's output cast to ``output_dtype``. The graph is then the one PyTorch
+    runs in that precision, op for op, which retyping an fp32 graph would only
+    approximate; the ``mixed_precision`` pass gives the parameters fp32 storage.
     """
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     work = copy.deepcopy(model)
     work.train(model.training)
+    if param_dtype is not None:
+        for p in work.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(param_dtype)
     captured = _Captured()
 
     def step(*a, **kw):
+        if param_dtype is not None and cast_inputs:
+            a, kw = _cast_floats((a, kw), param_dtype)
         out = work(*a, **kw)
+        if output_dtype is not None:
+            out = _cast_floats(out, output_dtype)
         return loss_fn(out) if loss_fn is not None else _loss_of(out)
 
     torch._dynamo.reset()
@@ -73,6 +89,13 @@ def compile_to_ir(model: torch.nn.Module, example_inputs, *, kwargs: dict | None
                                    "from the model's output"))
     loss.backward()
     return _Lowering(work, captured, name or type(model).__name__).module()
+
+
+def _cast_floats(tree, dtype: torch.dtype):
+    """Every floating tensor in ``tree`` cast to ``dtype`` (FSDP2's cast of forward inputs)."""
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
 def _loss_of(out):

@@ -42,6 +42,22 @@ class Config:
     #: most that many bytes of optimizer state on the device (per rank), the rest in
     #: host memory, moved around the update of its parameter; None: off
     offload: dict | None = None
+    #: FSDP2's ``MixedPrecisionPolicy``: ``{"param_dtype": "bfloat16", "reduce_dtype":
+    #: "float32"}``, also ``output_dtype`` and ``cast_forward_inputs`` (docs/config.md);
+    #: parameter storage and optimizer state stay fp32; None: fp32 throughout
+    mixed_precision: dict | None = None
+    #: DeepSpeed's ``bf16`` section: ``{"enabled": true}`` is ``mixed_precision`` with
+    #: bfloat16 parameters and fp32 reduction
+    bf16: dict | None = None
+    #: DeepSpeed's ``fp16`` section: fp16 parameters, fp32 reduction, loss scaling
+    #: (``loss_scale`` 0: dynamic; ``initial_scale_power``, ``loss_scale_window``,
+    #: ``hysteresis``, ``min_loss_scale``, ``consecutive_hysteresis``)
+    fp16: dict | None = None
+
+    def __post_init__(self):
+        given = [k for k in ("mixed_precision", "bf16", "fp16") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise _error(f"the config enables {' and '.join(given)}: give one of mixed_precision, bf16, fp16")
 
     @classmethod
     def load(cls, config) -> "Config":
@@ -141,6 +157,14 @@ def _max_norm(v):
     return float(v)
 
 
+def _precision(check: str):
+    """A check of ``dcir_runtime.precision``, imported when a config uses it (it imports torch)."""
+    def run(v):
+        from dcir_runtime import precision
+        return getattr(precision, check)(v)
+    return run
+
+
 def _bool(v):
     if not isinstance(v, bool):
         raise ValueError(f"{v!r}; true or false")
@@ -149,7 +173,9 @@ def _bool(v):
 
 _CHECKS = {"zero_stage": _stage, "passes": _passes, "gradient_accumulation_steps": _positive_int,
            "memory_budget": _budget, "timeout_s": _seconds, "inductor": _bool,
-           "optimize": _optimize, "offload": _offload, "gradient_clipping": _max_norm}
+           "optimize": _optimize, "offload": _offload, "gradient_clipping": _max_norm,
+           "mixed_precision": _precision("check_policy"), "bf16": _precision("check_bf16"),
+           "fp16": _precision("check_fp16")}
 
 
 def _error(message: str) -> DcirError:

@@ -45,7 +45,7 @@ from dcir.passes.zero2 import Zero2
 from dcir.passes.zero3 import Zero3
 from dcir_lowering.backend import Program, lower
 from dcir_lowering.frontend import compile_to_ir
-from dcir_runtime import native
+from dcir_runtime import native, precision
 from dcir_runtime.config import Config
 from dcir_runtime.offload import ABSENT, StateStore
 from dcir_runtime.profiler import Profile, copy_profile
@@ -118,6 +118,7 @@ class Engine:
     def __init__(self, model: torch.nn.Module, optimizer, config: Config, loss_fn: Callable | None = None,
                  lr_scheduler: Callable | None = None):
         self.config, self.model, self.loss_fn = config, model, loss_fn
+        precision.attach(self)  # self.precision, self.loss_scaler, self.skipped_steps
         self.device = next(model.parameters()).device
         _join_group(config, self.device)
         native.load()
@@ -264,8 +265,10 @@ class Engine:
         begin = time.perf_counter()
 
         def compile_step() -> str:
-            module = compile_to_ir(self.model, args, kwargs=kwargs, loss_fn=self.loss_fn)
-            dcir.run_passes(module, [self._stage_pass(), *self._offload_pass(), *self._passes(self.config.passes)])
+            module = compile_to_ir(self.model, args, kwargs=kwargs, loss_fn=self.loss_fn,
+                                   **precision.capture_options(self.precision))
+            dcir.run_passes(module, [self._stage_pass(), *precision.passes(self.precision), *self._offload_pass(),
+                                     *self._passes(self.config.passes)])
             return dcir.print(module)
 
         self.base_text = self._from_rank0("program", compile_step)
@@ -438,7 +441,7 @@ class Engine:
         if self._saved is None:
             raise RuntimeError("engine.backward(loss) needs a forward first (loss = engine(...))")
         scale = 1.0 / self.config.gradient_accumulation_steps
-        tangent = torch.full_like(loss, scale)
+        tangent = torch.full_like(loss, scale * precision.loss_scale(self))
         grads: dict = {}
         last = (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
         name, gm, fn = self.program.backward_for(last)
@@ -449,6 +452,7 @@ class Engine:
             self._saved = None
             if last:  # what the last backward hands to @step: optimizer state reloaded early
                 self._step_args = tuple(out or ())
+            precision.unscale(self, grads)
             for name, g in grads.items():
                 shard = self.shards[name]
                 shard.grad = g.detach() if shard.grad is None else shard.grad.add_(g)
@@ -458,6 +462,8 @@ class Engine:
         shards and clears their gradients. Returns whether the optimizer ran."""
         self.micro_steps += 1
         if self.micro_steps % self.config.gradient_accumulation_steps:
+            return False
+        if not precision.step_or_skip(self):  # fp16: inf/NaN gradients skip the step
             return False
         if self.config.gradient_clipping is not None:
             self._clip(self.config.gradient_clipping, 2.0)
@@ -518,6 +524,11 @@ class Engine:
             g.mul_(coef.to(g.dtype))
         self.last_grad_norm = norm
         return norm
+
+    @property
+    def loss_scale(self) -> float:
+        """The fp16 loss scale ``backward`` multiplies the loss by (DeepSpeed's name); 1 without."""
+        return precision.loss_scale(self)
 
     def get_lr(self) -> list[float]:
         """The learning rate of each of the optimizer's parameter groups (DeepSpeed's name)."""

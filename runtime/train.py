@@ -16,6 +16,7 @@ data order included (docs/checkpoint.md).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -41,6 +42,9 @@ def _args(argv):
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     ap.add_argument("--config", default=None,
                     help='the Engine config: a JSON file or inline JSON, e.g. \'{"gradient_accumulation_steps": 2}\'')
+    ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                    help="bf16: bfloat16 compute and gathers, fp32 reduction and master weights (the config's bf16 "
+                         "section); fp16: float16 with dynamic loss scaling (its fp16 section); default fp32")
     ap.add_argument("--ir", default=None, metavar="FILE", help="write the program the engine runs (DCIR text) here")
     ap.add_argument("--seed", type=int, default=0, help="seed of the model and the data order (default 0)")
     ap.add_argument("--save-every", type=int, default=0, metavar="N",
@@ -54,19 +58,24 @@ def _args(argv):
     return ap.parse_args(argv)
 
 
-def _config(text: str | None):
-    """``--config``: inline JSON or a file, checked (``Config.load``)."""
+def _config(text: str | None, precision: str = "fp32"):
+    """``--config``: inline JSON or a file, checked (``Config.load``); ``--precision``
+    adds its section (a config that has one already is an error naming both)."""
     from dcir.diagnostics import Diagnostic
     from dcir_runtime.config import Config
 
-    if text is None:
-        return Config()
-    if text.lstrip().startswith("{"):
+    config = Config()
+    if text is not None and text.lstrip().startswith("{"):
         try:
             text = json.loads(text)
         except json.JSONDecodeError as e:
             raise DcirError(Diagnostic(f"--config:{e.lineno}:{e.colno}: not JSON: {e.msg}")) from None
-    return Config.load(text)
+    if text is not None:
+        config = Config.load(text)
+    if precision == "fp32":
+        return config
+    section = Config.load({precision: {"enabled": True}})
+    return dataclasses.replace(config, **{precision: getattr(section, precision)})
 
 
 def rank_main(ns) -> None:
@@ -84,7 +93,7 @@ def rank_main(ns) -> None:
         num_attention_heads=max(1, ns.hidden // 32), num_key_value_heads=max(1, ns.hidden // 64),
         max_position_embeddings=ns.seq, attn_implementation="eager"))
     engine = dcir.initialize(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=ns.lr, weight_decay=0.01),
-                             config=_config(ns.config), loss_fn=lambda out: out.loss)
+                             config=_config(ns.config, ns.precision), loss_fn=lambda out: out.loss)
     rank, world = engine.rank, engine.world
     data = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8).long()
     split = int(len(data) * 0.95)
@@ -124,6 +133,7 @@ def rank_main(ns) -> None:
     memory = None
     kill_at = int(os.environ.get("DCIR_TEST_KILL_AT_STEP", 0))  # test-only, see _test_kill
     while engine.steps < ns.steps:
+        done = engine.steps
         for _ in range(accumulate):
             loss = engine(**batch(train))
             engine.backward(loss)
@@ -134,7 +144,9 @@ def rank_main(ns) -> None:
             tokens = len(losses) * ns.batch * ns.seq * world
             bar.set_postfix(loss=f"{sum(losses[-accumulate:]) / accumulate:.3f}",
                             tok_s=f"{tokens / (time.perf_counter() - t0):,.0f}")
-            bar.update()
+            bar.update(engine.steps - done)
+        if engine.steps == done:
+            continue  # fp16: the step was skipped (inf/NaN gradients)
         if ns.save_every and engine.steps % ns.save_every == 0:
             engine.save_checkpoint(ns.checkpoint_dir, client_state={"data": g.get_state()})
         if engine.steps == kill_at:
@@ -163,6 +175,11 @@ def rank_main(ns) -> None:
         print(f"loss            train {sum(losses[:accumulate]) / accumulate:.3f} -> "
               f"{sum(losses[-10:]) / len(losses[-10:]):.3f} (last 10); held out {first_eval:.3f} -> {last_eval:.3f}")
         print(f"final loss      {losses[-1]!r} (step {engine.steps})")
+        if engine.precision.active:
+            scaled = f"; loss scale {engine.loss_scale:g}, {engine.skipped_steps} steps skipped (inf/NaN)" \
+                if engine.loss_scaler is not None else ""
+            print(f"precision       compute and gathers in {engine.precision.param_dtype}, gradients reduced in "
+                  f"{engine.precision.reduce_dtype}, master weights f32{scaled}")
         print(f"throughput      {tokens / train_s:,.0f} tokens/s ({tokens / train_s / world:,.0f} per rank), "
               f"{train_s / ran:.3f} s/step; capture + passes {engine.capture_s:.1f} s, "
               f"total {time.perf_counter() - begin:.1f} s")
@@ -195,7 +212,7 @@ def _test_kill(rank: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     ns = _args(argv if argv is not None else sys.argv[1:])
     try:
-        _config(ns.config)  # a bad config is reported once, before any rank starts
+        _config(ns.config, ns.precision)  # a bad config is reported once, before any rank starts
     except DcirError as e:
         print(e.render(), file=sys.stderr)
         return 1

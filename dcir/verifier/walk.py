@@ -7,6 +7,7 @@ from dcir.diagnostics import Diagnostic
 from dcir.ir import Module
 from dcir.verifier.checker import Checker
 from dcir.verifier.declarations import Declarations
+from dcir.verifier.dtypes import Dtypes
 from dcir.verifier.gradients import Gradients
 from dcir.verifier.memory import Memory
 from dcir.verifier.ops import Ops
@@ -29,7 +30,8 @@ def checkers(report: Reporter, module: Module, shapes: bool) -> tuple[Ssa, list[
     pending = Pending(report, module)
     return ssa, [ssa, Declarations(report, module), Ranks(report, module), Ops(report, module),
                  Shapes(report, module, meta=shapes), Sharding(report, module), pending,
-                 Memory(report, module, pending), Gradients(report, module), Returns(report, module)]
+                 Memory(report, module, pending), Gradients(report, module), Returns(report, module),
+                 Dtypes(report, module)]
 
 
 def walk(module: Module, shapes: bool = False) -> list[Diagnostic]:

@@ -1,0 +1,258 @@
+"""Mixed precision: fp32 master parameters, compute in ``param_dtype``, gradients
+reduced in ``reduce_dtype``; every cast an explicit ``mem.cast``.
+
+The policy is FSDP2's ``MixedPrecisionPolicy``. The input is a step captured with its
+parameters in ``param_dtype`` (``compile_to_ir(..., param_dtype=torch.bfloat16)``, which
+the Engine does): its compute is already what bf16 eager PyTorch runs, op for op, and
+its parameters are declared in bf16. The pass gives every floating parameter fp32
+storage (the master weights the optimizer updates; its state follows their dtype) and
+places the casts where they pay:
+
+* a parameter read is cast down right after it is read. When the read is a shard
+  (after ``zero3``), the shard is cast before its ``comm.all_gather``, so the gather
+  moves ``param_dtype`` bytes (half of fp32 for bf16); the cast shard is freed once
+  the gather is done;
+* a gradient is cast to ``reduce_dtype`` before its reduction (``comm.reduce_scatter``
+  or ``comm.all_reduce``), so the ranks sum in that dtype, and the reduced gradient is
+  cast to fp32 before ``grad.set`` when ``reduce_dtype`` is not fp32: the optimizer
+  always sees fp32 gradients;
+* ``zero1``'s gradient accumulators hold ``reduce_dtype`` when it is wider than
+  ``param_dtype``, so the micro-steps' gradients are summed in it (the add promotes).
+
+Run it after the ZeRO stage's pass: the casts then sit next to the collectives that
+pass placed. (Run before, it would cast after the gather, which moves fp32 bytes.)
+
+Before -> after (``zero3`` on 2 ranks, then ``mixed_precision{param_dtype=bf16}``)::
+
+    param @fc.weight : shard<bf16[4, 8], 2> {trainable}
+    %w_shard = param.get @fc.weight : shard<bf16[4, 8], 2>
+    %w_pending = comm.all_gather(%w_shard) : pending<bf16[4, 8]>
+    ...
+    %g_pending = comm.reduce_scatter(%g) {op = "avg"} : pending<shard<bf16[4, 8], 2>>
+    %g_shard = comm.wait(%g_pending) : shard<bf16[4, 8], 2>
+    grad.set @fc.weight(%g_shard)
+  ->
+    param @fc.weight : shard<f32[4, 8], 2> {trainable}
+    %w_shard_f32 = param.get @fc.weight : shard<f32[4, 8], 2>
+    %w_shard = mem.cast(%w_shard_f32) {dtype = bf16} : shard<bf16[4, 8], 2>
+    %w_pending = comm.all_gather(%w_shard) : pending<bf16[4, 8]>
+    %w = comm.wait(%w_pending) : bf16[4, 8]
+    mem.free(%w_shard)
+    ...
+    %g_f32 = mem.cast(%g) {dtype = f32} : f32[4, 8]
+    %g_pending = comm.reduce_scatter(%g_f32) {op = "avg"} : pending<shard<f32[4, 8], 2>>
+    %g_shard = comm.wait(%g_pending) : shard<f32[4, 8], 2>
+    mem.free(%g_f32)
+    grad.set @fc.weight(%g_shard)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from dcir import ops as registry
+from dcir.diagnostics import DcirError, Diagnostic
+from dcir.dtypes import is_float, parse_dtype
+from dcir.memory import GRAD_ACC_OF
+from dcir.ir import DTYPE_BYTES, DType, Function, Module, Op, PendingType, ShardType, TensorType, Type, Value
+from dcir.passes import Pass
+
+#: the dtype of the master parameters (and so of the optimizer state and the gradients it sees)
+MASTER = "f32"
+
+
+def retyped(t: Type, dtype: str) -> Type:
+    """``t`` with its element type replaced (through shard and pending wrappers)."""
+    if isinstance(t, TensorType):
+        return TensorType(dtype, t.shape)
+    if isinstance(t, ShardType):
+        return ShardType(TensorType(dtype, t.full.shape), t.parts)
+    if isinstance(t, PendingType):
+        return PendingType(retyped(t.inner, dtype))
+    return t
+
+
+# ---- the edits: every mutation of a function goes through here (one place to port) ----
+
+
+@dataclass
+class _Edit:
+    """Ops to insert before or after existing ops, applied at once; operand uses found once."""
+
+    func: Function
+    before: dict = field(default_factory=dict)
+    after: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.fresh = self.func.name_maker()
+        self.uses: dict[Value, list[Op]] = {}
+        for op in self.func.ops:
+            for v in op.operands:
+                self.uses.setdefault(v, []).append(op)
+        self.returned = set(self.func.returns)
+
+    def cast(self, value: Value, dtype: str, at: Op, result: Value | None = None) -> Value:
+        """A ``mem.cast`` of ``value`` to ``dtype``, inserted before ``at``; its result
+        (``result`` when given, else a new value)."""
+        out = result or Value(self.fresh(f"{value.name}_{dtype}"), retyped(value.type, dtype))
+        self.before.setdefault(at, []).append(Op("mem.cast", [value], [out], {"dtype": DType(dtype)}))
+        return out
+
+    def free_when_done(self, value: Value, reader: Op) -> None:
+        """Free ``value`` after ``reader``, or after the wait that ends ``reader`` when it is async."""
+        if value in self.returned:
+            return
+        done = reader
+        if registry.has_trait(reader, registry.ASYNC):
+            done = next(op for op in self.uses.get(reader.results[0], []) if registry.has_trait(op, registry.WAITS))
+        self.after.setdefault(done, []).append(Op("mem.free", [value], parens=True))
+
+    def set_result(self, op: Op, value: Value) -> None:
+        """``value`` becomes ``op``'s (only) result."""
+        op.results = [value]
+        value.owner, value.index = op, 0
+
+    def set_operand(self, op: Op, index: int, value: Value) -> None:
+        op.operands[index] = value
+
+    def retype(self, value: Value, dtype: str) -> None:
+        """``value`` holds ``dtype`` now (its readers are this pass's to keep consistent)."""
+        value.type = retyped(value.type, dtype)
+
+    def apply(self) -> None:
+        self.func.ops = [new for op in self.func.ops
+                         for new in (*self.before.get(op, ()), op, *self.after.get(op, ()))]
+
+
+# ---- the rewrites ----------------------------------------------------------------------
+
+
+def cast_parameter_read(edit: _Edit, op: Op, policy: "MixedPrecision", stats: Counter) -> None:
+    """%w = param.get @p : bf16  ->  %w_f32 = param.get @p : f32; %w = mem.cast(%w_f32)
+    {dtype = bf16} before the first use of %w; mem.free(%w) once that use is done when
+    it is a gather (the gathered copy is what compute reads)."""
+    low = op.results[0]
+    if low.type.dtype == policy.param_dtype == MASTER:
+        return  # reduced in low precision only: parameters stay as they are
+    master = Value(edit.fresh(f"{low.name}_{MASTER}"), retyped(low.type, MASTER))
+    edit.set_result(op, master)
+    users = edit.uses.get(low)
+    if not users:
+        return
+    edit.cast(master, policy.param_dtype, users[0], result=low)
+    if isinstance(low.type, ShardType) and len(users) == 1 and registry.has_trait(users[0], registry.COLLECTIVE):
+        edit.free_when_done(low, users[0])
+    stats["parameter reads cast to " + policy.param_dtype] += 1
+
+
+def cast_gradient(edit: _Edit, op: Op, policy: "MixedPrecision", stats: Counter) -> None:
+    """grad.set @p(%g_shard) of a reduced gradient: the reduction's operand %g is cast to
+    reduce_dtype before it (and freed after its wait), the reduction's results retyped;
+    then %g_shard is cast to f32 before grad.set when it is not f32 already."""
+    grad = op.operands[0]
+    reduction = _reduction_of(edit, grad)
+    if reduction is not None:
+        start, k = reduction
+        if start.operands[k].type.dtype != policy.reduce_dtype:
+            edit.set_operand(start, k, edit.cast(start.operands[k], policy.reduce_dtype, start))
+            edit.free_when_done(start.operands[k], start)
+            stats["gradients reduced in " + policy.reduce_dtype] += 1
+        reduced = start.operands[k].type.dtype  # (an accumulated sum may be in reduce_dtype already)
+        edit.retype(start.results[k], reduced)
+        edit.retype(grad, reduced)
+    if grad.type.dtype != MASTER:
+        edit.set_operand(op, 0, edit.cast(grad, MASTER, op))
+        stats["gradients cast to " + MASTER] += 1
+
+
+def accumulate_in_reduce_dtype(edit: _Edit, accumulators: set[str], dtype: str, stats: Counter) -> None:
+    """zero1's gradient accumulators hold ``dtype`` (fp32: the micro-steps' gradients
+    are summed in fp32, as FSDP2 accumulates them after an fp32 reduction): a read of
+    one, and each aten op on it (the add of a bf16 gradient promotes to fp32, the zero),
+    is retyped. The reduction of the sum then runs in ``dtype`` with no cast."""
+    retyped_values = set()
+    for op in edit.func.ops:
+        reads = op.name == "param.get" and op.symbol in accumulators
+        if not reads and not (op.family == "aten" and retyped_values.intersection(op.operands)):
+            continue
+        for r in op.results:
+            if isinstance(r.type, TensorType) and is_float(r.type.dtype):
+                edit.retype(r, dtype)
+                retyped_values.add(r)
+        stats["gradient accumulator ops in " + dtype] += 1
+
+
+def _reduction_of(edit: _Edit, grad: Value) -> tuple[Op, int] | None:
+    """(the reducing collective, the index of ``grad``'s pending value among its results) when
+    ``grad`` is the result of a wait on a reduction that nothing else reads, else None."""
+    wait = grad.owner
+    if not isinstance(wait, Op) or not registry.has_trait(wait, registry.WAITS):
+        return None
+    pending = wait.operands[grad.index]
+    start = pending.owner
+    if not isinstance(start, Op) or not registry.has_trait(start, registry.REDUCES):
+        return None
+    if len(edit.uses.get(grad, ())) != 1 or grad in edit.returned:
+        return None
+    return start, pending.index
+
+
+def _converted(module: Module, op: Op) -> bool:
+    decl = module.decls.get(op.symbol)
+    return decl is not None and decl.kind == "param" and is_float(decl.type.dtype)
+
+
+# op name -> (named constraint, rewrite)
+RULES = {
+    # param.get of a bf16 parameter -> f32 master read, cast down before its first use
+    "param.get": (_converted, cast_parameter_read),
+    # grad.set of a bf16 gradient -> reduce in reduce_dtype, hand f32 to the optimizer
+    "grad.set": (_converted, cast_gradient),
+}
+
+
+@dataclass(frozen=True)
+class MixedPrecision(Pass):
+    name = "mixed_precision"
+    param_dtype: str = "bf16"
+    reduce_dtype: str = "f32"
+
+    def __post_init__(self):
+        object.__setattr__(self, "param_dtype", parse_dtype(self.param_dtype))
+        object.__setattr__(self, "reduce_dtype", parse_dtype(self.reduce_dtype))
+
+    def run(self, module: Module, stats: Counter) -> None:
+        if self.param_dtype == MASTER and self.reduce_dtype == MASTER:
+            return  # full precision: nothing to cast
+        for decl in module.decls.values():
+            if decl.kind != "param" or not is_float(decl.type.dtype) or decl.type.dtype == self.param_dtype:
+                continue
+            source = module.source if decl.loc is not None else None
+            raise DcirError(Diagnostic(
+                f"mixed_precision: @{decl.name} is {decl.type.dtype}, but param_dtype is {self.param_dtype}: the pass "
+                f"expects a step captured with its parameters in {self.param_dtype} "
+                "(compile_to_ir(..., param_dtype=...)), and makes their storage f32",
+                source, decl.loc, len(decl.kind)))
+        accumulators = self._accumulators(module)
+        for func in module.functions.values():
+            edit = _Edit(func)
+            if accumulators:
+                accumulate_in_reduce_dtype(edit, accumulators, self.reduce_dtype, stats)
+            for op in list(func.ops):
+                rule = RULES.get(op.name)
+                if rule is not None and rule[0](module, op):
+                    rule[1](edit, op, self, stats)
+            edit.apply()
+        for decl in module.decls.values():
+            if decl.kind == "param" and decl.type.dtype == self.param_dtype:
+                decl.type = retyped(decl.type, MASTER)
+            elif decl.name in accumulators:
+                decl.type = retyped(decl.type, self.reduce_dtype)
+
+    def _accumulators(self, module: Module) -> set[str]:
+        """The gradient accumulators (``zero1``) to keep in ``reduce_dtype``: when it is
+        wider than ``param_dtype``, so adding a ``param_dtype`` gradient promotes to it."""
+        if DTYPE_BYTES[self.reduce_dtype] <= DTYPE_BYTES[self.param_dtype]:
+            return set()
+        return {d.name for d in module.decls.values() if GRAD_ACC_OF in d.attrs and d.type.dtype == self.param_dtype}

@@ -1,0 +1,234 @@
+"""Mixed precision in the Engine: the config's policy, capture in it, fp16 loss scaling.
+
+The config names the policy the way FSDP2 and DeepSpeed do (``docs/config.md``):
+
+* ``"mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "float32"}`` is
+  FSDP2's ``MixedPrecisionPolicy`` (also ``output_dtype``, ``cast_forward_inputs``);
+* ``"bf16": {"enabled": true}`` is DeepSpeed's bf16 section: bf16 compute and
+  gathers, fp32 gradient reduction and master weights;
+* ``"fp16": {"enabled": true, ...}`` is DeepSpeed's fp16 section: fp16 compute and
+  gathers, fp32 reduction, and loss scaling (dynamic when ``loss_scale`` is 0).
+
+The step is captured with the parameters in ``param_dtype`` and the ``mixed_precision``
+pass places the casts in the IR (``dcir/passes/mixed_precision.py``): the shards, the
+optimizer and its state stay fp32.
+
+With loss scaling, ``backward`` seeds the backward with the scale instead of 1, so
+small fp16 gradients do not flush to zero, and divides the gradient shards by it. At the
+optimizer step the ranks agree whether any gradient is inf or NaN; if one is, the
+step is skipped (the weights and the optimizer state are untouched), the scale goes
+down, ``engine.skipped_steps`` counts it and a warning says so. The scaler's state is
+``engine.loss_scaler``, which checkpoints save and load.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dcir.dtypes import parse_dtype
+from dcir.passes.mixed_precision import MASTER, MixedPrecision
+from dcir.shapes import torch_dtype
+
+log = logging.getLogger("dcir")
+
+#: FSDP2's MixedPrecisionPolicy fields (and their defaults)
+_POLICY_KEYS = {"param_dtype": None, "reduce_dtype": None, "output_dtype": None, "cast_forward_inputs": True}
+#: DeepSpeed's fp16 section (and its defaults)
+_FP16_KEYS = {"enabled": False, "loss_scale": 0.0, "initial_scale_power": 16, "loss_scale_window": 1000,
+              "hysteresis": 2, "min_loss_scale": 1.0, "consecutive_hysteresis": False}
+
+
+# ---- the config's sections (called by dcir_runtime.config) ------------------------------
+
+def check_policy(v):
+    """``mixed_precision``: the policy with dtypes in the IR's spelling, or None."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ValueError(f"{v!r}; an object like {{\"param_dtype\": \"bfloat16\", \"reduce_dtype\": \"float32\"}}")
+    _known_keys(v, _POLICY_KEYS, "mixed_precision")
+    out = dict(_POLICY_KEYS)
+    for key in ("param_dtype", "reduce_dtype", "output_dtype"):
+        if v.get(key) is not None:
+            out[key] = parse_dtype(v[key])
+    if not isinstance(v.get("cast_forward_inputs", True), bool):
+        raise ValueError(f"'cast_forward_inputs' is {v['cast_forward_inputs']!r}; true or false")
+    out["cast_forward_inputs"] = v.get("cast_forward_inputs", True)
+    return out
+
+
+def check_fp16(v):
+    """DeepSpeed's ``fp16`` section, defaults filled in, or None when absent or disabled."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ValueError(f"{v!r}; an object like {{\"enabled\": true, \"loss_scale\": 0}}")
+    _known_keys(v, _FP16_KEYS, "fp16")
+    out = {**_FP16_KEYS, **v}
+    for key in ("enabled", "consecutive_hysteresis"):
+        if not isinstance(out[key], bool):
+            raise ValueError(f"'{key}' is {out[key]!r}; true or false")
+    for key, least in (("initial_scale_power", 0), ("loss_scale_window", 1), ("hysteresis", 1)):
+        if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < least:
+            raise ValueError(f"'{key}' is {out[key]!r}; a whole number >= {least}")
+    for key in ("loss_scale", "min_loss_scale"):
+        value = out[key]
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
+            raise ValueError(f"'{key}' is {value!r}; a finite number >= 0")
+        out[key] = float(out[key])
+    return out if out["enabled"] else None
+
+
+def check_bf16(v):
+    """DeepSpeed's ``bf16`` section: ``{"enabled": true}``, or None."""
+    if v is None:
+        return None
+    if not isinstance(v, dict) or set(v) - {"enabled"} or not isinstance(v.get("enabled", False), bool):
+        raise ValueError(f"{v!r}; an object like {{\"enabled\": true}} (its only key is enabled)")
+    return v if v.get("enabled") else None
+
+
+def _known_keys(v: dict, known: dict, section: str) -> None:
+    for key in v:
+        if key not in known:
+            raise ValueError(f"unknown key {key!r} in '{section}'; valid keys: {', '.join(known)}")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the Engine does in mixed precision, whichever section asked for it (IR dtypes)."""
+
+    param_dtype: str = MASTER
+    reduce_dtype: str = MASTER
+    output_dtype: str | None = None
+    cast_forward_inputs: bool = True
+
+    @property
+    def active(self) -> bool:
+        return self.param_dtype != MASTER or self.reduce_dtype != MASTER or self.output_dtype is not None
+
+
+def policy_of(config) -> Policy:
+    """The policy of ``config``: ``mixed_precision`` (FSDP2's defaults: ``reduce_dtype``
+    follows ``param_dtype``), else ``bf16`` or ``fp16`` (low precision compute, fp32
+    reduction). ``Config`` allows one of them."""
+    mp = config.mixed_precision
+    if mp is not None:
+        param = mp["param_dtype"] or MASTER
+        return Policy(param, mp["reduce_dtype"] or param, mp["output_dtype"], mp["cast_forward_inputs"])
+    if config.bf16 is not None:
+        return Policy("bf16", MASTER)
+    if config.fp16 is not None:
+        return Policy("f16", MASTER)
+    return Policy()
+
+
+# ---- capture -----------------------------------------------------------------------------
+
+def capture_options(policy: Policy) -> dict:
+    """Keyword arguments of ``compile_to_ir`` that capture the step in the policy's precision."""
+    if not policy.active:
+        return {}
+    return {"param_dtype": torch_dtype(policy.param_dtype) if policy.param_dtype != MASTER else None,
+            "output_dtype": torch_dtype(policy.output_dtype) if policy.output_dtype else None,
+            "cast_inputs": policy.cast_forward_inputs}
+
+
+def passes(policy: Policy) -> list:
+    """The pass that places the policy's casts (after the ZeRO stage's pass)."""
+    return [MixedPrecision(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype)] if policy.active else []
+
+
+# ---- fp16 loss scaling -----------------------------------------------------------------------
+
+class LossScaler:
+    """DeepSpeed's loss scaler: static when ``loss_scale`` > 0, else dynamic: starts at
+    2**initial_scale_power; an overflow halves it (not below ``min_loss_scale``) once
+    ``hysteresis`` overflows have been tolerated; ``loss_scale_window`` steps without
+    one double it."""
+
+    def __init__(self, fp16: dict):
+        self.dynamic = fp16["loss_scale"] == 0
+        self.cur_scale = 2.0 ** fp16["initial_scale_power"] if self.dynamic else fp16["loss_scale"]
+        self.min_scale, self.window = fp16["min_loss_scale"], fp16["loss_scale_window"]
+        self.delayed_shift = self.cur_hysteresis = fp16["hysteresis"]
+        self.consecutive_hysteresis = fp16["consecutive_hysteresis"]
+        self.cur_iter, self.last_overflow_iter = 0, -1
+
+    def update_scale(self, overflow: bool) -> None:
+        if not self.dynamic:
+            return
+        if overflow:
+            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                self.cur_scale = max(self.cur_scale / 2.0, self.min_scale)
+            else:
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if self.consecutive_hysteresis:
+                self.cur_hysteresis = self.delayed_shift
+            if (self.cur_iter - self.last_overflow_iter) % self.window == 0:
+                if not self.consecutive_hysteresis:
+                    self.cur_hysteresis = self.delayed_shift
+                self.cur_scale *= 2.0
+        self.cur_iter += 1
+
+    def state_dict(self) -> dict:
+        return {"cur_scale": self.cur_scale, "cur_iter": self.cur_iter, "last_overflow_iter": self.last_overflow_iter,
+                "cur_hysteresis": self.cur_hysteresis}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cur_scale, self.cur_iter = state["cur_scale"], state["cur_iter"]
+        self.last_overflow_iter, self.cur_hysteresis = state["last_overflow_iter"], state["cur_hysteresis"]
+
+
+# ---- the Engine's hooks --------------------------------------------------------------------
+
+def attach(engine) -> None:
+    """Give ``engine`` its policy, its loss scaler (None without fp16) and a counter of
+    the optimizer steps skipped for inf/NaN gradients."""
+    engine.precision = policy_of(engine.config)
+    engine.loss_scaler = LossScaler(engine.config.fp16) if engine.config.fp16 is not None else None
+    engine.skipped_steps = 0
+
+
+def loss_scale(engine) -> float:
+    """The factor ``backward`` seeds the backward with (1 without loss scaling)."""
+    return engine.loss_scaler.cur_scale if engine.loss_scaler is not None else 1.0
+
+
+def unscale(engine, grads: dict) -> None:
+    """Divide this micro-step's gradient shards by the loss scale, in place."""
+    if engine.loss_scaler is None:
+        return
+    for g in grads.values():
+        g.div_(engine.loss_scaler.cur_scale)
+
+
+@torch.no_grad()
+def step_or_skip(engine) -> bool:
+    """At the optimizer step, under loss scaling: whether to take it. The ranks agree
+    whether any gradient shard holds an inf or a NaN; if one does, the gradients are
+    dropped, the step counted in ``engine.skipped_steps`` and the scale adjusted."""
+    scaler = engine.loss_scaler
+    if scaler is None:
+        return True
+    bad = any(not torch.isfinite(s.grad).all() for s in engine.shards.values() if s.grad is not None)
+    flag = torch.tensor([float(bad)], device=engine._collective_device())
+    if engine.world > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    overflow = bool(flag.item())
+    attempted = scaler.cur_scale
+    scaler.update_scale(overflow)
+    if not overflow:
+        return True
+    engine.optimizer.zero_grad(set_to_none=True)
+    engine.skipped_steps += 1
+    if engine.rank == 0:
+        log.warning("dcir: step %d: inf/NaN gradients, step skipped (%d so far); loss scale %g -> %g",
+                    engine.steps + 1, engine.skipped_steps, attempted, scaler.cur_scale)
+    return False
