@@ -49,7 +49,7 @@ def lane_of(op: Op) -> str:
 
 def launch_s(op: Op, machine: Machine) -> float:
     """Compute-lane seconds of starting an async op: the profile's, else one dispatch."""
-    t = op.attrs.get(LAUNCH)
+    t = op.attrs.get(LAUNCH) if machine.use_profile else None
     return t * 1e-6 if isinstance(t, (int, float)) and not isinstance(t, bool) else machine.dispatch_s
 
 
@@ -178,7 +178,7 @@ def simulate_module(module: Module, machine: Machine, micro_steps: int = 1,
     """Predict one optimizer step of ``module`` per rank. The peak is the memory model's
     (``dcir.memory``), plus, with ``state_bytes``, the module state every rank holds
     (parameter shards, buffers, optimizer state: ``dcir.memory.state_bytes``)."""
-    from dcir.memory import state_bytes as held_state, timelines
+    from dcir.memory import timelines
 
     calls = runs_per_step(module, micro_steps)
     runs = {name: simulate(f, machine) for name, f in module.functions.items()}
@@ -190,4 +190,27 @@ def simulate_module(module: Module, machine: Machine, micro_steps: int = 1,
     lines = timelines(module)
     peak_fn = max(lines, key=lambda n: lines[n].peak, default="")
     peak = lines[peak_fn].peak if peak_fn else 0
-    return Prediction(machine, runs, calls, total, peak + (held_state(module) if state_bytes else 0), peak_fn)
+    return Prediction(machine, runs, calls, total, peak + (held_bytes(module) if state_bytes else 0), peak_fn)
+
+
+#: AdamW's state per parameter element (exp_avg, exp_avg_sq), when the module does not declare it
+ADAM_STATES = 2
+
+
+def held_bytes(module: Module) -> int:
+    """Device bytes of module state, held whatever the schedule: parameter shards and
+    buffers, optimizer state declared on the device (``optim.state_of``), else AdamW's
+    two tensors per trainable shard element, and one gradient shard per trainable
+    parameter (the optimizer reads it after the step's last backward)."""
+    from dcir.ir import HostType
+    from dcir.memory import GRAD_ACC_OF, OPTIM_STATE_OF, UNSHARD_OF
+
+    total, declared = 0, False
+    for d in module.decls.values():
+        if UNSHARD_OF in d.attrs or GRAD_ACC_OF in d.attrs:  # the schedule's: in the memory model
+            continue
+        declared |= OPTIM_STATE_OF in d.attrs
+        if not isinstance(d.type, HostType):
+            total += d.type.nbytes
+    trainable = sum(d.type.nbytes for d in module.decls.values() if d.trainable)
+    return total + trainable * (1 + (0 if declared else ADAM_STATES))

@@ -42,6 +42,8 @@ def _args(argv):
     ap.add_argument("--config", default=None,
                     help='the Engine config: a JSON file or inline JSON, e.g. \'{"gradient_accumulation_steps": 2}\'')
     ap.add_argument("--ir", default=None, metavar="FILE", help="write the program the engine runs (DCIR text) here")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="write a Chrome trace (Perfetto) of the last step per rank here: DIR/rank<N>.json")
     ap.add_argument("--seed", type=int, default=0, help="seed of the model and the data order (default 0)")
     ap.add_argument("--save-every", type=int, default=0, metavar="N",
                     help="save a checkpoint every N optimizer steps into --checkpoint-dir (default 0: never)")
@@ -124,6 +126,8 @@ def rank_main(ns) -> None:
     memory = None
     kill_at = int(os.environ.get("DCIR_TEST_KILL_AT_STEP", 0))  # test-only, see _test_kill
     while engine.steps < ns.steps:
+        if ns.trace and engine.steps == ns.steps - 1:
+            engine.trace(os.path.join(ns.trace, f"rank{rank}.json"))
         for _ in range(accumulate):
             loss = engine(**batch(train))
             engine.backward(loss)
