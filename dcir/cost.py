@@ -25,6 +25,8 @@ its numbers came from: ``profile``, ``analytic`` or ``profile+analytic``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from dataclasses import dataclass, replace
 
@@ -149,13 +151,28 @@ def analytic_s(op: Op, machine: Machine) -> float:
     return machine.dispatch_s + max(_flops(op) / machine.flops, _touched_bytes(op) / machine.mem_bw)
 
 
+#: The machine passes plan for when they are given none (``planning``).
+_PLANNING: contextvars.ContextVar[Machine | None] = contextvars.ContextVar("planning", default=None)
+
+
+@contextlib.contextmanager
+def planning(machine: Machine):
+    """Within this block, passes price schedules on ``machine`` (a described one, such as
+    ``dcir.hardware.load("h100-ib400")``) instead of the default CPU model."""
+    token = _PLANNING.set(machine)
+    try:
+        yield machine
+    finally:
+        _PLANNING.reset(token)
+
+
 def calibrate(module: Module, machine: Machine | None = None) -> Machine:
     """``machine`` with its links fitted to the module's profiled collectives (unchanged
     when fewer than two sizes were profiled). Each collective's time is its ring steps'
     latency plus the bytes each rank sends over the link bandwidth; a least-squares line
     through (bytes sent, seconds) gives the bandwidth (its slope) and the latency (its
     intercept over the mean number of steps). Every link is taken as alike (one node)."""
-    machine = machine or Machine(world_size=module.world_size)
+    machine = machine or _PLANNING.get() or Machine(world_size=module.world_size)
     if not machine.use_profile:
         return machine
     pts, steps = [], []

@@ -106,10 +106,11 @@ def plot(module: Module, path: str | Path, budget: int | None = None, title: str
         ax.set_xlim(0, max(len(t.during) - 1, 1))
         ax.set_ylim(bottom=0)
     axes[-1, 0].set_xlabel("op (schedule order)")
-    axes[0, 0].legend(loc="upper right", fontsize=7, ncol=3)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     path = Path(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -193,15 +193,17 @@ def simulate_module(module: Module, machine: Machine, micro_steps: int = 1,
     return Prediction(machine, runs, calls, total, peak + (held_bytes(module) if state_bytes else 0), peak_fn)
 
 
-#: AdamW's state per parameter element (exp_avg, exp_avg_sq), when the module does not declare it
+#: AdamW's fp32 tensors per parameter element (exp_avg, exp_avg_sq), when the module does not declare
+#: its optimizer state; parameters held in a narrower type get an fp32 master copy as well (mixed precision)
 ADAM_STATES = 2
 
 
 def held_bytes(module: Module) -> int:
     """Device bytes of module state, held whatever the schedule: parameter shards and
-    buffers, optimizer state declared on the device (``optim.state_of``), else AdamW's
-    two tensors per trainable shard element, and one gradient shard per trainable
-    parameter (the optimizer reads it after the step's last backward)."""
+    buffers, one gradient shard per trainable parameter (the optimizer reads it after
+    the step's last backward), and optimizer state: declared on the device
+    (``optim.state_of``), else AdamW's (``ADAM_STATES`` fp32 tensors per element, plus
+    an fp32 master copy of parameters that are not fp32)."""
     from dcir.ir import HostType
     from dcir.memory import GRAD_ACC_OF, OPTIM_STATE_OF, UNSHARD_OF
 
@@ -212,5 +214,10 @@ def held_bytes(module: Module) -> int:
         declared |= OPTIM_STATE_OF in d.attrs
         if not isinstance(d.type, HostType):
             total += d.type.nbytes
-    trainable = sum(d.type.nbytes for d in module.decls.values() if d.trainable)
-    return total + trainable * (1 + (0 if declared else ADAM_STATES))
+    for d in module.decls.values():
+        if not d.trainable:
+            continue
+        total += d.type.nbytes  # the gradient shard
+        if not declared:
+            total += 4 * d.type.numel * (ADAM_STATES + (d.type.dtype != "f32"))
+    return total
