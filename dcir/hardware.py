@@ -139,8 +139,8 @@ def fit(module: Module, name: str, base: Machine | None = None) -> Machine:
         work, secs = sum(w for w, _ in pts), sum(max(t - dispatch, 1e-9) for _, t in pts)
         return work / secs if pts and work > 0 else default
 
-    return replace(base, name=name, ranks_per_node=module.world_size or base.ranks_per_node, dispatch_s=dispatch, flops=rate(mm, base.flops), mem_bw=rate(stream, base.mem_bw),
-                   copy_bw=rate(copies, base.copy_bw))
+    return replace(base, name=name, ranks_per_node=module.world_size or base.ranks_per_node, dispatch_s=dispatch,
+                   flops=rate(mm, base.flops), mem_bw=rate(stream, base.mem_bw), copy_bw=rate(copies, base.copy_bw))
 
 
 def main(argv: list[str] | None = None) -> int:
