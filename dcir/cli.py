@@ -51,6 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="treat each '// -----' separated chunk as its own module")
     p.add_argument("--reproducer", metavar="PATH", type=Path,
                    help="if a pass fails, write its input there as a runnable .dcir test")
+    p.add_argument("--simulate", metavar="HW",
+                   help="print the predicted step time, exposed communication and peak memory per rank on the "
+                        "machine HW (a dcir/machines name such as h100-ib400, or a .toml file) instead of the module")
+    p.add_argument("--micro-steps", type=int, default=1, metavar="N",
+                   help="micro-steps per optimizer step for --simulate (gradient accumulation; default 1)")
+    p.add_argument("--emit-trace", metavar="OUT", type=Path,
+                   help="write the predicted schedule as a Chrome trace (Perfetto) to OUT, on --simulate's machine")
+    p.add_argument("--memory-plot", metavar="OUT", type=Path,
+                   help="draw live bytes over the ops of every function to OUT (PNG; needs matplotlib)")
+    p.add_argument("--budget", metavar="SIZE", help="the memory budget line of --memory-plot, e.g. 2GiB")
     p.add_argument("--help-pass", metavar="NAME", help="describe one pass and its options, then exit")
     return p
 
@@ -79,6 +89,7 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None, stdout: Tex
         return 2
     try:
         name, text = _read(args.input, stdin)
+        args.machine = _machine(args)
     except _Usage as e:
         stderr.write(f"dcir-opt: {e}\n")
         return 2
@@ -98,7 +109,10 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None, stdout: Tex
             stderr.write("\n".join(d.render() for d in diags) + "\n")
             failed = True
             continue
-        outputs.append(out)
+        if args.simulate:
+            stdout.write(out.report())
+            continue
+        outputs.append(out.text)
     if args.time_passes:
         _report_times(timings, stderr)
     if not args.verify_diagnostics and outputs:
@@ -108,6 +122,58 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None, stdout: Tex
         else:
             Path(args.output).write_text(result)
     return 1 if failed else 0
+
+
+def _machine(args):
+    """The machine of --simulate (for --emit-trace: the default one when none is named)."""
+    from dcir.cost import Machine
+    from dcir.hardware import HardwareError, load
+    from dcir.memory import parse_bytes
+
+    if args.budget is not None:
+        try:
+            args.budget = parse_bytes(args.budget)
+        except ValueError as e:
+            raise _Usage(f"--budget: {e}") from None
+    if args.micro_steps < 1:
+        raise _Usage("--micro-steps must be at least 1")
+    if args.memory_plot:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise _Usage("--memory-plot needs matplotlib, an optional dependency: pip install 'dcir[plot]'")
+    if not args.simulate:
+        return Machine()
+    try:
+        return load(args.simulate)
+    except HardwareError as e:
+        raise _Usage(str(e)) from None
+
+
+class _Result:
+    """A processed module: its text, and what --simulate, --emit-trace and --memory-plot make of it."""
+
+    def __init__(self, text: str, module, args):
+        self.text, self.module, self.args = text, module, args
+        if args.emit_trace:
+            from dcir import trace
+
+            machine = args.machine if args.simulate else None
+            trace.write(args.emit_trace, trace.predicted(module, machine))
+        if args.memory_plot:
+            from dcir.memplot import plot
+
+            plot(module, args.memory_plot, args.budget, title=Path(module.source.name).name if module.source else "")
+
+    def report(self) -> str:
+        from dcir.sim import simulate_module
+
+        m = self.args.machine
+        if m.world_size is None and self.module.world_size:
+            from dataclasses import replace
+
+            m = replace(m, world_size=self.module.world_size)
+        return simulate_module(self.module, m, self.args.micro_steps).report()
 
 
 def _read(path: str, stdin: TextIO) -> tuple[str, str]:
@@ -157,7 +223,7 @@ def _process(name, text, offset, passes, args, stderr, timings) -> tuple[str, li
         start = time.perf_counter()
         out = print_module(module)
         timings.append(("print", time.perf_counter() - start))
-        return out, []
+        return _Result(out, module, args), []
     except DcirError as e:
         return "", e.diagnostics
 

@@ -6,30 +6,32 @@ Costs per op come from the profile when the op carries one (``prof.time_us``, se
 * compute: the larger of its arithmetic (matmuls and convolutions: 2 flops per
   multiply-add) over ``Machine.flops`` and the bytes it reads and writes over
   ``Machine.mem_bw``, plus a per-op dispatch cost;
-* a collective: the alpha-beta model, ``alpha + payload_bytes * beta``, where the
-  payload is the full tensor (gathered or reduced). When the module has profiled
-  collectives, alpha and beta are fitted to them (least squares), so a collective
-  the profile never saw (a coalesced one that ``bucket`` creates) is priced from the
-  same measurements.
+* a collective: the ring model NCCL's tuner uses (``docs/simulator.md``). Over ``n``
+  ranks, an all-gather or a reduce-scatter takes ``n - 1`` steps and moves
+  ``(n - 1) / n`` of the full tensor over each rank's link, an all-reduce twice both;
+  each step pays the link's latency and the bytes its bandwidth (``Machine.collective_s``).
+  Steps that cross nodes pay the inter-node latency, and a ring that spans nodes runs at
+  the slower of the two bandwidths. When the module has profiled collectives, latency
+  and bandwidth are fitted to them (least squares, ``calibrate``), so a collective the
+  profile never saw (a coalesced one that ``bucket`` creates) is priced from the same
+  measurements.
 
 * a host copy (``mem.offload``, ``mem.reload``): its bytes over ``Machine.copy_bw``.
 
-The simulation has one compute stream (the ops in order), one communication
-channel (collectives in issue order, one at a time, as a process group runs them)
-and one copy channel (host copies in issue order: a copy stream on a GPU, the
-store's copy thread on a CPU). An async start costs its launch on the compute stream
-and queues its transfer on its channel; ``comm.wait`` stalls the compute stream until
-the transfers it joins are done. The estimate says where its numbers came from:
-``profile``, ``analytic`` or ``profile+analytic``.
+The simulation of a schedule is ``dcir.sim``'s: a compute lane (the ops in order), a
+collective lane and a copy lane; ``estimate`` is its summary. The estimate says where
+its numbers came from: ``profile``, ``analytic`` or ``profile+analytic``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from dataclasses import dataclass, replace
 
 from dcir import ops as registry
-from dcir.ir import Function, Module, Op, ShardType, TensorType
+from dcir.ir import Function, Module, Op, PendingType, ShardType, TensorType
 from dcir.memory import device_bytes
 
 #: The profile's attributes: host time of an op (for an async op, its transfer time)
@@ -39,17 +41,53 @@ TIME, LAUNCH = "prof.time_us", "prof.launch_us"
 
 @dataclass(frozen=True)
 class Machine:
-    """The analytic model's parameters (defaults: one CPU core, gloo over loopback)."""
+    """A machine as the cost model sees it: one device (a rank) and the links between ranks.
+    The defaults are one CPU core with gloo over loopback; ``dcir/hardware/*.toml`` holds
+    described machines (``dcir.hardware.load``)."""
 
     flops: float = 2.0e10          # multiply-adds count 2
     mem_bw: float = 5.0e9          # bytes/s a compute op streams
     dispatch_s: float = 8e-6       # host cost of one op
-    alpha_s: float = 1.5e-4        # latency of one collective
-    beta_s: float = 1.0 / 1.0e9    # seconds per payload byte
     copy_bw: float = 5.0e9         # bytes/s a host copy moves (one core's memcpy; PCIe on a GPU)
+    link_latency_s: float = 1.5e-4  # one ring step within a node
+    link_bw: float = 5.0e8         # bytes/s each rank sends to the next within a node
+    inter_latency_s: float = 1.5e-4  # one ring step that crosses nodes
+    inter_bw: float = 5.0e8        # bytes/s each rank sends across nodes (its NIC)
+    ranks_per_node: int = 1 << 20  # devices one node holds (default: every rank in one node)
+    world_size: int | None = None  # ranks, when the collective's types do not say
+    memory: int | None = None      # bytes of device memory (none: not described)
+    name: str = "default"
+    use_profile: bool = True       # profiled op times override the model (a description: no)
 
-    def collective_s(self, payload: int) -> float:
-        return self.alpha_s + payload * self.beta_s
+    def collective_s(self, kind: str, full_bytes: int, n: int) -> float:
+        """Seconds of one ring collective of ``kind`` ("all_gather", "reduce_scatter",
+        "all_reduce") over ``n`` ranks, of a tensor of ``full_bytes`` (gathered or reduced)."""
+        if n <= 1:
+            return 0.0
+        passes = 2 if kind == "all_reduce" else 1
+        steps = passes * (n - 1)
+        nodes = -(-n // self.ranks_per_node)
+        inter_steps = passes * (nodes - 1)
+        bw = self.link_bw if nodes == 1 else min(self.link_bw, self.inter_bw)
+        latency = (steps - inter_steps) * self.link_latency_s + inter_steps * self.inter_latency_s
+        return latency + full_bytes * steps / n / bw
+
+
+def ring_kind(op: Op) -> str:
+    """Which ring collective ``op`` runs: "all_gather", "reduce_scatter" or "all_reduce"."""
+    if not registry.has_trait(op, registry.REDUCES):
+        return "all_gather"
+    inner = [r.type.inner if isinstance(r.type, PendingType) else r.type for r in op.results]
+    return "reduce_scatter" if any(isinstance(t, ShardType) for t in inner) else "all_reduce"
+
+
+def ranks(op: Op, machine: Machine) -> int:
+    """Ranks a collective spans: its shards' parts, else the machine's world size (else 2)."""
+    for v in (*op.operands, *op.results):
+        t = v.type.inner if isinstance(v.type, PendingType) else v.type
+        if isinstance(t, ShardType):
+            return t.parts
+    return machine.world_size or 2
 
 
 def payload(op: Op) -> int:
@@ -107,34 +145,60 @@ def analytic_s(op: Op, machine: Machine) -> float:
         return machine.dispatch_s + sum(device_bytes(r) or device_bytes(v)
                                         for v, r in zip(op.operands, op.results)) / machine.copy_bw
     if is_transfer(op):
-        return machine.collective_s(payload(op))
+        return machine.collective_s(ring_kind(op), payload(op), ranks(op, machine))
     if op.family != "aten":
         return machine.dispatch_s
     return machine.dispatch_s + max(_flops(op) / machine.flops, _touched_bytes(op) / machine.mem_bw)
 
 
+#: The machine passes plan for when they are given none (``planning``).
+_PLANNING: contextvars.ContextVar[Machine | None] = contextvars.ContextVar("planning", default=None)
+
+
+@contextlib.contextmanager
+def planning(machine: Machine):
+    """Within this block, passes price schedules on ``machine`` (a described one, such as
+    ``dcir.hardware.load("h100-ib400")``) instead of the default CPU model."""
+    token = _PLANNING.set(machine)
+    try:
+        yield machine
+    finally:
+        _PLANNING.reset(token)
+
+
 def calibrate(module: Module, machine: Machine | None = None) -> Machine:
-    """``machine`` with alpha and beta fitted to the module's profiled collectives
-    (unchanged when fewer than two sizes were profiled)."""
-    machine = machine or Machine()
-    pts = [(payload(op), op.attrs[TIME] * 1e-6) for _, op in module.ops()
-           if is_transfer(op) and not is_host_copy(op) and isinstance(op.attrs.get(TIME), (int, float))]
+    """``machine`` with its links fitted to the module's profiled collectives (unchanged
+    when fewer than two sizes were profiled). Each collective's time is its ring steps'
+    latency plus the bytes each rank sends over the link bandwidth; a least-squares line
+    through (bytes sent, seconds) gives the bandwidth (its slope) and the latency (its
+    intercept over the mean number of steps). Every link is taken as alike (one node)."""
+    machine = machine or _PLANNING.get() or Machine(world_size=module.world_size)
+    if not machine.use_profile:
+        return machine
+    pts, steps = [], []
+    for _, op in module.ops():
+        t = op.attrs.get(TIME)
+        if not is_transfer(op) or is_host_copy(op) or not isinstance(t, (int, float)):
+            continue
+        n, passes = ranks(op, machine), 2 if ring_kind(op) == "all_reduce" else 1
+        pts.append((payload(op) * passes * (n - 1) / n, t * 1e-6))
+        steps.append(passes * (n - 1))
     if len({b for b, _ in pts}) < 2:
         return machine
     n = len(pts)
     mb = sum(b for b, _ in pts) / n
     mt = sum(t for _, t in pts) / n
     var = sum((b - mb) ** 2 for b, _ in pts)
-    beta = sum((b - mb) * (t - mt) for b, t in pts) / var
-    beta = max(beta, 1e-13)
-    alpha = max(mt - beta * mb, 0.0)
-    return replace(machine, alpha_s=alpha, beta_s=beta)
+    beta = max(sum((b - mb) * (t - mt) for b, t in pts) / var, 1e-13)
+    latency = max(mt - beta * mb, 0.0) / (sum(steps) / n)
+    return replace(machine, link_latency_s=latency, link_bw=1 / beta, inter_latency_s=latency,
+                   inter_bw=1 / beta, ranks_per_node=1 << 20)
 
 
 def op_seconds(op: Op, machine: Machine) -> tuple[float, bool]:
     """(seconds, from the profile?) for one op: host time, or an async op's transfer."""
     t = op.attrs.get(TIME)
-    if isinstance(t, (int, float)) and not isinstance(t, bool):
+    if machine.use_profile and isinstance(t, (int, float)) and not isinstance(t, bool):
         return t * 1e-6, True
     return analytic_s(op, machine), False
 
@@ -163,52 +227,23 @@ def _source(profiled: int, total: int) -> str:
 
 
 def estimate(func: Function, machine: Machine) -> Estimate:
-    """Simulate ``func``'s schedule: one compute stream, an in-order channel for
-    collectives and another for host copies."""
-    now = 0.0
-    channels = {False: 0.0, True: 0.0}  # is a host copy -> when its channel is free
-    compute = comm = exposed = 0.0
-    ready: dict = {}
-    profiled = counted = 0
-    for op in func.ops:
-        seconds, from_profile = op_seconds(op, machine)
-        counted += 1
-        profiled += from_profile
-        if is_transfer(op):
-            launch = op.attrs.get(LAUNCH)
-            launch = launch * 1e-6 if isinstance(launch, (int, float)) else machine.dispatch_s
-            now += launch
-            compute += launch
-            lane = is_host_copy(op)
-            channels[lane] = max(channels[lane], now) + seconds
-            comm += seconds
-            for r in op.results:
-                ready[r] = channels[lane]
-        elif op.name == "comm.wait":
-            done = max((ready.get(v, 0.0) for v in op.operands), default=0.0)
-            if done > now:
-                exposed += done - now
-                now = done
-            now += seconds
-            compute += seconds
-        else:
-            now += seconds
-            compute += seconds
-    return Estimate(now, compute, comm, exposed, _source(profiled, counted))
+    """Simulate ``func``'s schedule (``dcir.sim``: a compute lane, a collective lane and a
+    copy lane) and sum it up."""
+    from dcir.sim import simulate  # the simulator prices ops with this module
+
+    return simulate(func, machine).summary()
 
 
 def estimate_module(module: Module, machine: Machine | None = None, micro_steps: int = 1) -> Estimate:
-    """One optimizer step: ``@forward`` and ``@backward`` once per micro-step (``@backward``
-    once less when the module has a ``@backward_last`` for the last one), any other
-    function (``@unshard``, ``@backward_last``) once; alpha-beta calibrated to the
-    module's profile when it has one."""
+    """One optimizer step (``dcir.sim.runs_per_step``); links calibrated to the module's
+    profile when it has one."""
+    from dcir.sim import runs_per_step, simulate
+
     machine = calibrate(module, machine)
     total = None
-    last = "backward_last" in module.functions
-    runs = {"forward": micro_steps, "backward": micro_steps - 1 if last else micro_steps}
-    for name, f in module.functions.items():
-        e = estimate(f, machine)
-        for _ in range(runs.get(name, 1)):
+    for name, calls in runs_per_step(module, micro_steps).items():
+        e = simulate(module.functions[name], machine).summary()
+        for _ in range(calls):
             total = e if total is None else total + e
     return total or Estimate(0.0, 0.0, 0.0, 0.0, "analytic")
 

@@ -24,7 +24,7 @@ step (``dcir_runtime.profiler``); ``tests/test_runtime.py`` holds the two within
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dcir import ops as registry
 from dcir.analysis import storage_owners
@@ -39,6 +39,8 @@ class Timeline:
     entry: int                 # bytes live at entry: the arguments
     during: list[int]          # bytes live while op i runs
     after: list[int]           # bytes live after op i (its releases done)
+    #: storage -> (bytes, first op it is live at (-1: from entry), last op it is live at)
+    storage: dict[Value, tuple[int, int, int]] = field(default_factory=dict)
 
     @property
     def peak(self) -> int:
@@ -82,6 +84,7 @@ def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None
     freed_at: dict[Value, int] = {}
     held: set[Value] = {own(v) for v in func.returns}  # live to the end
     allocs = [0] * n
+    born: dict[Value, int] = {}
     for i, op in enumerate(func.ops):
         d = registry.lookup(op.name)
         for v in op.operands:
@@ -99,6 +102,7 @@ def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None
         for r in op.results:
             if own(r) is r:
                 allocated[r] = device_bytes(r)
+                born[r] = i
                 allocs[i] += allocated[r]
                 last.setdefault(r, i)
     args: dict[Value, int] = {}
@@ -111,19 +115,21 @@ def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None
             by_key[key] = a
             args[a] = nbytes
     releases: list[list[Value]] = [[] for _ in range(n)]
-    for v in list(allocated) + list(args):
-        if v in freed_at:
-            releases[freed_at[v]].append(v)
-        elif v not in held and v not in args:
-            releases[last[v]].append(v)
     size = {**allocated, **args}
+    storage = {}
+    for v in list(allocated) + list(args):
+        released = v in freed_at or (v not in held and v not in args)
+        end = freed_at.get(v, last.get(v)) if released else n - 1
+        if released:
+            releases[end].append(v)
+        storage[v] = (size[v], born.get(v, -1), end)
     live = entry = sum(args.values())
     during, after = [], []
     for i in range(n):
         during.append(live + allocs[i])
         live += allocs[i] - sum(size[v] for v in releases[i])
         after.append(live)
-    return Timeline(func, entry, during, after)
+    return Timeline(func, entry, during, after, storage)
 
 
 #: The functions that take ``@forward``'s saved values: ``@backward``, and ``@backward_last``

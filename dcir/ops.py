@@ -278,8 +278,10 @@ FAMILIES = ("aten", "comm", "grad", "mem", "optim", "param")
 COMMON_ATTRS = {"ranks": AttrSpec("int_list")}
 
 
+@lru_cache(maxsize=None)
 def lookup(name: str) -> OpDef | None:
-    """The definition of op ``name``, or None if DCIR does not know it."""
+    """The definition of op ``name``, or None if DCIR does not know it (cached: the cost
+    model asks for every op of every candidate schedule a pass prices)."""
     d = OPS.get(name)
     if d is not None:
         return d

@@ -12,7 +12,10 @@ Positions are indices into the function's ops *before* the move: a group moved t
 position ``p`` runs just before the op that was at ``p`` (``len(ops)``: at the end).
 The groups of one move are decided in schedule order against one analysis and
 applied together; each decision updates what the next one reads (the bytes it keeps
-live, ``Sweep.charge``, and the communication channel's queue).
+live, ``Sweep.charge``, and the queues of the transfer lanes).
+
+The times a move reads are the simulator's (``dcir.sim``), with the compute lane as
+it runs when every transfer is hidden (``stalls=False``): the schedule the moves aim for.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dcir.analysis import dependency_graph
-from dcir.cost import Machine, is_transfer, op_seconds
+from dcir.cost import Machine, is_transfer
 from dcir.ir import Function, Module, Op
 from dcir.memory import owners, timeline, timelines
+from dcir.sim import COLLECTIVE, COPY, lane_of, simulate
 
 
 @dataclass(frozen=True)
@@ -58,11 +62,11 @@ class Sweep:
     machine: Machine
     budget: int | None
     during_at_start: list[int] | None = None          # bytes per op (default: the function alone)
-    start: list[float] = field(default_factory=list)   # host time at which op i starts (no stalls)
+    start: list[float] = field(default_factory=list)   # compute-lane time at which op i starts (no stalls)
     during: list[int] = field(default_factory=list)    # bytes live while op i runs
     index: dict = field(default_factory=dict)          # op -> position
     seconds: list[float] = field(default_factory=list)  # host time of op i (transfer time for async ops)
-    channel: float = 0.0                               # when the channel finishes what was issued so far
+    free: dict[str, float] = field(default_factory=dict)  # transfer lane -> when it finishes what was issued
     done: dict[int, float] = field(default_factory=dict)  # transfer op position -> when its transfer ends
     placed: dict[int, int] = field(default_factory=dict)  # anchor position -> where its group now starts
     graph: object = None                               # the dependency DAG (dcir.analysis)
@@ -71,16 +75,22 @@ class Sweep:
     def __post_init__(self):
         ops = self.func.ops
         self.index = {op: i for i, op in enumerate(ops)}
-        self.seconds = [op_seconds(op, self.machine)[0] for op in ops]
-        t, self.start = 0.0, []
-        for i, op in enumerate(ops):
-            self.start.append(t)
-            if not is_transfer(op):
-                t += self.seconds[i]
-        self.start.append(t)
+        run = simulate(self.func, self.machine, stalls=False)
+        self.seconds, self.start = run.seconds, run.start
+        self.free = {COLLECTIVE: 0.0, COPY: 0.0}
         self.during = list(self.during_at_start or timeline(self.func).during)
         self.graph = dependency_graph(self.func)
         self.owner = owners(self.func)
+
+    @property
+    def channel(self) -> float:
+        """When the collective lane finishes the collectives issued so far."""
+        return self.free[COLLECTIVE]
+
+    def issue(self, i: int, at: int) -> None:
+        """Queue op ``i``'s transfer on its lane, launched at position ``at``."""
+        lane = lane_of(self.func.ops[i])
+        self.free[lane] = self.done[i] = max(self.free[lane], self.time_at(at)) + self.seconds[i]
 
     def time_at(self, pos: int) -> float:
         return self.start[min(pos, len(self.start) - 1)]
@@ -162,10 +172,8 @@ def run_moves(module: Module, func: Function, moves: list[Move], machine: Machin
                     stats[f"{prefix}: {move.name} moved, stopped by '{why}'"] += 1
             if group:  # a later group placed here goes after this one
                 sweep.placed[i] = pos if pos is not None else i + 1
-            if is_transfer(op):  # the channel runs transfers one at a time, in issue order
-                issued = sweep.time_at(pos if pos is not None and move.direction == "earlier" else i)
-                sweep.channel = max(sweep.channel, issued) + sweep.seconds[i]
-                sweep.done[i] = sweep.channel
+            if is_transfer(op):  # each lane runs its transfers one at a time, in issue order
+                sweep.issue(i, pos if pos is not None and move.direction == "earlier" else i)
         _apply(func, plan)
 
 

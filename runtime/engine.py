@@ -166,6 +166,7 @@ class Engine:
         self.captured_peak: dict[str, int] = {}
         self._profile: Profile | None = None
         self._profiled: dcir.Module | None = None
+        self._tracer = None  # dcir_runtime.trace.Tracer of the next step, when one is asked for
         self.optimize_log: list[dict] = []
         self._budget_cut = 0                 # taken off the passes' budget after a step went over
         self._replanned_for_memory = False
@@ -393,6 +394,15 @@ class Engine:
             self.ops.reset_peak()  # the new schedule's gathered peak is measured afresh
         self.optimize_log.append(record)
 
+    def trace(self, path) -> None:
+        """Trace the next optimizer step that starts after this call into ``path``: a
+        Chrome trace (Perfetto) of this rank with measured and predicted rows
+        (``dcir_runtime.trace``). A step the optimization cycle profiles is not traced:
+        the next one is."""
+        from dcir_runtime.trace import Tracer
+
+        self._tracer = Tracer(lambda: self.module, path, self.rank)
+
     def profiled_ir(self) -> dcir.Module | None:
         """The last profiled module (ops carry ``prof.*`` attributes), if any."""
         return self._profiled
@@ -405,13 +415,16 @@ class Engine:
             self._capture(args, kwargs)
         inputs = self.program._inputs(args, kwargs)
         self._check_inputs(inputs)
-        if self.micro_steps % self.config.gradient_accumulation_steps == 0 or self._gather_next:
+        first = self.micro_steps % self.config.gradient_accumulation_steps == 0  # of an optimizer step
+        if first or self._gather_next:
             with torch.no_grad():  # the first micro-step of a step: gathered copies, if any
                 self._run("unshard", self.program.unshard)
             self._gather_next = False
         fn = self.program.forward_fn
         if self._profile is not None:
             fn = functools.partial(self._profile.run, "forward", self.program.forward_gm)
+        elif self._tracer is not None and (self._tracer.recorded or first):
+            fn = functools.partial(self._tracer.run, "forward", self.program.forward_gm)
         with torch.no_grad():
             loss, self._saved = self._run("forward", fn, self.program.state, {}, *inputs, *self._forward_args)
         self._forward_args = (ABSENT,) * len(self._forward_args)  # the copies home are done
@@ -447,6 +460,8 @@ class Engine:
         name, gm, fn = self.program.backward_for(last)
         if self._profile is not None:
             fn = functools.partial(self._profile.run, name, gm)
+        elif self._tracer is not None and self._tracer.recorded:
+            fn = functools.partial(self._tracer.run, name, gm)
         with torch.no_grad():
             out = self._run(name, fn, self.program.state, grads, *self._saved, tangent)
             self._saved = None
@@ -472,6 +487,8 @@ class Engine:
                 fn = self.program.step_gm
                 if self._profile is not None:  # its ops' costs, for the cost model's step
                     fn = functools.partial(self._profile.run, "step", self.program.step_gm)
+                elif self._tracer is not None and self._tracer.recorded:
+                    fn = functools.partial(self._tracer.run, "step", self.program.step_gm)
                 out = self._run("step", fn, self.program.state, {}, *self._step_args)
             self._step_args = ()
             self._forward_args = tuple(out or ())  # state still on the device, copied home next forward
@@ -481,6 +498,9 @@ class Engine:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.steps += 1
+        if self._tracer is not None and self._tracer.recorded:
+            self._tracer.write()
+            self._tracer = None
         if self._profile is not None:
             self._replan()
         elif self.config.optimize is not None and self.steps in self.config.optimize["profile_at"]:

@@ -74,8 +74,15 @@ def _tensors(x):
 
 
 class _Recorder(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, n_ops: int):
+    """Runs a lowered function node by node, timing and sizing every op. ``sync``: wait
+    for each transfer right after its start (the profile's transfer times); without it
+    the program runs as scheduled and ``spans`` record when each op began and ended
+    (``dcir_runtime.trace``)."""
+
+    def __init__(self, gm: fx.GraphModule, n_ops: int, sync: bool = True):
         super().__init__(gm, garbage_collect_values=True)
+        self.sync = sync
+        self.spans: list[tuple[int, float, float]] = []  # (op, begin, end), perf_counter seconds
         self.time = [0.0] * n_ops
         self.launch = [0.0] * n_ops
         self.mem = [0] * n_ops
@@ -120,14 +127,14 @@ class _Recorder(fx.Interpreter):
             begin = time.perf_counter()
             out = super().run_node(n)
             end = time.perf_counter()
-            if name in _STARTS:
+            if self.sync and name in _STARTS:
                 if k is not None:
                     self.launch[k] += end - begin
                 for t in _tensors(out):
                     self.wait(t)
                     self.ready[id(t)] = t
                 end = time.perf_counter()
-            elif _host_copy(n):  # the program's own wait then finds it done
+            elif self.sync and _host_copy(n):  # the program's own wait then finds it done
                 if k is not None:
                     self.launch[k] += end - begin
                 self.env[n.args[0]][OPTIMIZER_STATE].wait(out)
@@ -135,6 +142,7 @@ class _Recorder(fx.Interpreter):
         if n.op == "placeholder" or (n.op == "call_function" and not _reads_state(n) and not self._host(n, out)):
             self._track(out)
         if k is not None:
+            self.spans.append((k, begin, end))
             self.time[k] += end - begin
             self.mem[k] = max(self.mem[k], self._live())
             if torch.cuda.is_available() and any(t.is_cuda for t in _tensors(out)):
@@ -149,9 +157,9 @@ class Profile:
         self.module = module
         self.runs: dict[str, list[_Recorder]] = {}
 
-    def run(self, name: str, gm: fx.GraphModule, *args):
+    def run(self, name: str, gm: fx.GraphModule, *args, sync: bool = True):
         """Run function ``name`` (lowered as ``gm``) on ``args``, measuring; returns its result."""
-        rec = _Recorder(gm, len(self.module.functions[name].ops))
+        rec = _Recorder(gm, len(self.module.functions[name].ops), sync)
         out = rec.run(*args)
         self.runs.setdefault(name, []).append(rec)
         return out

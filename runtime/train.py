@@ -46,6 +46,8 @@ def _args(argv):
                     help="bf16: bfloat16 compute and gathers, fp32 reduction and master weights (the config's bf16 "
                          "section); fp16: float16 with dynamic loss scaling (its fp16 section); default fp32")
     ap.add_argument("--ir", default=None, metavar="FILE", help="write the program the engine runs (DCIR text) here")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="write a Chrome trace (Perfetto) of the last step per rank here: DIR/rank<N>.json")
     ap.add_argument("--seed", type=int, default=0, help="seed of the model and the data order (default 0)")
     ap.add_argument("--save-every", type=int, default=0, metavar="N",
                     help="save a checkpoint every N optimizer steps into --checkpoint-dir (default 0: never)")
@@ -134,6 +136,8 @@ def rank_main(ns) -> None:
     kill_at = int(os.environ.get("DCIR_TEST_KILL_AT_STEP", 0))  # test-only, see _test_kill
     while engine.steps < ns.steps:
         done = engine.steps
+        if ns.trace and engine.steps == ns.steps - 1:
+            engine.trace(os.path.join(ns.trace, f"rank{rank}.json"))
         for _ in range(accumulate):
             loss = engine(**batch(train))
             engine.backward(loss)

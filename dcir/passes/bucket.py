@@ -91,7 +91,7 @@ class Bucket(Pass):
     max_bytes: Bytes | None = None
 
     def run(self, module: Module, stats: Counter) -> None:
-        machine = calibrate(module, Machine())
+        machine = calibrate(module)
         note_source(module, stats, "bucket")
         self.merge(module, machine, stats, "bucket")
 

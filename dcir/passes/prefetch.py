@@ -54,7 +54,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from dcir import ops as registry
-from dcir.cost import Machine, calibrate, note_source
+from dcir.cost import calibrate, note_source
 from dcir.ir import Module, Op
 from dcir.memory import Bytes, device_bytes
 from dcir.passes import Pass
@@ -207,7 +207,7 @@ class Prefetch(Pass):
     fuse: bool = True
 
     def run(self, module: Module, stats: Counter) -> None:
-        machine = calibrate(module, Machine())
+        machine = calibrate(module)
         note_source(module, stats, "prefetch")
         for func in module.functions.values():
             run_moves(module, func, MOVES, machine, self.budget, stats, "prefetch")

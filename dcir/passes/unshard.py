@@ -222,7 +222,7 @@ class Unshard(Pass):
             _merge_back(func, groups)
 
     def _choose(self, module: Module, f: Function, b: Function, stats: Counter) -> None:
-        machine = calibrate(module, Machine())
+        machine = calibrate(module)
         note_source(module, stats, "unshard")
         fws, bws = _gathers(f), _gathers(b)
         last = module.functions.get("backward_last")

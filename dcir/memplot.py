@@ -1,0 +1,117 @@
+"""The memory picture: live bytes over the op sequence of every function, drawn.
+
+``dcir-opt file.dcir --memory-plot out.png`` draws, for each function of the module,
+the memory model's bytes live while each op runs (``dcir.memory``), stacked by what
+the storage holds, with the budget line (``--budget``, when given) and the peak op
+labelled. The categories follow the storage's first producer:
+
+* parameters: gathered parameter copies (what an all_gather fills, and the
+  ``unshard`` buffers held between calls);
+* gradients: storage handed to ``grad.set`` or reduced across ranks (a full
+  gradient before its reduce_scatter, the shard after), and ``zero1``'s accumulators;
+* optimizer state: state reloaded from host memory (``mem.reload``);
+* activations: everything else (saved values, temporaries).
+
+matplotlib is an optional dependency (``pip install 'dcir[plot]'``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dcir import ops as registry
+from dcir.ir import Module, Op, Value
+from dcir.memory import GRAD_ACC_OF, UNSHARD_OF, owners, timelines
+
+CATEGORIES = ("parameters", "gradients", "optimizer state", "activations")
+COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer state": "#55a868", "activations": "#c44e52"}
+
+
+class PlotError(RuntimeError):
+    """The picture cannot be drawn (matplotlib missing)."""
+
+
+def _category(v: Value, graded: set[Value]) -> str:
+    op = v.owner if isinstance(v.owner, Op) else None
+    if v in graded:
+        return "gradients"
+    if op is None:
+        return "activations"
+    if op.name == "mem.reload":
+        return "optimizer state"
+    if registry.has_trait(op, registry.COLLECTIVE):
+        return "gradients" if registry.has_trait(op, registry.REDUCES) else "parameters"
+    return "activations"
+
+
+def split(module: Module) -> dict[str, dict[str, list[int]]]:
+    """Per function, per category, the bytes live while each op runs: the memory model's
+    storages (``Timeline.storage``) sorted by what they hold; they add up to its ``during``."""
+    lines = timelines(module)
+    held = {c: 0 for c in CATEGORIES}
+    for d in module.decls.values():
+        if UNSHARD_OF in d.attrs:
+            held["parameters"] += d.full_type.nbytes
+        if GRAD_ACC_OF in d.attrs:
+            held["gradients"] += d.full_type.nbytes
+    out = {}
+    for name, func in module.functions.items():
+        t = lines[name]
+        own = owners(func)
+        graded = set()
+        for op in func.ops:
+            if registry.has_trait(op, registry.GRADIENT) or (
+                    registry.has_trait(op, registry.REDUCES) and registry.has_trait(op, registry.COLLECTIVE)):
+                graded.update(own.get(v, v) for v in op.operands)
+        n = len(func.ops)
+        series = {c: [held[c]] * n for c in CATEGORIES}
+        for v, (nbytes, lo, hi) in t.storage.items():
+            cat = _category(v, graded)
+            for i in range(max(lo, 0), hi + 1):
+                series[cat][i] += nbytes
+        out[name] = series
+    return out
+
+
+def plot(module: Module, path: str | Path, budget: int | None = None, title: str = "") -> Path:
+    """Draw the picture of ``module`` into ``path`` (PNG, or any format matplotlib knows
+    by the suffix); one panel per function."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlotError("--memory-plot needs matplotlib, an optional dependency: pip install 'dcir[plot]'") from None
+    lines = timelines(module)
+    series = split(module)
+    names = [n for n in module.functions if module.functions[n].ops]
+    fig, axes = plt.subplots(len(names), 1, figsize=(11, 3.2 * len(names)), squeeze=False)
+    mib = 2**20
+    for ax, name in zip(axes[:, 0], names):
+        t = lines[name]
+        xs = range(len(t.during))
+        ax.stackplot(xs, *[[b / mib for b in series[name][c]] for c in CATEGORIES], labels=CATEGORIES,
+                     colors=[COLORS[c] for c in CATEGORIES], alpha=0.85, step="post")
+        ax.plot(xs, [b / mib for b in t.during], color="black", linewidth=0.8, label="live bytes (model)")
+        if budget:
+            ax.axhline(budget / mib, color="red", linestyle="--", linewidth=1, label="budget")
+        peak = t.peak_op
+        if peak is not None:
+            op = module.functions[name].ops[peak]
+            label = f"peak {t.during[peak] / mib:.2f} MiB at op {peak}: {op.name}"
+            ax.annotate(label, (peak, t.during[peak] / mib), xytext=(0.02, 0.9), textcoords="axes fraction",
+                        arrowprops={"arrowstyle": "->", "color": "black"}, fontsize=8)
+        ax.set_title(f"@{name}", loc="left", fontsize=10)
+        ax.set_ylabel("MiB live")
+        ax.set_xlim(0, max(len(t.during) - 1, 1))
+        ax.set_ylim(bottom=0)
+    axes[-1, 0].set_xlabel("op (schedule order)")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

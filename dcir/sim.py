@@ -1,0 +1,223 @@
+"""The event simulator: how one schedule runs on a machine, op by op, lane by lane.
+
+It is the one timing model of DCIR. The passes price candidate schedules with it
+(``cost.estimate``, and ``schedule.Sweep`` for the moves), ``dcir-opt --simulate``
+and ``--emit-trace`` print and draw it, and the Engine's profile report compares it
+with what ran. What each op costs is ``dcir.cost``'s (the profile, else the analytic
+model of a ``Machine``); how the costs combine is this module's:
+
+* the **compute** lane runs the ops in program order, one after the other (a device
+  stream, or the host thread on a CPU);
+* an async op (trait ``async``) costs its launch on the compute lane and queues its
+  transfer on its own lane: the **collective** lane (the process group runs its
+  collectives one at a time, in issue order) or the **copy** lane for host copies
+  (``mem.offload``, ``mem.reload``: a copy stream on a GPU, the store's copy thread on
+  a CPU). A transfer starts once it is launched and its lane is free;
+* an op that waits (trait ``waits``) blocks the compute lane until every transfer it
+  joins is done: the time it stalls is *exposed* communication.
+
+For example, ``all_gather`` (100 us) issued before a 60 us ``relu`` and joined by the
+``comm.wait`` after it exposes 40 us of the transfer::
+
+    compute     | launch | relu 60 us   | wait (40 us stalled) | mm |
+    collective           | all_gather 100 us              |
+
+``simulate`` returns a ``Run``: the slices of every lane, when every op starts on the
+compute lane and when every transfer ends; ``Run.summary`` sums it up.
+``simulate_module`` runs one optimizer step of a module (every function as often as
+the step calls it) and adds the memory model's peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dcir import ops as registry
+from dcir.cost import LAUNCH, Estimate, Machine, is_host_copy, is_transfer, op_seconds
+from dcir.ir import Function, Module, Op
+
+COMPUTE, COLLECTIVE, COPY = "compute", "collective", "copy"
+LANES = (COMPUTE, COLLECTIVE, COPY)
+
+
+def lane_of(op: Op) -> str:
+    """The lane an op's work runs on (an async op's launch runs on the compute lane)."""
+    if not is_transfer(op):
+        return COMPUTE
+    return COPY if is_host_copy(op) else COLLECTIVE
+
+
+def launch_s(op: Op, machine: Machine) -> float:
+    """Compute-lane seconds of starting an async op: the profile's, else one dispatch."""
+    t = op.attrs.get(LAUNCH) if machine.use_profile else None
+    return t * 1e-6 if isinstance(t, (int, float)) and not isinstance(t, bool) else machine.dispatch_s
+
+
+@dataclass(frozen=True)
+class Slice:
+    """One op's work on one lane, from ``start`` to ``end`` seconds. A wait's slice
+    on the compute lane includes its stall (``stalled`` seconds of it)."""
+
+    index: int
+    op: Op
+    lane: str
+    start: float
+    end: float
+    stalled: float = 0.0
+
+
+@dataclass
+class Run:
+    """A simulated run of one function."""
+
+    func: Function
+    slices: list[Slice] = field(default_factory=list)
+    start: list[float] = field(default_factory=list)   # compute-lane start of op i; [n]: the end
+    done: dict[int, float] = field(default_factory=dict)  # async op position -> when its transfer ends
+    seconds: list[float] = field(default_factory=list)  # cost of op i (an async op: its transfer)
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    exposed_s: float = 0.0
+    profiled: int = 0
+
+    @property
+    def end(self) -> float:
+        return self.start[-1] if self.start else 0.0
+
+    def summary(self) -> Estimate:
+        n = len(self.func.ops)
+        source = "profile" if self.profiled == n else "analytic" if self.profiled == 0 else "profile+analytic"
+        return Estimate(self.end, self.compute_s, self.comm_s, self.exposed_s, source)
+
+
+def simulate(func: Function, machine: Machine, stalls: bool = True) -> Run:
+    """Run ``func``'s schedule on ``machine``'s lanes. ``stalls=False``: waits never
+    block (the compute lane as it would run were every transfer hidden, the target the
+    scheduling moves aim for)."""
+    run = Run(func)
+    free = {COLLECTIVE: 0.0, COPY: 0.0}
+    ready: dict = {}
+    now = 0.0
+    for i, op in enumerate(func.ops):
+        seconds, from_profile = op_seconds(op, machine)
+        run.seconds.append(seconds)
+        run.profiled += from_profile
+        run.start.append(now)
+        lane = lane_of(op)
+        if lane != COMPUTE:
+            launch = launch_s(op, machine)
+            run.slices.append(Slice(i, op, COMPUTE, now, now + launch))
+            now += launch
+            run.compute_s += launch
+            begin = max(free[lane], now)
+            free[lane] = run.done[i] = begin + seconds
+            run.comm_s += seconds
+            run.slices.append(Slice(i, op, lane, begin, free[lane]))
+            for r in op.results:
+                ready[r] = free[lane]
+            continue
+        arrived, stalled = now, 0.0
+        if stalls and registry.has_trait(op, registry.WAITS):
+            joined = max((ready.get(v, 0.0) for v in op.operands), default=0.0)
+            stalled = max(joined - now, 0.0)
+            now += stalled
+            run.exposed_s += stalled
+        now += seconds
+        run.compute_s += seconds
+        run.slices.append(Slice(i, op, COMPUTE, arrived, now, stalled))
+    run.start.append(now)
+    return run
+
+
+def runs_per_step(module: Module, micro_steps: int) -> dict[str, int]:
+    """How often one optimizer step calls each function: ``@forward`` and ``@backward``
+    once per micro-step (``@backward`` once less when the module has a ``@backward_last``
+    for the last one), any other (``@unshard``, ``@backward_last``) once."""
+    last = "backward_last" in module.functions
+    runs = {"forward": micro_steps, "backward": micro_steps - 1 if last else micro_steps}
+    return {name: runs.get(name, 1) for name in module.functions}
+
+
+@dataclass
+class Prediction:
+    """One optimizer step of a module on a machine, per rank (every rank runs the same
+    program, so one rank's prediction is every rank's)."""
+
+    machine: Machine
+    runs: dict[str, Run]
+    calls: dict[str, int]
+    estimate: Estimate
+    peak_bytes: int
+    peak_function: str
+
+    def report(self) -> str:
+        e, m = self.estimate, self.machine
+        lines = [f"machine {m.name}: {m.world_size or '?'} ranks, costs from {e.source}",
+                 f"  step time          {e.seconds * 1e3:12.3f} ms",
+                 f"  compute            {e.compute_s * 1e3:12.3f} ms",
+                 f"  communication      {e.comm_s * 1e3:12.3f} ms (on the collective and copy lanes)",
+                 f"  exposed comm       {e.exposed_s * 1e3:12.3f} ms "
+                 f"({100 * e.exposed_s / e.seconds if e.seconds else 0:.1f}% of the step)",
+                 f"  peak memory        {_gib(self.peak_bytes)} in @{self.peak_function}"]
+        if m.memory:
+            verdict = "fits" if self.peak_bytes <= m.memory else "DOES NOT FIT"
+            lines.append(f"  device memory      {_gib(m.memory)}: {verdict}")
+        for name, run in self.runs.items():
+            s = run.summary()
+            lines.append(f"  @{name:<14} x{self.calls[name]:<3} {s.seconds * 1e3:10.3f} ms, "
+                         f"exposed {s.exposed_s * 1e3:.3f} ms")
+        return "\n".join(lines) + "\n"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:10.3f} GiB"
+
+
+def simulate_module(module: Module, machine: Machine, micro_steps: int = 1,
+                    state_bytes: bool = True) -> Prediction:
+    """Predict one optimizer step of ``module`` per rank. The peak is the memory model's
+    (``dcir.memory``), plus, with ``state_bytes``, the module state every rank holds
+    (parameter shards, buffers, optimizer state: ``dcir.memory.state_bytes``)."""
+    from dcir.memory import timelines
+
+    calls = runs_per_step(module, micro_steps)
+    runs = {name: simulate(f, machine) for name, f in module.functions.items()}
+    total = None
+    for name, run in runs.items():
+        for _ in range(calls[name]):
+            total = run.summary() if total is None else total + run.summary()
+    total = total or Estimate(0.0, 0.0, 0.0, 0.0, "analytic")
+    lines = timelines(module)
+    peak_fn = max(lines, key=lambda n: lines[n].peak, default="")
+    peak = lines[peak_fn].peak if peak_fn else 0
+    return Prediction(machine, runs, calls, total, peak + (held_bytes(module) if state_bytes else 0), peak_fn)
+
+
+#: AdamW's fp32 tensors per parameter element (exp_avg, exp_avg_sq), when the module does not declare
+#: its optimizer state; parameters held in a narrower type get an fp32 master copy as well (mixed precision)
+ADAM_STATES = 2
+
+
+def held_bytes(module: Module) -> int:
+    """Device bytes of module state, held whatever the schedule: parameter shards and
+    buffers, one gradient shard per trainable parameter (the optimizer reads it after
+    the step's last backward), and optimizer state: declared on the device
+    (``optim.state_of``), else AdamW's (``ADAM_STATES`` fp32 tensors per element, plus
+    an fp32 master copy of parameters that are not fp32)."""
+    from dcir.ir import HostType
+    from dcir.memory import GRAD_ACC_OF, OPTIM_STATE_OF, UNSHARD_OF
+
+    total, declared = 0, False
+    for d in module.decls.values():
+        if UNSHARD_OF in d.attrs or GRAD_ACC_OF in d.attrs:  # the schedule's: in the memory model
+            continue
+        declared |= OPTIM_STATE_OF in d.attrs
+        if not isinstance(d.type, HostType):
+            total += d.type.nbytes
+    for d in module.decls.values():
+        if not d.trainable:
+            continue
+        total += d.type.nbytes  # the gradient shard
+        if not declared:
+            total += 4 * d.type.numel * (ADAM_STATES + (d.type.dtype != "f32"))
+    return total

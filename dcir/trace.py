@@ -1,0 +1,88 @@
+"""Chrome trace JSON of a schedule: what the simulator predicts, as rows Perfetto draws.
+
+The format is the Trace Event Format that ``chrome://tracing`` and Perfetto
+(ui.perfetto.dev, "Open trace file") read: ``{"traceEvents": [...]}`` with complete
+slices (``"ph": "X"``, microseconds), counters (``"ph": "C"``) and metadata naming
+processes and threads. One process is one rank; its threads are the rows:
+
+* ``compute``, ``communication``, ``host copies``: the three lanes (``dcir.sim``);
+* a counter track of live bytes (the memory model's ``during``, per op).
+
+Every slice is named by its IR op and first result (``comm.all_gather %w_full``), so a
+row reads like the program; its args say the op's position, the function and, for a
+wait, how long it stalled. ``dcir-opt --emit-trace`` writes the predicted rows alone;
+``dcir-train --trace`` (``dcir_runtime.trace``) writes the measured rows beside the
+predicted ones, offset so that both start where the measured function started.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dcir.cost import Machine, calibrate
+from dcir.ir import Module, Op
+from dcir.memory import timelines
+from dcir.sim import COLLECTIVE, COMPUTE, COPY, Run, simulate
+
+#: row (thread) ids per lane; predicted rows follow the measured ones
+MEASURED_ROWS = {COMPUTE: 1, COLLECTIVE: 2, COPY: 3}
+PREDICTED_ROWS = {COMPUTE: 11, COLLECTIVE: 12, COPY: 13}
+ROW_NAMES = {COMPUTE: "compute", COLLECTIVE: "communication", COPY: "host copies"}
+
+
+def slice_name(op: Op) -> str:
+    """``comm.all_gather %w_full``: the op and the value it defines (or its first operand)."""
+    vals = op.results or op.operands
+    return f"{op.name} %{vals[0].name}" if vals else op.name
+
+
+def metadata(pid: int, process: str, rows: dict[str, int], prefix: str = "") -> list[dict]:
+    """Name the process and its rows (lanes)."""
+    out = [{"ph": "M", "pid": pid, "tid": 0, "name": "process_name", "args": {"name": process}}]
+    for lane, tid in rows.items():
+        out.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name",
+                    "args": {"name": f"{prefix}{ROW_NAMES[lane]}"}})
+        out.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}})
+    return out
+
+
+def run_events(run: Run, during: list[int], pid: int, t0_us: float, rows: dict[str, int],
+               counter: str) -> list[dict]:
+    """One simulated function as slices on ``rows``, from ``t0_us``, and its memory counter."""
+    fname = run.func.name
+    out = []
+    for s in run.slices:
+        args = {"function": fname, "op": s.index}
+        if s.stalled:
+            args["stalled_us"] = round(s.stalled * 1e6, 3)
+        out.append({"ph": "X", "pid": pid, "tid": rows[s.lane], "name": slice_name(s.op), "cat": s.lane,
+                    "ts": t0_us + s.start * 1e6, "dur": max((s.end - s.start) * 1e6, 0.001), "args": args})
+    for i, nbytes in enumerate(during):
+        out.append({"ph": "C", "pid": pid, "name": counter, "ts": t0_us + run.start[i] * 1e6,
+                    "args": {"bytes": nbytes}})
+    if during:
+        out.append({"ph": "C", "pid": pid, "name": counter, "ts": t0_us + run.end * 1e6, "args": {"bytes": 0}})
+    return out
+
+
+def predicted(module: Module, machine: Machine | None, pid: int = 0,
+              starts_us: dict[str, float] | None = None) -> list[dict]:
+    """The predicted rows of every function of ``module`` (links calibrated to its profile
+    when it has one). ``starts_us``: where each function starts (default: one after the
+    other, in module order)."""
+    machine = calibrate(module, machine)
+    lines = timelines(module)
+    out = metadata(pid, f"rank {pid}", PREDICTED_ROWS, "predicted ")
+    at = 0.0
+    for name, func in module.functions.items():
+        run = simulate(func, machine)
+        t0 = (starts_us or {}).get(name, at)
+        out += run_events(run, lines[name].during, pid, t0, PREDICTED_ROWS, "predicted live bytes")
+        at = t0 + run.end * 1e6
+    return out
+
+
+def write(path: str | Path, events: list[dict]) -> None:
+    """Write ``events`` as a Chrome trace file."""
+    Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
