@@ -7,6 +7,10 @@ registered with torch through the ``torch_dynamo_backends`` entry point, so the 
 works as soon as DCIR is installed. The DCIR module behind each compiled graph is kept
 on the callable as ``.dcir_module`` for inspection.
 
+Logging, ``warnings.warn`` and ``print`` in a model's forward split Dynamo's graph before
+any backend sees it; run the compiled model under ``benign_breaks()`` to have them
+ignored while Dynamo traces, as ``compile_to_ir`` does (docs/frontend.md).
+
 For the whole-step view (parameters as symbols, one module with ``@forward`` and
 ``@backward``) use ``dcir.compile_to_ir``; this backend is the drop-in path.
 """
@@ -20,7 +24,7 @@ import torch.fx as fx
 from dcir.ir import Function, Module, Value
 from dcir.verifier import verify
 from dcir_lowering.backend import constants, lower_function
-from dcir_lowering.frontend import GraphLowering, _type
+from dcir_lowering.frontend import GraphLowering, _type, benign_breaks  # noqa: F401  (re-exported)
 
 
 def dcir_backend(gm: fx.GraphModule, example_inputs, **_options):
