@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 
 import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from dcir.ir import Function, Module, Value
 from dcir.verifier import verify
@@ -59,7 +60,10 @@ def _through_dcir(name: str, gm: fx.GraphModule, example_inputs):
     module, none_at = graph_to_module(gm, name)
     verify(module)
     lowered = lower_function(module, name)
-    state = constants(module)
+    # AOTAutograd calls its compilers inside its FakeTensorMode, where torch.tensor() makes a
+    # fake tensor; the constants (a KV cache's empty start, torch.tensor([]) in forward) must be real
+    with unset_fake_temporarily():
+        state = constants(module)
 
     def run(args):
         outputs = list(lowered(state, {}, *args))

@@ -255,3 +255,31 @@ def test_benign_breaks_make_one_graph_under_torch_compile(capsys):
             torch.compile(model, backend="dcir")(x).backward()
         assert counters["stats"]["unique_graphs"] == graphs
     torch._dynamo.reset()
+
+
+# ---- local fixes found in triage ------------------------------------------------------------
+
+
+def test_backend_runs_a_decoder_that_builds_a_kv_cache():
+    """A decoder called with ``use_cache=True`` starts its cache with ``torch.tensor([])``
+    in forward: AOTAutograd lifts that into a constant, and the backend built it inside
+    AOTAutograd's FakeTensorMode, so the first run failed with FakeTensor's "Please
+    convert all Tensors to FakeTensors first" assertion; ``aot_eager`` never had it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zoo import _DECODER
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(LlamaConfig(**{**_DECODER, "use_cache": True}))
+    mine = LlamaForCausalLM(LlamaConfig(**{**_DECODER, "use_cache": True}))
+    mine.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 128, (2, 8))
+    torch._dynamo.reset()
+    out = torch.compile(mine, backend="dcir")(input_ids=ids, labels=ids)
+    torch._dynamo.reset()
+    assert out.past_key_values is not None  # the cache was built
+    expected = ref(input_ids=ids, labels=ids).loss
+    assert torch.equal(out.loss, expected)
+    out.loss.backward()
+    expected.backward()
+    for (n, a), (_, b) in zip(ref.named_parameters(), mine.named_parameters()):
+        assert torch.equal(a.grad, b.grad), n
