@@ -239,9 +239,10 @@ class GraphLowering:
             value = given[a.name]
             if _is_tensor(a.type):
                 if isinstance(value, (list, tuple)):
-                    if any(v is None for v in value):
-                        raise self._unsupported(node, f"{name} with an absent tensor in a list")
-                    operands.extend(env[v] for v in value)
+                    absent = tuple(k for k, v in enumerate(value) if v is None)  # x[:, idx]: [None, idx]
+                    if absent:
+                        attrs[f"{a.name}.absent"] = absent
+                    operands.extend(env[v] for v in value if v is not None)
                 elif value is None:
                     if tensor_args.index(a) < last_tensor or not a.has_default_value():
                         attrs[a.name] = None

@@ -283,3 +283,41 @@ def test_backend_runs_a_decoder_that_builds_a_kv_cache():
     expected.backward()
     for (n, a), (_, b) in zip(ref.named_parameters(), mine.named_parameters()):
         assert torch.equal(a.grad, b.grad), n
+
+
+class Pick(torch.nn.Module):
+    """``w[:, idx]``: aten.index.Tensor with ``[None, idx]`` in forward and
+    aten.index_put with the same list in backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3, 6, 4))
+        self.register_buffer("idx", torch.tensor([4, 0, 4]))
+
+    def forward(self, x):
+        return (self.w[:, self.idx] * x).pow(2).mean()
+
+
+def test_index_with_an_absent_entry_is_written_parsed_and_trained():
+    """A list of optional tensors with absent entries was refused at capture ("an absent
+    tensor in a list"); it is now its present tensors as operands and
+    ``{indices.absent = [0]}``, which prints, parses, verifies and runs."""
+    from dcir_lowering.backend import state_of
+    torch.manual_seed(0)
+    ref, mine = Pick(), Pick()
+    mine.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 3, 4)
+    text = dcir.print(dcir.compile_to_ir(ref, (x,)))
+    assert "aten.index.Tensor(%primals_1, %primals_2) {indices.absent = [0]} : f32[3, 3, 4]" in text
+    assert "{indices.absent = [0], accumulate = true}" in text  # the backward's index_put
+    module = dcir.parse(text)
+    dcir.verify(module)
+    assert dcir.print(module) == text
+    program = dcir.lower(module, state_of(mine))
+    opt_ref, opt_mine = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(mine.parameters(), lr=1e-2)
+    for _ in range(3):
+        ref(x).backward()
+        program.train_step(x)
+        opt_ref.step(), opt_mine.step()
+        opt_ref.zero_grad(), opt_mine.zero_grad()
+    assert torch.equal(ref.w, mine.w)
