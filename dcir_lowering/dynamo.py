@@ -57,12 +57,13 @@ def graph_to_module(gm: fx.GraphModule, name: str) -> tuple[Module, list[int]]:
 
 
 def _through_dcir(name: str, gm: fx.GraphModule, example_inputs):
-    module, none_at = graph_to_module(gm, name)
-    verify(module)
-    lowered = lower_function(module, name)
     # AOTAutograd calls its compilers inside its FakeTensorMode, where torch.tensor() makes a
-    # fake tensor; the constants (a KV cache's empty start, torch.tensor([]) in forward) must be real
+    # fake tensor and a real one cannot be read: a graph's constants (a KV cache's empty start,
+    # T5's torch.tensor(0) in forward) are spelled out and rebuilt here, so they must be real
     with unset_fake_temporarily():
+        module, none_at = graph_to_module(gm, name)
+        verify(module)
+        lowered = lower_function(module, name)
         state = constants(module)
 
     def run(args):

@@ -8,7 +8,9 @@ with a frozen part and a module used twice (ALBERT shares one layer across its d
 
 Every model is built from a config (no download): hidden 32-64, 2 layers, sequences of
 8, vocabularies of at most 256, weights from a seeded init, dropout 0 unless the entry
-is about dropout, attention ``eager`` (the same kernels in every run). A batch is
+is about dropout, attention ``eager`` (the same kernels in every run). Everything else
+is the config's default, as a user gets it: decoders build their KV cache in forward
+(``use_cache=True``) even while training. A batch is
 ``(inputs, y)``: the keyword inputs of ``model(**inputs)`` and the target ``y`` that
 ``model(**inputs, labels=y)`` takes, or that a user's criterion compares the logits with.
 
@@ -103,7 +105,7 @@ def _images(g: torch.Generator, rows: int) -> tuple[dict, torch.Tensor]:
 
 _DECODER = dict(vocab_size=VOCAB, hidden_size=HIDDEN * 2, intermediate_size=HIDDEN * 4, num_hidden_layers=LAYERS,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                attn_implementation="eager", use_cache=False)
+                attn_implementation="eager")
 
 
 def _llama():
@@ -136,7 +138,7 @@ def _gpt2(dropout: float = 0.0):
         from transformers import GPT2Config, GPT2LMHeadModel
         return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=HIDDEN * 2, n_layer=LAYERS,
                                           n_head=4, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
-                                          attn_implementation="eager", use_cache=False))
+                                          attn_implementation="eager"))
     return make
 
 
@@ -145,7 +147,7 @@ def _gpt_neox():
     return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=VOCAB, hidden_size=HIDDEN * 2, intermediate_size=HIDDEN * 4,
                                             num_hidden_layers=LAYERS, num_attention_heads=4,
                                             max_position_embeddings=64, attn_implementation="eager",
-                                            use_cache=False, tie_word_embeddings=False))
+                                            tie_word_embeddings=False))
 
 
 def _opt():
@@ -153,7 +155,7 @@ def _opt():
     return OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN * 2, ffn_dim=HIDDEN * 4,
                                     num_hidden_layers=LAYERS, num_attention_heads=4, max_position_embeddings=64,
                                     word_embed_proj_dim=HIDDEN * 2, dropout=0.0, attention_dropout=0.0,
-                                    attn_implementation="eager", use_cache=False, pad_token_id=1))
+                                    attn_implementation="eager", pad_token_id=1))
 
 
 def _mixtral():
@@ -199,7 +201,7 @@ def _t5():
     return T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=HIDDEN * 2, d_kv=16, d_ff=HIDDEN * 4,
                                                num_layers=LAYERS, num_heads=4, dropout_rate=0.0,
                                                decoder_start_token_id=0, pad_token_id=0,
-                                               attn_implementation="eager", use_cache=False))
+                                               attn_implementation="eager"))
 
 
 def _bart():
@@ -208,8 +210,7 @@ def _bart():
         vocab_size=VOCAB, d_model=HIDDEN * 2, encoder_layers=LAYERS, decoder_layers=LAYERS,
         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=HIDDEN * 4,
         decoder_ffn_dim=HIDDEN * 4, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
-        activation_dropout=0.0, decoder_start_token_id=0, pad_token_id=1, attn_implementation="eager",
-        use_cache=False))
+        activation_dropout=0.0, decoder_start_token_id=0, pad_token_id=1, attn_implementation="eager"))
 
 
 def _vit():
