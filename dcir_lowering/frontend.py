@@ -79,7 +79,7 @@ def _trace(step, captured: "_Captured", args: tuple, kwargs: dict):
     try:
         with benign_breaks():
             return torch.compile(step, backend=captured.backend, fullgraph=True, dynamic=False)(*args, **kwargs)
-    except torch._dynamo.exc.Unsupported as e:
+    except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:  # UserError: data-dependent shapes
         raise DcirError(Diagnostic(f"cannot capture the model as one graph: {_first_line(e)}{_where(str(e))}")) from None
     finally:
         torch._dynamo.reset()

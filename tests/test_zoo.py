@@ -308,6 +308,32 @@ def test_backend_runs_models_that_make_constants_in_forward(name):
         assert torch.equal(a.grad, b.grad), n
 
 
+class Loop(torch.nn.Module):
+    """A Python loop over a tensor's data-dependent entries, as transformers' ``eager``
+    experts loop over the experts hit (``for expert_idx in expert_hit``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 3))
+
+    def forward(self, x):
+        y = self.w.sum() * 0
+        for i in torch.nonzero(x > 0)[:, 0]:
+            y = y + self.w[i].sum()
+        return y
+
+
+def test_a_data_dependent_loop_is_a_located_error():
+    """Dynamo reports data-dependent shapes as a UserError, not as Unsupported: capture
+    let it through as torch's own multi-page error; it is the same located message as
+    any graph break."""
+    with pytest.raises(dcir.DcirError) as e:
+        dcir.compile_to_ir(Loop(), (torch.randn(4),))
+    message = e.value.render()
+    assert "cannot capture the model as one graph: Consider annotating your code" in message
+    assert f"(at {__file__}:" in message
+
+
 class Pick(torch.nn.Module):
     """``w[:, idx]``: aten.index.Tensor with ``[None, idx]`` in forward and
     aten.index_put with the same list in backward."""
