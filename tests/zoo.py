@@ -166,8 +166,9 @@ def _mixtral():
 
 def _qwen2_moe():
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-    return Qwen2MoeForCausalLM(Qwen2MoeConfig(**_DECODER, moe_intermediate_size=HIDDEN, shared_expert_intermediate_size=HIDDEN * 2,
-                                              num_experts=4, num_experts_per_tok=2, output_router_logits=True,
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(**_DECODER, moe_intermediate_size=HIDDEN,
+                                              shared_expert_intermediate_size=HIDDEN * 2, num_experts=4,
+                                              num_experts_per_tok=2, output_router_logits=True,
                                               tie_word_embeddings=False))
 
 
