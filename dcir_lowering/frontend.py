@@ -80,7 +80,8 @@ def _trace(step, captured: "_Captured", args: tuple, kwargs: dict):
         with benign_breaks():
             return torch.compile(step, backend=captured.backend, fullgraph=True, dynamic=False)(*args, **kwargs)
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:  # UserError: data-dependent shapes
-        raise DcirError(Diagnostic(f"cannot capture the model as one graph: {_first_line(e)}{_where(str(e))}")) from None
+        where = _where(str(e))
+        raise DcirError(Diagnostic(f"cannot capture the model as one graph: {_first_line(e)}{where}")) from None
     finally:
         torch._dynamo.reset()
 
