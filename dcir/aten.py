@@ -193,6 +193,7 @@ def bind(sch: Schema, n_operands: int, attrs: dict, *, check_values: bool = True
             bound.append((a, ("attr", a.name)))
             continue
         if a.is_tensor_list and lists:
+            _check_absent(sch, a, attrs.get(f"{a.name}.absent", ()), list_len)
             bound.append((a, ("operands", next_operand, next_operand + list_len)))
             next_operand += list_len
             continue
@@ -209,6 +210,21 @@ def bind(sch: Schema, n_operands: int, attrs: dict, *, check_values: bool = True
     if next_operand < n_operands:
         raise MappingError(f"{sch.name} takes at most {next_operand} tensor operands, got {n_operands}")
     return bound
+
+
+def _check_absent(sch: Schema, a: Arg, absent, present: int) -> None:
+    """``{NAME.absent = [k, ...]}``: the positions of a ``Tensor?[]`` list that hold no
+    tensor (``x[:, idx]`` indexes with ``[None, idx]``); the operands fill the others in
+    order. The positions must be increasing and inside the whole list."""
+    if not absent:
+        return
+    if a.type != "List[Optional[Tensor]]":
+        raise MappingError(f"'{a.name}.absent' of {sch.name}: '{a.name}' is a {a.type}, whose entries cannot be absent")
+    whole = present + len(absent) if isinstance(absent, tuple) else 0
+    if not isinstance(absent, tuple) or not all(_is_int(k) and 0 <= k < whole for k in absent) or \
+            list(absent) != sorted(set(absent)):
+        raise MappingError(f"'{a.name}.absent' of {sch.name} must list increasing positions in its list of "
+                           f"{whole} entries")
 
 
 def _is_int(v) -> bool:

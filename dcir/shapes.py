@@ -62,6 +62,8 @@ def call_arguments(op_name: str, operands: list, attrs: dict, *, device=None) ->
             value = operands[src[1]]
         elif src[0] == "operands":
             value = list(operands[src[1]:src[2]])
+            for k in attrs.get(f"{arg.name}.absent", ()):  # a list of optional tensors: None where absent
+                value.insert(k, None)
         else:
             value = _attr_to_torch(arg, plain[src[1]], device)
         if arg.kwarg_only:

@@ -7,6 +7,10 @@ registered with torch through the ``torch_dynamo_backends`` entry point, so the 
 works as soon as DCIR is installed. The DCIR module behind each compiled graph is kept
 on the callable as ``.dcir_module`` for inspection.
 
+Logging, ``warnings.warn`` and ``print`` in a model's forward split Dynamo's graph before
+any backend sees it; run the compiled model under ``benign_breaks()`` to have them
+ignored while Dynamo traces, as ``compile_to_ir`` does (docs/frontend.md).
+
 For the whole-step view (parameters as symbols, one module with ``@forward`` and
 ``@backward``) use ``dcir.compile_to_ir``; this backend is the drop-in path.
 """
@@ -16,11 +20,12 @@ from __future__ import annotations
 import functools
 
 import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from dcir.ir import Function, Module, Value
 from dcir.verifier import verify
 from dcir_lowering.backend import constants, lower_function
-from dcir_lowering.frontend import GraphLowering, _type
+from dcir_lowering.frontend import GraphLowering, _type, benign_breaks  # noqa: F401  (re-exported)
 
 
 def dcir_backend(gm: fx.GraphModule, example_inputs, **_options):
@@ -52,10 +57,14 @@ def graph_to_module(gm: fx.GraphModule, name: str) -> tuple[Module, list[int]]:
 
 
 def _through_dcir(name: str, gm: fx.GraphModule, example_inputs):
-    module, none_at = graph_to_module(gm, name)
-    verify(module)
-    lowered = lower_function(module, name)
-    state = constants(module)
+    # AOTAutograd calls its compilers inside its FakeTensorMode, where torch.tensor() makes a
+    # fake tensor and a real one cannot be read: a graph's constants (a KV cache's empty start,
+    # T5's torch.tensor(0) in forward) are spelled out and rebuilt here, so they must be real
+    with unset_fake_temporarily():
+        module, none_at = graph_to_module(gm, name)
+        verify(module)
+        lowered = lower_function(module, name)
+        state = constants(module)
 
     def run(args):
         outputs = list(lowered(state, {}, *args))

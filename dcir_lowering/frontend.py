@@ -20,14 +20,18 @@ backward graphs at aten level, and lowers them one op per FX node:
 
 The copy keeps the caller's model untouched (its gradients, its running statistics).
 A graph break or an op DCIR cannot express is an error that names it and the model's
-source line; nothing is captured partially.
+source line; nothing is captured partially. Logging, ``warnings.warn`` and ``print`` are
+not breaks (``benign_breaks``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import operator
 import re
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -74,14 +78,7 @@ def compile_to_ir(model: torch.nn.Module, example_inputs, *, kwargs: dict | None
             out = _cast_floats(out, output_dtype)
         return loss_fn(out) if loss_fn is not None else _loss_of(out)
 
-    torch._dynamo.reset()
-    compiled = torch.compile(step, backend=captured.backend, fullgraph=True, dynamic=False)
-    try:
-        loss = compiled(*args, **(kwargs or {}))
-    except torch._dynamo.exc.Unsupported as e:
-        raise DcirError(Diagnostic(f"cannot capture the model as one graph: {_first_line(e)}{_where(str(e))}")) from None
-    finally:
-        torch._dynamo.reset()
+    loss = _trace(step, captured, args, kwargs or {})
     if not isinstance(loss, torch.Tensor):
         raise DcirError(Diagnostic(f"cannot find a loss in the model's output ({type(loss).__name__}); pass loss_fn="))
     if loss.numel() != 1 or not loss.requires_grad:
@@ -96,6 +93,50 @@ def _cast_floats(tree, dtype: torch.dtype):
     from torch.utils._pytree import tree_map_only
 
     return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+
+
+def _trace(step, captured: "_Captured", args: tuple, kwargs: dict):
+    """One run of ``step`` under Dynamo as one graph, logging, warnings and prints
+    ignored (``benign_breaks``)."""
+    torch._dynamo.reset()
+    try:
+        with benign_breaks():
+            return torch.compile(step, backend=captured.backend, fullgraph=True, dynamic=False)(*args, **kwargs)
+    except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:  # UserError: data-dependent shapes
+        where = _where(str(e))
+        raise DcirError(Diagnostic(f"cannot capture the model as one graph: {_first_line(e)}{where}")) from None
+    finally:
+        torch._dynamo.reset()
+
+
+#: ``logging.Logger`` methods a model may call in forward; transformers adds ``warning_once``,
+#: ``warning_advice`` and ``info_once`` to the class (found when a capture starts)
+_LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "critical", "log", "warning_once",
+                   "warning_advice", "info_once")
+
+
+@contextlib.contextmanager
+def benign_breaks():
+    """Dynamo settings under which logging, ``warnings.warn`` and ``print`` in a model's
+    forward do not break its graph: Dynamo ignores them while it traces
+    (``torch._dynamo.config.ignore_logging_functions``), so they do not run during
+    capture and are not part of the program.
+
+    Why not Dynamo's other knob, ``reorderable_logging_functions`` (run the call after
+    the graph, with the values it was given): in torch 2.13 Dynamo emits only the calls
+    made in the compiled function's own frame, and silently drops those made in functions
+    it inlines, which is every call inside a model's ``forward`` (``OutputGraph.
+    compile_subgraph``: "TODO get debug_locals working for nested graph breaks"); and it
+    reorders only calls whose arguments are tensors, constants or format strings, so
+    ``print(x.shape)`` or ``warnings.warn(msg, UserWarning)`` would break the graph
+    anyway. Ignoring is what reordering does to a model's calls, said plainly.
+
+    The user's own settings are kept: these are added to them."""
+    config = torch._dynamo.config
+    loggers = {getattr(logging.Logger, name) for name in _LOGGER_METHODS if hasattr(logging.Logger, name)}
+    ignored = set(config.ignore_logging_functions) | loggers | {print, warnings.warn}
+    with config.patch(ignore_logging_functions=ignored):
+        yield
 
 
 def _loss_of(out):
@@ -222,9 +263,10 @@ class GraphLowering:
             value = given[a.name]
             if _is_tensor(a.type):
                 if isinstance(value, (list, tuple)):
-                    if any(v is None for v in value):
-                        raise self._unsupported(node, f"{name} with an absent tensor in a list")
-                    operands.extend(env[v] for v in value)
+                    absent = tuple(k for k, v in enumerate(value) if v is None)  # x[:, idx]: [None, idx]
+                    if absent:
+                        attrs[f"{a.name}.absent"] = absent
+                    operands.extend(env[v] for v in value if v is not None)
                 elif value is None:
                     if tensor_args.index(a) < last_tensor or not a.has_default_value():
                         attrs[a.name] = None

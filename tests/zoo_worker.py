@@ -1,0 +1,83 @@
+"""One rank of the zoo's world-2 runs (started by ``dcir_runtime.launch``).
+
+``python zoo_worker.py MODEL OUT.json FORM...``: for each loss form of ``tests/zoo.py``
+(``labels``, ``criterion``, ``aux``, ``accumulate``), trains a fresh copy of the zoo
+model through the Engine (ZeRO-3) for 3 AdamW steps on this rank's part of every
+global batch, with the loop a DeepSpeed user writes::
+
+    out = engine(**inputs)            # ``labels``: engine(**inputs, labels=y), loss_fn=.loss
+    loss = criterion(out.logits, y)   # the form's loss, computed outside the engine
+    engine.backward(loss)
+    engine.step()
+
+Rank 0 trains the same model eagerly on one device (``zoo.eager_reference``) and writes,
+per form, the worst relative parameter difference, or the error that stopped the run
+(its type and first line, the same on every rank: a capture error is rank 0's, sent to
+all). One form failing does not stop the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import dcir  # noqa: E402
+from zoo import FORMS, LR, ZOO, eager_reference, micro_batches, rank_slice, worst_relative  # noqa: E402
+
+
+def train(z, form: str, rank: int) -> dict:
+    loss_of, accumulate = FORMS[form]
+    model = z.model()
+    config = {"gradient_accumulation_steps": accumulate, "timeout_s": 60}
+    # ``labels`` is the form that works today: the model's own loss, found by loss_fn
+    engine = dcir.initialize(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR), config=config,
+                             loss_fn=(lambda out: out.loss) if form == "labels" else None)
+    losses = []
+    for batch in micro_batches(z, 2, accumulate):
+        inputs, y = rank_slice(batch, rank)
+        if form == "labels":
+            loss = engine(**inputs, labels=y)
+        else:
+            loss = loss_of(engine, inputs, y)  # the target API: engine(...) returns the model's outputs
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    full = engine.full_parameters()
+    result = {"graphs": 1, "capture_s": engine.capture_s, "losses": losses}
+    if rank != 0:
+        return result
+    if not z.matches:
+        result["worst"], result["where"] = None, ""
+        result["trained"] = all(l == l for l in losses) and any(
+            not torch.equal(p, full[n]) for n, p in z.model().named_parameters() if p.requires_grad)
+        return result
+    reference = eager_reference(z, form, 2)
+    result["worst"], result["where"] = worst_relative(dict(reference.named_parameters()), full)
+    return result
+
+
+def main() -> int:
+    name, out_path, forms = sys.argv[1], sys.argv[2], sys.argv[3:]
+    z, rank = ZOO[name], int(os.environ["RANK"])
+    results = {}
+    for form in forms:
+        try:
+            results[form] = train(z, form, rank)
+        except Exception as e:  # the row records why; the next form still runs
+            lines = [line.strip() for line in str(e).strip().split("\n") if line.strip()]
+            results[form] = {"error": f"{type(e).__name__}: {' '.join(lines[:3])}"}
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(results, indent=1))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
