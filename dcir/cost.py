@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass, replace
 
 from dcir import ops as registry
+from dcir import roles
 from dcir.ir import Function, Module, Op, ShardType, TensorType
 from dcir.memory import device_bytes
 
@@ -198,17 +199,15 @@ def estimate(func: Function, machine: Machine) -> Estimate:
 
 
 def estimate_module(module: Module, machine: Machine | None = None, micro_steps: int = 1) -> Estimate:
-    """One optimizer step: ``@forward`` and ``@backward`` once per micro-step (``@backward``
-    once less when the module has a ``@backward_last`` for the last one), any other
-    function (``@unshard``, ``@backward_last``) once; alpha-beta calibrated to the
-    module's profile when it has one."""
+    """One optimizer step: every function as many times as its role runs per optimizer
+    step (``dcir.roles``: ``@forward`` and ``@backward`` once per micro-step, ``@backward``
+    once less when ``@backward_last`` stands in for it on the last; ``@unshard``, ``@step``
+    once); alpha-beta calibrated to the module's profile when it has one."""
     machine = calibrate(module, machine)
     total = None
-    last = "backward_last" in module.functions
-    runs = {"forward": micro_steps, "backward": micro_steps - 1 if last else micro_steps}
     for name, f in module.functions.items():
         e = estimate(f, machine)
-        for _ in range(runs.get(name, 1)):
+        for _ in range(roles.runs_per_step(name, module.functions, micro_steps)):
             total = e if total is None else total + e
     return total or Estimate(0.0, 0.0, 0.0, 0.0, "analytic")
 

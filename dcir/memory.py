@@ -27,6 +27,7 @@ import re
 from dataclasses import dataclass
 
 from dcir import ops as registry
+from dcir import roles
 from dcir.analysis import storage_owners
 from dcir.ir import Function, HostType, Module, Op, PendingType, Value
 
@@ -126,20 +127,15 @@ def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None
     return Timeline(func, entry, during, after)
 
 
-#: The functions that take ``@forward``'s saved values: ``@backward``, and ``@backward_last``
-#: (the last micro-step's, when ``zero1`` reduces once per optimizer step).
-BACKWARDS = ("backward", "backward_last")
-
-
 def saved_storage(module: Module) -> dict[Value, tuple[object, int]]:
-    """For the saved arguments of ``@backward`` (and ``@backward_last``), the storage
-    ``@forward`` returned them in: two saved values that are views of one tensor are
-    one storage, of that tensor's size."""
-    fw = module.functions.get("forward")
+    """For the saved arguments of the functions that take ``@forward``'s saved values
+    (``dcir.roles``: ``@backward``, ``@backward_last``), the storage ``@forward``
+    returned them in: two saved values that are views of one tensor are one storage, of
+    that tensor's size."""
+    fw = module.functions.get(roles.saver(module.functions) or "")
     out = {}
-    for name in BACKWARDS:
-        bw = module.functions.get(name)
-        if fw is None or bw is None or len(bw.args) != len(fw.returns):
+    for name, bw in module.functions.items():
+        if fw is None or not roles.takes_saved(name) or len(bw.args) != len(fw.returns):
             continue
         owner = owners(fw)
         for ret, arg in zip(fw.returns[1:], bw.args[:-1]):
@@ -177,7 +173,7 @@ def timelines(module: Module) -> dict[str, Timeline]:
     held = resident(module)
     out = {}
     for name, f in module.functions.items():
-        t = timeline(f, saved if name in BACKWARDS else None)
+        t = timeline(f, saved if roles.takes_saved(name) else None)
         if held:
             t.entry += held
             t.during = [x + held for x in t.during]

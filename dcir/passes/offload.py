@@ -81,6 +81,7 @@ import re
 from collections import Counter, deque
 from dataclasses import dataclass
 
+from dcir import roles
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Decl, Function, HostType, Module, Op, PendingType, SymbolRef, Value
 from dcir.memory import OPTIM_KEY, OPTIM_STATE_OF, Bytes, device_bytes, format_bytes, saved_storage, timeline
@@ -202,7 +203,7 @@ def _hand_over(module: Module, step: Function, micro_steps: int, stats: Counter)
     arrives as early as memory allows at no cost in peak memory."""
     first = next((i for i, op in enumerate(step.ops) if op.name == "optim.step"), 0)
     reloads = [op for op in step.ops[:first] if op.name == "mem.reload"]
-    bw = module.functions.get("backward_last") or module.functions.get("backward")
+    bw = module.functions.get(roles.last_micro_step(module.functions, roles.BACKWARD))
     if not reloads or bw is None or bw.returns:
         return
     line = timeline(bw, saved_storage(module))
@@ -218,8 +219,8 @@ def _hand_over(module: Module, step: Function, micro_steps: int, stats: Counter)
         placed.append((reload, at))
     if not placed:
         return
-    if micro_steps > 1 and bw.name == "backward":  # the other micro-steps move nothing
-        bw = module.functions["backward_last"] = copy_function(bw, "backward_last")
+    if micro_steps > 1 and bw.name == roles.BACKWARD:  # the other micro-steps move nothing
+        bw = module.functions[roles.BACKWARD_LAST] = copy_function(bw, roles.BACKWARD_LAST)
     waits = {v: op for op in step.ops if op.name == "comm.wait" for v in op.operands}
     fresh = bw.name_maker()
     moved: dict[int, list[Op]] = {}
@@ -270,7 +271,7 @@ def _hand_to_forward(module: Module, step: Function, tail: list[tuple[list[Op], 
     its bytes from the forward's entry does not raise the forward's peak (the memory
     model's), so the peak stays what it was; a copy that would have to finish at the
     entry gains nothing there and stays in ``@step``."""
-    fw = module.functions.get("forward")
+    fw = module.functions.get(roles.FORWARD)
     if fw is None or not tail:
         return set()
     line = timeline(fw)
@@ -333,7 +334,7 @@ class Offload(Pass):
                              f"{bad[0]!r} is not a name")
 
     def run(self, module: Module, stats: Counter) -> None:
-        if "step" in module.functions:
+        if roles.STEP in module.functions:
             stats["offload: @step exists already"] += 1
             return
         keys = self.state.split("+")
@@ -359,7 +360,7 @@ class Offload(Pass):
                 module.decls[sym] = Decl("buffer", sym, home, {OPTIM_STATE_OF: SymbolRef(d.name), OPTIM_KEY: key})
                 syms.append(sym)
             state[d.name] = syms
-        func = Function("step")
+        func = Function(roles.STEP)
         build = _StepBuilder(module, func, state, room)
         order = [d.name for d in params if d.name in offloaded]
         ahead = 0  # next reload to issue
@@ -397,7 +398,7 @@ class Offload(Pass):
         for k, (_, retire, _) in enumerate(build.inflight):
             if k not in handed:
                 func.ops.extend(retire)
-        module.functions["step"] = func
+        module.functions[roles.STEP] = func
         _hand_over(module, func, self.micro_steps, stats)
         moved = sum(sizes[p] for p in offloaded)
         arrived = sum(a.type.nbytes for a in func.args)  # reloaded in the backward: held into @step

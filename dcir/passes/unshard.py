@@ -56,6 +56,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from dcir.cost import Machine, calibrate, note_source, op_seconds
+from dcir import roles
 from dcir.ir import Decl, Function, Module, Op, PendingType, SymbolRef, Value
 from dcir.memory import UNSHARD_OF, Bytes, owners, timelines
 from dcir.passes import Pass
@@ -133,7 +134,7 @@ def _merge_back(func: Function, groups: list[tuple[Op, list[Op]]]) -> None:
 
 def _keep(module: Module, name: str, fw: _Gather, bw: _Gather) -> None:
     """Hand ``fw.full`` from @forward to @backward in place of @backward's gather."""
-    f, b = module.functions["forward"], module.functions["backward"]
+    f, b = module.functions[roles.FORWARD], module.functions[roles.BACKWARD]
     if len(fw.free.operands) == 1:
         f.ops.remove(fw.free)
     else:
@@ -184,7 +185,7 @@ def _resident(module: Module, name: str, gathers: list[_Gather]) -> str:
 def _unshard_function(module: Module, copies: list[tuple[str, str]]) -> None:
     """``@unshard``: gathers each kept parameter into its copy; the Engine runs it
     before the first micro-step of every optimizer step."""
-    func = Function("unshard")
+    func = Function(roles.UNSHARD)
     for name, copy in copies:
         decl = module.decls[name]
         base = name.replace(".", "_")
@@ -196,7 +197,7 @@ def _unshard_function(module: Module, copies: list[tuple[str, str]]) -> None:
         func.ops.append(Op("comm.wait", [pending], [full]))
         func.ops.append(Op("param.set", [full], [], symbol=copy))
         func.ops.append(Op("mem.free", [full]))
-    module.functions["unshard"] = func
+    module.functions[roles.UNSHARD] = func
 
 
 @dataclass(frozen=True)
@@ -212,10 +213,10 @@ class Unshard(Pass):
             raise ValueError("micro_steps must be at least 1")
 
     def run(self, module: Module, stats: Counter) -> None:
-        f, b = module.functions.get("forward"), module.functions.get("backward")
-        if f is None or b is None or len(b.args) != len(f.returns) or "unshard" in module.functions:
+        f, b = module.functions.get(roles.FORWARD), module.functions.get(roles.BACKWARD)
+        if f is None or b is None or len(b.args) != len(f.returns) or roles.UNSHARD in module.functions:
             return
-        funcs = [module.functions[n] for n in ("forward", "backward", "backward_last") if n in module.functions]
+        funcs = [module.functions[n] for n in roles.in_order(module.functions) if roles.runs_per_micro_step(n)]
         split = [(func, _split_coalesced(func)) for func in funcs]
         self._choose(module, f, b, stats)
         for func, groups in split:
@@ -225,7 +226,7 @@ class Unshard(Pass):
         machine = calibrate(module, Machine())
         note_source(module, stats, "unshard")
         fws, bws = _gathers(f), _gathers(b)
-        last = module.functions.get("backward_last")
+        last = module.functions.get(roles.BACKWARD_LAST)
         if last is not None:  # the last micro-step's backward gathers the same parameters
             for name, gs in _gathers(last).items():
                 bws.setdefault(name, []).extend(gs)
@@ -245,10 +246,10 @@ class Unshard(Pass):
             ranked.append((saved / max(nbytes, 1), name, fw[0], bw[0]))
         ranked.sort(key=lambda c: (-c[0], c[1]))
         lines = timelines(module)
-        fwd, bwd = list(lines["forward"].during), list(lines["backward"].during)
+        fwd, bwd = list(lines[roles.FORWARD].during), list(lines[roles.BACKWARD].during)
         fpos = {op: i for i, op in enumerate(f.ops)}
         bpos = {op: i for i, op in enumerate(b.ops)}
-        entry = lines["backward"].entry
+        entry = lines[roles.BACKWARD].entry
         kept = []
         for _, name, fw, bw in ranked:
             # forward: held from its free to the end; backward: from entry to where it was gathered

@@ -51,6 +51,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from dcir import roles
 from dcir.ir import Decl, Function, Module, Op, SymbolRef, Value
 from dcir.memory import GRAD_ACC_OF
 from dcir.passes import Pass
@@ -127,7 +128,7 @@ class Zero1(Pass):
     def run(self, module: Module, stats: Counter) -> None:
         Zero3(world_size=self.world_size).run(module, stats)
         replicate_parameters(module, stats, self.name)
-        bw = module.functions.get("backward")
+        bw = module.functions.get(roles.BACKWARD)
         if self.micro_steps == 1 or bw is None:
             return
         accumulators = {}
@@ -139,7 +140,7 @@ class Zero1(Pass):
             module.decls[acc] = Decl("buffer", acc, decl.full_type, {GRAD_ACC_OF: SymbolRef(hand.symbol)})
             accumulators[hand.symbol] = acc
             stats["zero1: gradients reduced once per optimizer step"] += 1
-        last = copy_function(bw, "backward_last")
+        last = copy_function(bw, roles.BACKWARD_LAST)
         _accumulate(bw, accumulators, last=False)
         _accumulate(last, accumulators, last=True)
-        module.functions["backward_last"] = last
+        module.functions[roles.BACKWARD_LAST] = last

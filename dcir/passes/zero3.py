@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 from dcir import ops as registry
 from dcir.analysis import last_uses, storage_owners
+from dcir import roles
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Function, Module, Op, PendingType, ShardType, TensorType, Value
 from dcir.passes import Pass
@@ -73,7 +74,7 @@ def rematerialize_param_views(module: Module, stats: Counter) -> None:
 
     Relies on the capture convention: @forward returns (loss, *saved) and @backward
     takes (*saved, tangent)."""
-    fw, bw = module.functions.get("forward"), module.functions.get("backward")
+    fw, bw = module.functions.get(roles.FORWARD), module.functions.get(roles.BACKWARD)
     if fw is None or bw is None or len(bw.args) != len(fw.returns):
         return
     keep_returns, keep_args, recompute = [fw.returns[0]], [], []
