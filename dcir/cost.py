@@ -18,7 +18,7 @@ The simulation has one compute stream (the ops in order), one communication
 channel (collectives in issue order, one at a time, as a process group runs them)
 and one copy channel (host copies in issue order: a copy stream on a GPU, the
 store's copy thread on a CPU). An async start costs its launch on the compute stream
-and queues its transfer on its channel; ``comm.wait`` stalls the compute stream until
+and queues its transfer on its channel; a wait (``comm.wait``, ``mem.wait``) stalls the compute stream until
 the transfers it joins are done. The estimate says where its numbers came from:
 ``profile``, ``analytic`` or ``profile+analytic``.
 """
@@ -55,7 +55,7 @@ class Machine:
 
 def payload(op: Op) -> int:
     """Bytes a collective moves, counted as the full tensors gathered or reduced."""
-    if op.name.startswith("comm.all_gather"):
+    if registry.has_trait(op, registry.GATHERS):
         return sum(r.type.inner.nbytes for r in op.results)
     total = 0
     for v in op.operands:
@@ -99,7 +99,7 @@ def _touched_bytes(op: Op) -> int:
 
 def is_host_copy(op: Op) -> bool:
     """Async ops whose work runs on the copy channel (device <-> host)."""
-    return is_transfer(op) and op.family == "mem"
+    return registry.has_trait(op, registry.HOST_COPY)
 
 
 def analytic_s(op: Op, machine: Machine) -> float:
@@ -109,7 +109,7 @@ def analytic_s(op: Op, machine: Machine) -> float:
                                         for v, r in zip(op.operands, op.results)) / machine.copy_bw
     if is_transfer(op):
         return machine.collective_s(payload(op))
-    if op.family != "aten":
+    if not registry.has_trait(op, registry.COMPUTE):
         return machine.dispatch_s
     return machine.dispatch_s + max(_flops(op) / machine.flops, _touched_bytes(op) / machine.mem_bw)
 
@@ -185,7 +185,7 @@ def estimate(func: Function, machine: Machine) -> Estimate:
             comm += seconds
             for r in op.results:
                 ready[r] = channels[lane]
-        elif op.name == "comm.wait":
+        elif registry.has_trait(op, registry.WAITS):
             done = max((ready.get(v, 0.0) for v in op.operands), default=0.0)
             if done > now:
                 exposed += done - now

@@ -1,7 +1,7 @@
 """The memory model: which storage is live at every point of a schedule, and its peak.
 
 The model reads a function's ops in order and follows *storage*, not values: a view
-(``aten.t``, ``view``...) and the result of ``comm.wait`` share the storage of what
+(``aten.t``, ``view``...) and the result of a wait share the storage of what
 they come from. For one function:
 
 * an op that allocates (trait ``allocates``) creates storage for each result that is
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from dcir import ops as registry
 from dcir import roles
-from dcir.analysis import storage_owners
+from dcir.analysis import view_bases
 from dcir.ir import Function, HostType, Module, Op, PendingType, Value
 
 
@@ -59,23 +59,23 @@ def device_bytes(v: Value) -> int:
     return 0 if isinstance(t, HostType) else t.nbytes
 
 
-def owners(func: Function) -> dict[Value, Value]:
-    """Storage owner of every value that shares another's storage: views, and the
-    results of ``comm.wait`` (the buffer its collective filled)."""
-    owner = storage_owners(func)
+def storage_bases(func: Function) -> dict[Value, Value]:
+    """For every value that shares another's storage, that value (its base): views, and
+    the results of a wait (the buffer its collective or copy filled)."""
+    bases = view_bases(func)
     for op in func.ops:
-        if op.name == "comm.wait":
+        if registry.has_trait(op, registry.WAITS):
             for v, r in zip(op.operands, op.results):
-                owner[r] = owner.get(v, v)
-    return owner
+                bases[r] = bases.get(v, v)
+    return bases
 
 
 def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None = None) -> Timeline:
     """The memory model of ``func`` as scheduled. ``arg_storage`` says, for arguments,
     which storage each is part of and its size (arguments with the same storage key
     share it); by default every argument is its own storage of its type's size."""
-    owner = owners(func)
-    own = lambda v: owner.get(v, v)  # noqa: E731
+    bases = storage_bases(func)
+    own = lambda v: bases.get(v, v)  # noqa: E731
     n = len(func.ops)
     state: set[Value] = set()      # storage of module state: not the schedule's
     allocated: dict[Value, int] = {}
@@ -92,7 +92,7 @@ def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None
                 freed_at.setdefault(own(v), i)
         if d is not None and d.has(registry.GRADIENT):
             held.update(own(v) for v in op.operands)
-        if op.name == "param.get":
+        if d is not None and d.has(registry.LOADS_STATE):
             state.update(op.results)
             continue
         if d is None or not d.has(registry.ALLOCATES):
@@ -107,7 +107,7 @@ def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None
     for a in func.args:
         key, nbytes = (arg_storage or {}).get(a, (a, device_bytes(a)))
         if key in by_key:  # shares the storage of an earlier argument
-            owner[a] = by_key[key]
+            bases[a] = by_key[key]
         else:
             by_key[key] = a
             args[a] = nbytes
@@ -137,10 +137,10 @@ def saved_storage(module: Module) -> dict[Value, tuple[object, int]]:
     for name, bw in module.functions.items():
         if fw is None or not roles.takes_saved(name) or len(bw.args) != len(fw.returns):
             continue
-        owner = owners(fw)
+        bases = storage_bases(fw)
         for ret, arg in zip(fw.returns[1:], bw.args[:-1]):
-            base = owner.get(ret, ret)
-            state = isinstance(base.owner, Op) and base.owner.name == "param.get"  # not the schedule's
+            base = bases.get(ret, ret)
+            state = isinstance(base.owner, Op) and registry.has_trait(base.owner, registry.LOADS_STATE)  # not the schedule's
             out[arg] = (base, 0 if state else device_bytes(base))
     return out
 

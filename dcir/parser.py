@@ -487,9 +487,7 @@ def _build_function(raw: RawFunc, raw_ops: list[RawOp], source: Source) -> Funct
                 f"{r.name} defines {_count(len(r.results), 'result')} but declares {_count(len(r.types), 'type')}",
                 source, (r.line + off, r.col), len(r.name) if not r.results else len(r.results[0])))
         results = [Value(str(n)[1:], t) for n, t in zip(r.results, r.types)]
-        op = Op(r.name, [], results, dict(r.attrs), r.symbol, (r.line + off, r.col), r.operands is not None)
-        op.operands = r.operands  # names for now
-        ops.append(op)
+        ops.append(Op(r.name, [], results, dict(r.attrs), r.symbol, (r.line + off, r.col), r.operands is not None))
         for v in results:
             later.setdefault(v.name, v)
     func = Function(unquote_symbol(raw.name), args, raw.result_types, ops, [], raw.attrs,
@@ -506,8 +504,8 @@ def _build_function(raw: RawFunc, raw_ops: list[RawOp], source: Source) -> Funct
             v = undefined[name] = Value(name, None)
         return v
 
-    for op in ops:
-        op.operands = [resolve(str(n)[1:]) for n in (op.operands or ())]
+    for op, r in zip(ops, raw_ops):
+        op.operands = [resolve(str(n)[1:]) for n in (r.operands or ())]
         for v in op.results:
             current[v.name] = v
     func.returns = [resolve(str(n)[1:]) for n in raw.ret]

@@ -21,10 +21,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
+from dcir import analysis
 from dcir.analysis import dependency_graph
 from dcir.cost import Machine, is_transfer, op_seconds
 from dcir.ir import Function, Module, Op
-from dcir.memory import owners, timeline, timelines
+from dcir.memory import storage_bases, timeline, timelines
+from dcir.rewrite import Rewriter
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,8 @@ class Sweep:
     done: dict[int, float] = field(default_factory=dict)  # transfer op position -> when its transfer ends
     placed: dict[int, int] = field(default_factory=dict)  # anchor position -> where its group now starts
     graph: object = None                               # the dependency DAG (dcir.analysis)
-    owner: dict = field(default_factory=dict)          # value -> its storage owner (dcir.memory)
+    storage: dict = field(default_factory=dict)        # value -> the value whose storage it shares (dcir.memory)
+    waits: dict = field(default_factory=dict)          # pending value -> the wait that joins it
 
     def __post_init__(self):
         ops = self.func.ops
@@ -80,7 +83,8 @@ class Sweep:
         self.start.append(t)
         self.during = list(self.during_at_start or timeline(self.func).during)
         self.graph = dependency_graph(self.func)
-        self.owner = owners(self.func)
+        self.storage = storage_bases(self.func)
+        self.waits = analysis.waits(self.func)
 
     def time_at(self, pos: int) -> float:
         return self.start[min(pos, len(self.start) - 1)]
@@ -170,16 +174,13 @@ def run_moves(module: Module, func: Function, moves: list[Move], machine: Machin
 
 
 def _apply(func: Function, plan: list[tuple[list[int], int]]) -> None:
-    """Rebuild the op list: every group leaves its place and runs before its target."""
-    moved: set[int] = set()
-    before: dict[int, list[int]] = {}
-    for group, pos in plan:
-        moved.update(group)
-        before.setdefault(pos, []).extend(group)
-    ops = func.ops
-    out: list[Op] = []
-    for p in range(len(ops) + 1):
-        out.extend(ops[j] for j in before.get(p, ()))
-        if p < len(ops) and p not in moved:
-            out.append(ops[p])
-    func.ops = out
+    """Every group leaves its place and runs before the op that was at its target
+    (positions as before the moves; a target that moves itself stands for the next op
+    that stays), groups bound for one place in plan order."""
+    ops = list(func.ops)
+    moved = {j for group, _ in plan for j in group}
+    rewriter = Rewriter(func)
+    for group, pos in sorted(plan, key=lambda gp: gp[1]):  # stable: plan order within one target
+        stay = next((p for p in range(pos, len(ops)) if p not in moved), None)
+        for j in group:
+            rewriter.move_before(ops[j], None if stay is None else ops[stay])
