@@ -62,7 +62,7 @@ class Sweep:
     during_at_start: list[int] | None = None          # bytes per op (default: the function alone)
     start: list[float] = field(default_factory=list)   # host time at which op i starts (no stalls)
     during: list[int] = field(default_factory=list)    # bytes live while op i runs
-    index: dict = field(default_factory=dict)          # op -> position
+    position: dict = field(default_factory=dict)       # op -> its position
     seconds: list[float] = field(default_factory=list)  # host time of op i (transfer time for async ops)
     channel: float = 0.0                               # when the channel finishes what was issued so far
     done: dict[int, float] = field(default_factory=dict)  # transfer op position -> when its transfer ends
@@ -73,7 +73,7 @@ class Sweep:
 
     def __post_init__(self):
         ops = self.func.ops
-        self.index = {op: i for i, op in enumerate(ops)}
+        self.position = {op: i for i, op in enumerate(ops)}
         self.seconds = [op_seconds(op, self.machine)[0] for op in ops]
         t, self.start = 0.0, []
         for i, op in enumerate(ops):

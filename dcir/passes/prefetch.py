@@ -72,7 +72,7 @@ def _gather_group(sweep: Sweep, i: int) -> list[int]:
     group = [i]
     for v in op.operands:
         src = v.owner
-        j = sweep.index.get(src)
+        j = sweep.position.get(src)
         if isinstance(src, Op) and registry.has_trait(src, registry.LOADS_STATE) and j is not None and j < i \
                 and sweep.graph.out_degree(j) == 1:
             group.insert(0, j)
@@ -82,7 +82,7 @@ def _gather_group(sweep: Sweep, i: int) -> list[int]:
 def _wait_of(sweep: Sweep, i: int) -> int:
     """Position of the first wait that joins a result of op ``i``."""
     waits = [sweep.waits[r] for r in sweep.func.ops[i].results if r in sweep.waits]
-    return min((sweep.index[w] for w in waits), default=len(sweep.func.ops))
+    return min((sweep.position[w] for w in waits), default=len(sweep.func.ops))
 
 
 def _after_previous_gather(sweep: Sweep, i: int, group: list[int]) -> int:
@@ -117,7 +117,7 @@ def _is_reduction_wait(op: Op) -> bool:
 
 
 def _reduction_start(sweep: Sweep, i: int) -> int:
-    return max(sweep.index[v.owner] for v in sweep.func.ops[i].operands)
+    return max(sweep.position[v.owner] for v in sweep.func.ops[i].operands)
 
 
 def _wait_group(sweep: Sweep, i: int) -> list[int] | None:
