@@ -157,3 +157,17 @@ def test_module_clone_is_a_deep_copy():
     assert not {id(op) for _, op in copy.ops()} & {id(op) for _, op in module.ops()}
     dcir.run_passes(copy, "zero3")
     assert copy != module and str(module) == str(module.clone())
+
+
+#: Units the rewriter work keeps small (issue 18): functions at most 60 lines, classes at most 250
+SIZED = sorted([*ROOT.glob("dcir/passes/*.py"), *(ROOT / "dcir" / n for n in
+                                                    ("ir.py", "rewrite.py", "ops.py", "analysis.py", "schedule.py",
+                                                     "memory.py", "cost.py", "roles.py"))])
+
+
+@pytest.mark.parametrize("path", SIZED, ids=[str(p.relative_to(ROOT)) for p in SIZED])
+def test_functions_and_classes_stay_small(path):
+    big = [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(ast.parse(path.read_text()))
+           if (isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 60)
+           or (isinstance(n, ast.ClassDef) and n.end_lineno - n.lineno + 1 > 250)]
+    assert not big, f"{path.relative_to(ROOT)}: over 60 lines (function) or 250 (class): {big}"

@@ -334,6 +334,61 @@ def _move_copies(step: Function, fw: Function, copies: list[tuple[list[Op], list
     forward.insert_at(0, starts_all)
 
 
+def _declare_state(module: Module, params: list[Decl], keys: list[str], offloaded: set[str]) -> dict[str, list[str]]:
+    """Declare a buffer for each optimizer state tensor of each parameter (in host memory
+    for the ``offloaded`` ones); returns each parameter's state symbols, in ``keys`` order."""
+    state: dict[str, list[str]] = {}
+    for d in params:
+        syms = []
+        for key in keys:
+            sym = f"{d.name}.{key}"
+            while sym in module.decls:
+                sym += "_"
+            home = HostType(d.type) if d.name in offloaded else d.type
+            module.decls[sym] = Decl("buffer", sym, home, {OPTIM_STATE_OF: SymbolRef(d.name), OPTIM_KEY: key})
+            syms.append(sym)
+        state[d.name] = syms
+    return state
+
+
+def _write_step(module: Module, params: list[Decl], state: dict[str, list[str]], offloaded: set[str],
+                room: float, stats: Counter) -> _StepBuilder:
+    """Write ``@step``'s updates, reloading offloaded state ahead as far as ``room``
+    allows; the copies home still in flight are left in the builder for the caller."""
+    build = _StepBuilder(module, Function(roles.STEP), state, room)
+    order = [d.name for d in params if d.name in offloaded]
+    ahead = 0  # next reload to issue
+
+    def prefetch() -> None:
+        nonlocal ahead
+        while ahead < len(order) and build.reload(order[ahead], force=False):
+            ahead += 1
+
+    prefetch()
+    for d in params:
+        if d.name in offloaded:
+            while ahead <= order.index(d.name):
+                build.reload(order[ahead], force=True)
+                ahead += 1
+            wait, values = build.reloaded.pop(d.name)
+            build.emit(wait)
+        else:
+            values = []
+            for sym in state[d.name]:
+                v = build.value(sym.replace(".", "_"), module.decls[sym].type)
+                build.emit(Op("param.get", [], [v], symbol=sym))
+                values.append(v)
+        updated = [build.value(v.name + "_1", v.type) for v in values]
+        build.emit(Op("optim.step", values, updated, symbol=d.name))
+        if d.name in offloaded:
+            build.offload(d.name, updated)
+            stats["offload: parameters whose optimizer state lives in host memory"] += 1
+        else:
+            stats["offload: parameters whose optimizer state stays on the device"] += 1
+        prefetch()
+    return build
+
+
 @dataclass(frozen=True)
 class Offload(Pass):
     name = "offload"
@@ -370,49 +425,9 @@ class Offload(Pass):
                 f"offload: the optimizer state of @{largest.name} ({format_bytes(sizes[largest.name])}) does not "
                 f"fit the budget of {format_bytes(self.budget)}; the step updates it on the device, so the budget "
                 f"must hold at least the largest parameter's state", module.source, largest.loc, len(largest.kind)))
-        state: dict[str, list[str]] = {}
-        for d in params:
-            syms = []
-            for key in keys:
-                sym = f"{d.name}.{key}"
-                while sym in module.decls:
-                    sym += "_"
-                home = HostType(d.type) if d.name in offloaded else d.type
-                module.decls[sym] = Decl("buffer", sym, home, {OPTIM_STATE_OF: SymbolRef(d.name), OPTIM_KEY: key})
-                syms.append(sym)
-            state[d.name] = syms
-        func = Function(roles.STEP)
-        build = _StepBuilder(module, func, state, room)
-        order = [d.name for d in params if d.name in offloaded]
-        ahead = 0  # next reload to issue
-
-        def prefetch() -> None:
-            nonlocal ahead
-            while ahead < len(order) and build.reload(order[ahead], force=False):
-                ahead += 1
-
-        prefetch()
-        for d in params:
-            if d.name in offloaded:
-                while ahead <= order.index(d.name):
-                    build.reload(order[ahead], force=True)
-                    ahead += 1
-                wait, values = build.reloaded.pop(d.name)
-                build.emit(wait)
-            else:
-                values = []
-                for sym in state[d.name]:
-                    v = build.value(sym.replace(".", "_"), module.decls[sym].type)
-                    build.emit(Op("param.get", [], [v], symbol=sym))
-                    values.append(v)
-            updated = [build.value(v.name + "_1", v.type) for v in values]
-            build.emit(Op("optim.step", values, updated, symbol=d.name))
-            if d.name in offloaded:
-                build.offload(d.name, updated)
-                stats["offload: parameters whose optimizer state lives in host memory"] += 1
-            else:
-                stats["offload: parameters whose optimizer state stays on the device"] += 1
-            prefetch()
+        state = _declare_state(module, params, keys, offloaded)
+        build = _write_step(module, params, state, offloaded, room, stats)
+        func = build.func
         # the copies home still in flight finish in the next forward where that hides them
         # (under accumulation @forward runs on every micro-step: they stay in @step)
         handed = _hand_to_forward(module, func, list(build.inflight) if self.micro_steps == 1 else [], stats)
