@@ -48,7 +48,7 @@ KiB, goes to host memory; @a's 1 KiB is all the room holds at once)::
     func @forward(%x: f32[64, 64], %b_exp_avg_1: shard<f32[32], 2>, ...) -> (...) {
       %b_exp_avg_off = mem.offload(%b_exp_avg_1) : pending<host<shard<f32[32], 2>>>
       ...                                       // gathers and compute
-      %b_exp_avg_home, ... = comm.wait(%b_exp_avg_off, ...)
+      %b_exp_avg_home, ... = mem.wait(%b_exp_avg_off, ...)
       param.set @b.exp_avg(%b_exp_avg_home)
       mem.free(%b_exp_avg_1, ...)
       %h = aten.mul.Tensor(%x, %x) : f32[64, 64]  // the forward's peak
@@ -59,13 +59,13 @@ KiB, goes to host memory; @a's 1 KiB is all the room holds at once)::
       %a_exp_avg_host = param.get @a.exp_avg : host<shard<f32[16, 16], 2>>
       %a_exp_avg_pending = mem.reload(%a_exp_avg_host) : pending<shard<f32[16, 16], 2>>
       ...                                       // the rest of the backward
-      %a_exp_avg = comm.wait(%a_exp_avg_pending) : shard<f32[16, 16], 2>
+      %a_exp_avg = mem.wait(%a_exp_avg_pending) : shard<f32[16, 16], 2>
       return %a_exp_avg, %a_exp_avg_sq
     func @step(%a_exp_avg: shard<f32[16, 16], 2>, ...) -> (shard<f32[32], 2>, ...) {
       %a_exp_avg_1, %a_exp_avg_sq_1 = optim.step @a(%a_exp_avg, %a_exp_avg_sq) : ...
       %a_exp_avg_off = mem.offload(%a_exp_avg_1) : pending<host<shard<f32[16, 16], 2>>>
       ...
-      %a_exp_avg_home, ... = comm.wait(%a_exp_avg_off, ...)
+      %a_exp_avg_home, ... = mem.wait(%a_exp_avg_off, ...)
       param.set @a.exp_avg(%a_exp_avg_home)
       mem.free(%a_exp_avg_1, %a_exp_avg_sq_1)
       %b_exp_avg_host = param.get @b.exp_avg : host<shard<f32[32], 2>>
