@@ -140,7 +140,8 @@ def saved_storage(module: Module) -> dict[Value, tuple[object, int]]:
         bases = storage_bases(fw)
         for ret, arg in zip(fw.returns[1:], bw.args[:-1]):
             base = bases.get(ret, ret)
-            state = isinstance(base.owner, Op) and registry.has_trait(base.owner, registry.LOADS_STATE)  # not the schedule's
+            # module state is not the schedule's memory
+            state = isinstance(base.owner, Op) and registry.has_trait(base.owner, registry.LOADS_STATE)
             out[arg] = (base, 0 if state else device_bytes(base))
     return out
 

@@ -272,7 +272,8 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
           example="%d_dev = mem.wait(%d) : shard<f32[16, 8], 2>", joins=HOST_COPY),
     OpDef("optim.step", "Run the optimizer's update of one parameter with its gradient and the given state, in "
           "place; the results are the updated state (the operands' storage).",
-          (0, None), "per_operand", frozenset({SIDE_EFFECT, READS_STATE, WRITES_STATE, OPTIMIZES}), _rule_optim_step, symbol=True,
+          (0, None), "per_operand", frozenset({SIDE_EFFECT, READS_STATE, WRITES_STATE, OPTIMIZES}), _rule_optim_step,
+          symbol=True,
           example="%m_1, %v_1 = optim.step @fc1.weight(%m, %v) : shard<f32[16, 8], 2>, shard<f32[16, 8], 2>"),
 ]}
 
