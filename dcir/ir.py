@@ -217,8 +217,9 @@ class Op:
                  attrs: dict[str, Attr] | None = None, symbol: str | None = None, loc: Loc | None = None,
                  parens: bool | None = None):
         self.name = name
-        self._operands = ()
-        self.operands = operands or ()
+        self._operands = tuple(operands) if operands else ()
+        for i, v in enumerate(self._operands):
+            v.uses.append((self, i))
         self.results = list(results or ())
         self.attrs = dict(attrs or {})
         self.symbol = symbol
@@ -235,10 +236,10 @@ class Op:
 
     @operands.setter
     def operands(self, values) -> None:
-        old, self._operands = self._operands, tuple(values)
-        if old:
-            _unuse(old, self)
-        for i, v in enumerate(self._operands):
+        if self._operands:
+            _unuse(self._operands, self)
+        new = self._operands = tuple(values)
+        for i, v in enumerate(new):
             v.uses.append((self, i))
 
     @property
@@ -264,8 +265,9 @@ class Function:
         self.args = list(args or ())
         self.result_types = list(result_types or ())
         self.ops = list(ops or ())
-        self._returns = ()
-        self.returns = returns or ()
+        self._returns = tuple(returns) if returns else ()
+        for i, v in enumerate(self._returns):
+            v.uses.append((self, i))
         self.attrs = dict(attrs or {})
         self.loc = loc
         self.return_loc = return_loc
@@ -278,10 +280,10 @@ class Function:
 
     @returns.setter
     def returns(self, values) -> None:
-        old, self._returns = self._returns, tuple(values)
-        if old:
-            _unuse(old, self)
-        for i, v in enumerate(self._returns):
+        if self._returns:
+            _unuse(self._returns, self)
+        new = self._returns = tuple(values)
+        for i, v in enumerate(new):
             v.uses.append((self, i))
 
     def values(self) -> Iterator[Value]:
