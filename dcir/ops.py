@@ -173,7 +173,8 @@ def _rule_wait(op, types, module):
         if not isinstance(t, PendingType):
             raise TypeRuleError(f"{op.name} joins pending values; operand #{i} is {t}", i)
         src = op.operands[i].owner
-        if isinstance(src, Op) and lookup(src.name) is not None and not has_trait(src, joins):
+        d = lookup(src.name) if isinstance(src, Op) else None
+        if d is not None and joins not in d.traits:
             other = next((d.name for d in OPS.values() if d.joins is not None and has_trait(src, d.joins)), None)
             raise TypeRuleError(f"{op.name} joins {joins.replace('_', ' ')} ops; %{op.operands[i].name} "
                                 f"comes from {src.name}" + (f", which {other} joins" if other else ""), i)
