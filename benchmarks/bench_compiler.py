@@ -17,7 +17,8 @@ AOTAutograd would capture it, sharded ZeRO-3 style across ``world_size`` ranks:
   each layer's parameters are gathered once and used by every micro-batch, the losses
   are averaged, and per-micro-batch weight gradients are summed before reduction;
 * decoder layers are activation-checkpointed (as an 80-layer model is trained): only a
-  layer's input is saved, offloaded to host memory (``mem.offload``; ``offload=False`` keeps it), and
+  layer's input is saved, offloaded to host memory (``mem.offload``, joined by ``mem.wait``;
+  ``offload=False`` keeps it), and
   ``@backward`` reloads it, re-gathers the layer's parameters, recomputes the layer's
   forward, then runs its backward;
 * every trainable parameter's gradient is cast to f32, ``comm.reduce_scatter``-ed
@@ -215,10 +216,10 @@ class _Func:
         self.async_reads[name] = [self.root[operand]]
         return name
 
-    def wait(self, pending: str, base: str, tag) -> str:
+    def wait(self, pending: str, base: str, tag, op: str = "comm.wait") -> str:
         name = self.ns.fresh(base)
         inner = self.types[pending][len("pending<"):-1]
-        self._emit([name], "comm.wait", None, [pending], (), [inner])
+        self._emit([name], op, None, [pending], (), [inner])
         self.root[name] = name
         self.freeable[name] = tag
         return name
@@ -706,7 +707,7 @@ class _Llama:
                 if self.offload:
                     pend = f.async_op("mem.offload", x_in, pending_t(f"host<{f.types[x_in]}>"), "offload")
                 xs[k], _ = self.layer_forward(f, i, W, x_in, cos, sin, mask)
-                layer_inputs[k].append(f.wait(pend, "offloaded", "act") if self.offload else x_in)
+                layer_inputs[k].append(f.wait(pend, "offloaded", "act", "mem.wait") if self.offload else x_in)
         W = self._Gathered(self, f, ["model.norm.weight", "lm_head.weight"])
         losses, head_saved = [], []
         for k in range(M):
@@ -743,7 +744,7 @@ class _Llama:
                 x_in = [f.async_op("mem.reload", x, pending_t(fwd_types[x][len("host<"):-1]), "reload") for x in x_in]
             for k in range(M):
                 if self.offload:
-                    x_in[k] = f.wait(x_in[k], "reloaded", "act")
+                    x_in[k] = f.wait(x_in[k], "reloaded", "act", "mem.wait")
                 _, s = self.layer_forward(f, i, W, x_in[k], cos, sin, mask, recompute=True)
                 if k == 0:
                     self.flush_grads(f)  # the previous layer's gradients, overlapped with this recompute

@@ -40,7 +40,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import time
 from dataclasses import replace
@@ -72,7 +71,7 @@ def program(layers: int, world: int, seq: int = 1024) -> dcir.Module:
 
 def plan(module: dcir.Module, machine, accumulate: int, budget: int | None) -> dcir.Module:
     """``module`` after the full pass set, planned on ``machine`` within ``budget``."""
-    out = copy.deepcopy(module)
+    out = module.clone()
     opt = f"budget={budget}, " if budget else ""
     pipeline = f"prefetch{{{opt[:-2]}}},unshard{{{opt}micro_steps={accumulate}}},bucket{{{opt[:-2]}}}"
     with planning(machine):

@@ -10,19 +10,9 @@ import networkx as nx
 from dcir import ops as registry
 from dcir.ir import Function, Op, Value
 
-#: The use of a value by ``return`` is recorded with this in place of an op.
-RETURN = None
-
-
-def uses(func: Function) -> dict[Value, list[tuple[Op | None, int]]]:
-    """Every value's uses: (op, operand index), or (RETURN, index) for the return."""
-    out: dict[Value, list[tuple[Op | None, int]]] = {v: [] for v in func.values()}
-    for op in func.ops:
-        for i, v in enumerate(op.operands):
-            out.setdefault(v, []).append((op, i))
-    for i, v in enumerate(func.returns):
-        out.setdefault(v, []).append((RETURN, i))
-    return out
+def waits(func: Function) -> dict[Value, Op]:
+    """For every pending value of ``func``, the wait (``comm.wait``, ``mem.wait``) that joins it."""
+    return {v: op for op in func.ops if registry.has_trait(op, registry.WAITS) for v in op.operands}
 
 
 def dependency_graph(func: Function) -> nx.DiGraph:
@@ -35,9 +25,9 @@ def dependency_graph(func: Function) -> nx.DiGraph:
     """
     g = nx.DiGraph()
     g.add_nodes_from(range(len(func.ops)))
-    owner = storage_owners(func)
+    base = view_bases(func)
     where: dict[Value, int] = {}
-    readers: dict[Value, list[int]] = {}  # storage owner -> ops that read it (an async read ends at its wait)
+    readers: dict[Value, list[int]] = {}  # storage base -> ops that read it (an async read ends at its wait)
     started: dict[Value, Op] = {}         # pending value -> the async op that yields it
     last_write: dict[str, int] = {}
     reads_since_write: dict[str, list[int]] = {}
@@ -47,15 +37,15 @@ def dependency_graph(func: Function) -> nx.DiGraph:
         for v in op.operands:
             if v in where:
                 g.add_edge(where[v], i, kind="data")
-            readers.setdefault(owner.get(v, v), []).append(i)
-            if v in started and op.name == "comm.wait":
+            readers.setdefault(base.get(v, v), []).append(i)
+            if v in started and d is not None and d.has(registry.WAITS):
                 for src in started.pop(v).operands:
-                    readers.setdefault(owner.get(src, src), []).append(i)
+                    readers.setdefault(base.get(src, src), []).append(i)
         if d is not None and d.has(registry.ASYNC):
             started.update(dict.fromkeys(op.results, op))
         if d is not None and d.has(registry.FREES):
             for v in op.operands:
-                for r in readers.get(owner.get(v, v), ()):
+                for r in readers.get(base.get(v, v), ()):
                     if r != i:
                         g.add_edge(r, i, kind="free")
         if op.symbol is not None and d is not None:
@@ -98,24 +88,24 @@ def live_ops(func: Function) -> set[int]:
     return nx.ancestors(data, sink)
 
 
-def storage_owners(func: Function) -> dict[Value, Value]:
-    """For every value that is a view (``aten.t``, ``view``, ``split``...), the value
-    that owns its storage (a view of a view maps to the original)."""
-    owner: dict[Value, Value] = {}
+def view_bases(func: Function) -> dict[Value, Value]:
+    """For every value that is a view (``aten.t``, ``view``, ``split``...), its base: the
+    value whose storage it shares (a view of a view maps to the original)."""
+    bases: dict[Value, Value] = {}
     for op in func.ops:
         for res, src in registry.views(op).items():
             base = op.operands[src]
-            owner[op.results[res]] = owner.get(base, base)
-    return owner
+            bases[op.results[res]] = bases.get(base, base)
+    return bases
 
 
 def last_uses(func: Function) -> tuple[dict[Value, int], set[Value]]:
-    """For every storage owner, the position of the last op that reads it or any view of
-    it; and the owners whose storage the function returns (never to be freed)."""
-    owner = storage_owners(func)
+    """For every storage base, the position of the last op that reads it or any view of
+    it; and the bases whose storage the function returns (never to be freed)."""
+    bases = view_bases(func)
     last: dict[Value, int] = {}
     for i, op in enumerate(func.ops):
         for v in op.operands:
-            last[owner.get(v, v)] = i
-    returned = {owner.get(v, v) for v in func.returns}
+            last[bases.get(v, v)] = i
+    returned = {bases.get(v, v) for v in func.returns}
     return last, returned

@@ -92,7 +92,7 @@ def ranks(op: Op, machine: Machine) -> int:
 
 def payload(op: Op) -> int:
     """Bytes a collective moves, counted as the full tensors gathered or reduced."""
-    if op.name.startswith("comm.all_gather"):
+    if registry.has_trait(op, registry.GATHERS):
         return sum(r.type.inner.nbytes for r in op.results)
     total = 0
     for v in op.operands:
@@ -136,7 +136,7 @@ def _touched_bytes(op: Op) -> int:
 
 def is_host_copy(op: Op) -> bool:
     """Async ops whose work runs on the copy channel (device <-> host)."""
-    return is_transfer(op) and op.family == "mem"
+    return registry.has_trait(op, registry.HOST_COPY)
 
 
 def analytic_s(op: Op, machine: Machine) -> float:
@@ -146,7 +146,7 @@ def analytic_s(op: Op, machine: Machine) -> float:
                                         for v, r in zip(op.operands, op.results)) / machine.copy_bw
     if is_transfer(op):
         return machine.collective_s(ring_kind(op), payload(op), ranks(op, machine))
-    if op.family != "aten":
+    if not registry.has_trait(op, registry.COMPUTE):
         return machine.dispatch_s
     return machine.dispatch_s + max(_flops(op) / machine.flops, _touched_bytes(op) / machine.mem_bw)
 

@@ -127,7 +127,7 @@ def fit(module: Module, name: str, base: Machine | None = None) -> Machine:
     base = calibrate(module, base or Machine(world_size=module.world_size))
     timed = [(op, op.attrs[TIME] * 1e-6) for _, op in module.ops()
              if isinstance(op.attrs.get(TIME), (int, float)) and op.attrs[TIME] > 0]
-    aten = [(op, t) for op, t in timed if op.family == "aten"]
+    aten = [(op, t) for op, t in timed if registry.has_trait(op, registry.COMPUTE)]
     small = sorted(t for op, t in aten if _touched_bytes(op) < 4096)
     dispatch = small[len(small) // 2] if small else base.dispatch_s
     mm = [(_flops(op), t) for op, t in aten if _flops(op) > 0]

@@ -166,41 +166,81 @@ Loc = tuple  # (line, column), both 1-based, in the file the module was parsed f
 
 
 class Value:
-    """An SSA value: a function argument or an op result."""
+    """An SSA value: a function argument or an op result.
 
-    __slots__ = ("name", "type", "owner", "index")
+    ``owner`` is the defining ``Op`` (or the ``Function`` for an argument) and ``index``
+    the result (or argument) position there; ``Op()`` and ``Function()`` set both when
+    they take the value. ``uses`` lists every reader as ``(op, operand index)``, or
+    ``(function, return index)`` for a return; ``Op.operands`` and
+    ``Function.returns`` keep it current, so a pass asks a value who reads it instead
+    of scanning the function. Change the IR through ``dcir.rewrite.Rewriter``, which
+    keeps owners, indices, uses and order consistent.
+    """
 
-    def __init__(self, name: str, type: Type, owner: "Op | Function | None" = None, index: int = 0):
+    __slots__ = ("name", "type", "owner", "index", "uses")
+
+    def __init__(self, name: str, type: Type):
         self.name = name
         self.type = type
-        self.owner = owner  # the defining Op, or the Function for an argument
-        self.index = index  # result index in the op, or argument index in the function
+        self.owner: "Op | Function | None" = None
+        self.index = 0
+        self.uses: list[tuple["Op | Function", int]] = []
+
+    def users(self) -> list["Op"]:
+        """The ops that read this value, in no particular order, each once."""
+        return list({id(u): u for u, _ in self.uses if isinstance(u, Op)}.values())
 
     def __repr__(self) -> str:
         return f"%{self.name}: {self.type}"
 
 
+def _unuse(values, user, start: int = 0) -> None:
+    for i, v in enumerate(values, start):
+        v.uses.remove((user, i))
+
+
 class Op:
     """One operation: ``%r = family.op @sym(%a, %b) {k = v} : T``.
 
-    ``operands`` is ``None`` when the op was written without parentheses, which is
-    different from ``()``; the printer keeps the distinction so text round-trips.
+    ``operands`` is a tuple; assigning it records the new uses and drops the old ones.
+    It is ``None`` in the text when the op was written without parentheses, which is
+    different from ``()``; ``parens`` keeps the distinction so text round-trips.
+
+    ``Op()`` takes its results: each must be a fresh value (no owner yet), and
+    becomes this op's result ``i`` (``owner`` and ``index`` set). To give an existing
+    value's name to a new op, make a new ``Value`` and replace the old one's uses.
     """
 
-    __slots__ = ("name", "operands", "results", "attrs", "symbol", "loc", "parens")
+    __slots__ = ("name", "_operands", "results", "attrs", "symbol", "loc", "parens")
 
     def __init__(self, name: str, operands: list[Value] | None = None, results: list[Value] | None = None,
                  attrs: dict[str, Attr] | None = None, symbol: str | None = None, loc: Loc | None = None,
                  parens: bool | None = None):
         self.name = name
-        self.operands = list(operands or ())
+        self._operands = tuple(operands) if operands else ()
+        for i, v in enumerate(self._operands):
+            v.uses.append((self, i))
         self.results = list(results or ())
         self.attrs = dict(attrs or {})
         self.symbol = symbol
         self.loc = loc
-        self.parens = bool(self.operands) if parens is None else parens
+        self.parens = bool(self._operands) if parens is None else parens
         for i, r in enumerate(self.results):
+            if r.owner is not None:
+                raise ValueError(f"%{r.name} is defined already (by {r.owner.name}); a value has one definition")
             r.owner, r.index = self, i
+
+    @property
+    def operands(self) -> tuple[Value, ...]:
+        return self._operands
+
+    @operands.setter
+    def operands(self, values) -> None:
+        if self._operands:
+            _unuse(self._operands, self)
+        new = self._operands = tuple(values)
+        for i, v in enumerate(new):
+            v.uses.append((self, i))
 
     @property
     def family(self) -> str:
@@ -212,9 +252,11 @@ class Op:
 
 
 class Function:
-    """A function: arguments, ops in execution order, and the values it returns."""
+    """A function: arguments, ops in execution order, and the values it returns.
 
-    __slots__ = ("name", "args", "result_types", "ops", "returns", "attrs", "loc", "return_loc")
+    ``returns`` records its uses like ``Op.operands`` (``(function, index)``)."""
+
+    __slots__ = ("name", "args", "result_types", "ops", "_returns", "attrs", "loc", "return_loc")
 
     def __init__(self, name: str, args: list[Value] | None = None, result_types: list[Type] | None = None,
                  ops: list[Op] | None = None, returns: list[Value] | None = None,
@@ -223,12 +265,26 @@ class Function:
         self.args = list(args or ())
         self.result_types = list(result_types or ())
         self.ops = list(ops or ())
-        self.returns = list(returns or ())
+        self._returns = tuple(returns) if returns else ()
+        for i, v in enumerate(self._returns):
+            v.uses.append((self, i))
         self.attrs = dict(attrs or {})
         self.loc = loc
         self.return_loc = return_loc
         for i, a in enumerate(self.args):
             a.owner, a.index = self, i
+
+    @property
+    def returns(self) -> tuple[Value, ...]:
+        return self._returns
+
+    @returns.setter
+    def returns(self, values) -> None:
+        if self._returns:
+            _unuse(self._returns, self)
+        new = self._returns = tuple(values)
+        for i, v in enumerate(new):
+            v.uses.append((self, i))
 
     def values(self) -> Iterator[Value]:
         yield from self.args
@@ -251,6 +307,21 @@ class Function:
     def fresh_name(self, base: str) -> str:
         """A value name not yet used in this function, derived from ``base``."""
         return self.name_maker()(base)
+
+    def clone(self, name: str | None = None) -> "Function":
+        """A deep copy (new values and ops, same names, types, attributes and locations),
+        optionally under another name."""
+        env: dict[Value, Value] = {}
+
+        def copy(v: Value) -> Value:
+            if v not in env:
+                env[v] = Value(v.name, v.type)
+            return env[v]
+        args = [copy(a) for a in self.args]
+        ops = [Op(op.name, [copy(v) for v in op.operands], [copy(r) for r in op.results], dict(op.attrs),
+                  op.symbol, op.loc, op.parens) for op in self.ops]
+        return Function(name or self.name, args, list(self.result_types), ops, [copy(v) for v in self.returns],
+                        dict(self.attrs), self.loc, self.return_loc)
 
 
 @dataclass(slots=True)
@@ -286,6 +357,15 @@ class Module:
     attrs: dict[str, Attr] = field(default_factory=dict)
     loc: Loc | None = None
     source: "Source | None" = None
+
+    def clone(self) -> "Module":
+        """A deep copy: declarations, functions (new values and ops) and attributes; the
+        source text is shared (it is immutable). Replanning copies a module this way
+        rather than printing and parsing it."""
+        from dataclasses import replace
+        decls = {k: replace(d, attrs=dict(d.attrs)) for k, d in self.decls.items()}
+        funcs = {k: f.clone() for k, f in self.functions.items()}
+        return Module(self.name, decls, funcs, dict(self.attrs), self.loc, self.source)
 
     def ops(self) -> Iterator[tuple[Function, Op]]:
         for f in self.functions.values():

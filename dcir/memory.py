@@ -1,7 +1,7 @@
 """The memory model: which storage is live at every point of a schedule, and its peak.
 
 The model reads a function's ops in order and follows *storage*, not values: a view
-(``aten.t``, ``view``...) and the result of ``comm.wait`` share the storage of what
+(``aten.t``, ``view``...) and the result of a wait share the storage of what
 they come from. For one function:
 
 * an op that allocates (trait ``allocates``) creates storage for each result that is
@@ -27,7 +27,8 @@ import re
 from dataclasses import dataclass, field
 
 from dcir import ops as registry
-from dcir.analysis import storage_owners
+from dcir import roles
+from dcir.analysis import view_bases
 from dcir.ir import Function, HostType, Module, Op, PendingType, Value
 
 
@@ -60,23 +61,23 @@ def device_bytes(v: Value) -> int:
     return 0 if isinstance(t, HostType) else t.nbytes
 
 
-def owners(func: Function) -> dict[Value, Value]:
-    """Storage owner of every value that shares another's storage: views, and the
-    results of ``comm.wait`` (the buffer its collective filled)."""
-    owner = storage_owners(func)
+def storage_bases(func: Function) -> dict[Value, Value]:
+    """For every value that shares another's storage, that value (its base): views, and
+    the results of a wait (the buffer its collective or copy filled)."""
+    bases = view_bases(func)
     for op in func.ops:
-        if op.name == "comm.wait":
+        if registry.has_trait(op, registry.WAITS):
             for v, r in zip(op.operands, op.results):
-                owner[r] = owner.get(v, v)
-    return owner
+                bases[r] = bases.get(v, v)
+    return bases
 
 
 def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None = None) -> Timeline:
     """The memory model of ``func`` as scheduled. ``arg_storage`` says, for arguments,
     which storage each is part of and its size (arguments with the same storage key
     share it); by default every argument is its own storage of its type's size."""
-    owner = owners(func)
-    own = lambda v: owner.get(v, v)  # noqa: E731
+    bases = storage_bases(func)
+    own = lambda v: bases.get(v, v)  # noqa: E731
     n = len(func.ops)
     state: set[Value] = set()      # storage of module state: not the schedule's
     allocated: dict[Value, int] = {}
@@ -94,7 +95,7 @@ def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None
                 freed_at.setdefault(own(v), i)
         if d is not None and d.has(registry.GRADIENT):
             held.update(own(v) for v in op.operands)
-        if op.name == "param.get":
+        if d is not None and d.has(registry.LOADS_STATE):
             state.update(op.results)
             continue
         if d is None or not d.has(registry.ALLOCATES):
@@ -110,7 +111,7 @@ def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None
     for a in func.args:
         key, nbytes = (arg_storage or {}).get(a, (a, device_bytes(a)))
         if key in by_key:  # shares the storage of an earlier argument
-            owner[a] = by_key[key]
+            bases[a] = by_key[key]
         else:
             by_key[key] = a
             args[a] = nbytes
@@ -132,25 +133,21 @@ def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None
     return Timeline(func, entry, during, after, storage)
 
 
-#: The functions that take ``@forward``'s saved values: ``@backward``, and ``@backward_last``
-#: (the last micro-step's, when ``zero1`` reduces once per optimizer step).
-BACKWARDS = ("backward", "backward_last")
-
-
 def saved_storage(module: Module) -> dict[Value, tuple[object, int]]:
-    """For the saved arguments of ``@backward`` (and ``@backward_last``), the storage
-    ``@forward`` returned them in: two saved values that are views of one tensor are
-    one storage, of that tensor's size."""
-    fw = module.functions.get("forward")
+    """For the saved arguments of the functions that take ``@forward``'s saved values
+    (``dcir.roles``: ``@backward``, ``@backward_last``), the storage ``@forward``
+    returned them in: two saved values that are views of one tensor are one storage, of
+    that tensor's size."""
+    fw = module.functions.get(roles.saver(module.functions) or "")
     out = {}
-    for name in BACKWARDS:
-        bw = module.functions.get(name)
-        if fw is None or bw is None or len(bw.args) != len(fw.returns):
+    for name, bw in module.functions.items():
+        if fw is None or not roles.takes_saved(name) or len(bw.args) != len(fw.returns):
             continue
-        owner = owners(fw)
+        bases = storage_bases(fw)
         for ret, arg in zip(fw.returns[1:], bw.args[:-1]):
-            base = owner.get(ret, ret)
-            state = isinstance(base.owner, Op) and base.owner.name == "param.get"  # not the schedule's
+            base = bases.get(ret, ret)
+            # module state is not the schedule's memory
+            state = isinstance(base.owner, Op) and registry.has_trait(base.owner, registry.LOADS_STATE)
             out[arg] = (base, 0 if state else device_bytes(base))
     return out
 
@@ -183,7 +180,7 @@ def timelines(module: Module) -> dict[str, Timeline]:
     held = resident(module)
     out = {}
     for name, f in module.functions.items():
-        t = timeline(f, saved if name in BACKWARDS else None)
+        t = timeline(f, saved if roles.takes_saved(name) else None)
         if held:
             t.entry += held
             t.during = [x + held for x in t.during]

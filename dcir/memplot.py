@@ -21,7 +21,7 @@ from pathlib import Path
 
 from dcir import ops as registry
 from dcir.ir import Module, Op, Value
-from dcir.memory import GRAD_ACC_OF, UNSHARD_OF, owners, timelines
+from dcir.memory import GRAD_ACC_OF, UNSHARD_OF, storage_bases, timelines
 
 CATEGORIES = ("parameters", "gradients", "optimizer state", "activations")
 COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer state": "#55a868", "activations": "#c44e52"}
@@ -37,7 +37,7 @@ def _category(v: Value, graded: set[Value]) -> str:
         return "gradients"
     if op is None:
         return "activations"
-    if op.name == "mem.reload":
+    if registry.has_trait(op, registry.HOST_COPY):  # state copied back from host: the optimizer's
         return "optimizer state"
     if registry.has_trait(op, registry.COLLECTIVE):
         return "gradients" if registry.has_trait(op, registry.REDUCES) else "parameters"
@@ -57,7 +57,7 @@ def split(module: Module) -> dict[str, dict[str, list[int]]]:
     out = {}
     for name, func in module.functions.items():
         t = lines[name]
-        own = owners(func)
+        own = storage_bases(func)
         graded = set()
         for op in func.ops:
             if registry.has_trait(op, registry.GRADIENT) or (

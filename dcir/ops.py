@@ -11,18 +11,29 @@ Traits:
 ``pure``        no side effect: removable when its results are unused
 ``compute``     computes on full tensors (never shards, pending or host values)
 ``async``       starts work and yields pending values, joined by a ``waits`` op
-``waits``       joins pending values
+``waits``       joins pending values (its results share their storage); ``comm.wait``
+                joins collectives, ``mem.wait`` host copies (``OpDef.joins``)
 ``collective``  every rank must issue it, in the same order
+``gathers``     a collective that yields full tensors from every rank's shard
+``scatters``    a collective that leaves each rank its shard of the result
 ``reduces``     combines its operands across ranks (sum, avg, ...)
+``host_copy``   copies between device and host memory, on the copy channel
 ``gradient``    hands a parameter's gradient to the optimizer
 ``frees``       releases the storage of its operands
 ``allocates``   its results occupy new memory
 ``side_effect`` must run even when nothing reads its results
 ``reads_state`` reads a module-level symbol's storage
+``loads_state`` its result *is* the named symbol's storage as this rank holds it
 ``writes_state`` writes a module-level symbol's storage
 ``schema``      operands, attributes and results follow a torch overload's schema
 ``casts``       copies its operand converted to the element type its ``dtype`` attribute names
+``optimizes``   runs the optimizer's update of the named parameter
 =============  =====================================================================
+
+Passes and models ask ``has_trait(op, T)``, never an op's name, so a new op declared
+with the traits of an existing one is rewritten, scheduled and costed like it.
+A collective that works on one tensor names its form for several (``coalesced``),
+which ``bucket`` creates when it merges them.
 """
 
 from __future__ import annotations
@@ -36,7 +47,9 @@ from dcir.ir import DTYPE_BYTES, NONE, DType, HostType, Op, PendingType, ShardTy
 
 PURE, COMPUTE, ASYNC, WAITS, COLLECTIVE, REDUCES = "pure", "compute", "async", "waits", "collective", "reduces"
 FREES, ALLOCATES, SIDE_EFFECT, READS_STATE, WRITES_STATE = "frees", "allocates", "side_effect", "reads_state", "writes_state"
-GRADIENT, SCHEMA, CASTS = "gradient", "schema", "casts"
+GRADIENT, GATHERS, SCATTERS, HOST_COPY = "gradient", "gathers", "scatters", "host_copy"
+SCHEMA, CASTS = "schema", "casts"
+LOADS_STATE, OPTIMIZES = "loads_state", "optimizes"
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
@@ -88,6 +101,10 @@ class OpDef:
     attrs: dict[str, AttrSpec] = field(default_factory=dict)
     symbol: bool = False  # takes a module-level symbol: ``param.get @w``
     example: str = ""
+    #: a collective on one tensor: the op that does the same for several at once
+    coalesced: str | None = None
+    #: a wait: the trait of the async ops whose pending values it joins
+    joins: str | None = None
 
     def has(self, trait: str) -> bool:
         return trait in self.traits
@@ -155,10 +172,17 @@ def _rule_all_reduce(op, types, module):
 
 
 def _rule_wait(op, types, module):
+    joins = OPS[op.name].joins
     out = []
     for i, t in enumerate(types):
         if not isinstance(t, PendingType):
-            raise TypeRuleError(f"comm.wait joins pending values; operand #{i} is {t}", i)
+            raise TypeRuleError(f"{op.name} joins pending values; operand #{i} is {t}", i)
+        src = op.operands[i].owner
+        d = lookup(src.name) if isinstance(src, Op) else None
+        if d is not None and joins not in d.traits:
+            other = next((d.name for d in OPS.values() if d.joins is not None and has_trait(src, d.joins)), None)
+            raise TypeRuleError(f"{op.name} joins {joins.replace('_', ' ')} ops; %{op.operands[i].name} "
+                                f"comes from {src.name}" + (f", which {other} joins" if other else ""), i)
         out.append(t.inner)
     return out
 
@@ -214,7 +238,7 @@ _REDUCE = {"op": AttrSpec("enum", required=True, choices=REDUCE_OPS), "group": A
 
 OPS: dict[str, OpDef] = {d.name: d for d in [
     OpDef("param.get", "Read this rank's storage of a parameter or buffer (its declared type).",
-          (0, 0), (1, 1), frozenset({READS_STATE}), _rule_param_get, symbol=True,
+          (0, 0), (1, 1), frozenset({READS_STATE, LOADS_STATE}), _rule_param_get, symbol=True,
           example="%w = param.get @fc1.weight : shard<f32[16, 8], 2>"),
     OpDef("param.set", "Overwrite a parameter's or buffer's storage (BatchNorm running stats, optimizer updates).",
           (1, 1), (0, 0), frozenset({WRITES_STATE, SIDE_EFFECT}), _rule_param_set, symbol=True,
@@ -223,44 +247,50 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
           (1, 1), (0, 0), frozenset({SIDE_EFFECT, GRADIENT}), _rule_grad_set, symbol=True,
           example="grad.set @fc1.weight(%grad_shard)"),
     OpDef("comm.all_gather", "Start gathering a shard from every rank into the full tensor.",
-          (1, 1), (1, 1), frozenset({ASYNC, COLLECTIVE, ALLOCATES}), _rule_all_gather, _GROUP,
-          example="%p = comm.all_gather(%w) : pending<f32[16, 8]>"),
+          (1, 1), (1, 1), frozenset({ASYNC, COLLECTIVE, GATHERS, ALLOCATES}), _rule_all_gather, _GROUP,
+          example="%p = comm.all_gather(%w) : pending<f32[16, 8]>", coalesced="comm.all_gather_coalesced"),
     OpDef("comm.all_gather_coalesced", "Start one all_gather for several shards.",
-          (1, None), "per_operand", frozenset({ASYNC, COLLECTIVE, ALLOCATES}), _rule_all_gather, _GROUP,
+          (1, None), "per_operand", frozenset({ASYNC, COLLECTIVE, GATHERS, ALLOCATES}), _rule_all_gather, _GROUP,
           example="%p, %q = comm.all_gather_coalesced(%w, %b) : pending<f32[16, 8]>, pending<f32[16]>"),
     OpDef("comm.reduce_scatter", "Start reducing a full tensor across ranks; each rank gets its shard.",
-          (1, 1), (1, 1), frozenset({ASYNC, COLLECTIVE, REDUCES, ALLOCATES}), _rule_reduce_scatter, _REDUCE,
-          example='%p = comm.reduce_scatter(%g) {op = "avg"} : pending<shard<f32[16, 8], 2>>'),
+          (1, 1), (1, 1), frozenset({ASYNC, COLLECTIVE, REDUCES, SCATTERS, ALLOCATES}), _rule_reduce_scatter, _REDUCE,
+          example='%p = comm.reduce_scatter(%g) {op = "avg"} : pending<shard<f32[16, 8], 2>>',
+          coalesced="comm.reduce_scatter_coalesced"),
     OpDef("comm.reduce_scatter_coalesced", "Start one reduce_scatter for several tensors.",
-          (1, None), "per_operand", frozenset({ASYNC, COLLECTIVE, REDUCES, ALLOCATES}), _rule_reduce_scatter, _REDUCE,
+          (1, None), "per_operand", frozenset({ASYNC, COLLECTIVE, REDUCES, SCATTERS, ALLOCATES}), _rule_reduce_scatter,
+          _REDUCE,
           example='%p, %q = comm.reduce_scatter_coalesced(%g, %h) {op = "avg"} : pending<shard<f32[16, 8], 2>>, pending<shard<f32[16], 2>>'),
     OpDef("comm.all_reduce", "Start reducing a tensor across ranks; every rank gets the result.",
           (1, 1), (1, 1), frozenset({ASYNC, COLLECTIVE, REDUCES, ALLOCATES}), _rule_all_reduce,
           {k: v for k, v in _REDUCE.items() if k != "parts"},
-          example='%p = comm.all_reduce(%g) {op = "sum"} : pending<f32[16]>'),
+          example='%p = comm.all_reduce(%g) {op = "sum"} : pending<f32[16]>', coalesced="comm.all_reduce_coalesced"),
     OpDef("comm.all_reduce_coalesced", "Start one all_reduce for several tensors.",
           (1, None), "per_operand", frozenset({ASYNC, COLLECTIVE, REDUCES, ALLOCATES}), _rule_all_reduce,
           {k: v for k, v in _REDUCE.items() if k != "parts"},
           example='%p, %q = comm.all_reduce_coalesced(%g, %h) {op = "sum"} : pending<f32[16]>, pending<f32[4]>'),
-    OpDef("comm.wait", "Join pending values (collectives, offloads, reloads); results are usable values.",
+    OpDef("comm.wait", "Join the pending values of collectives; results are usable values.",
           (1, None), "per_operand", frozenset({WAITS}), _rule_wait,
-          example="%w_full = comm.wait(%p) : f32[16, 8]"),
+          example="%w_full = comm.wait(%p) : f32[16, 8]", joins=COLLECTIVE),
     OpDef("mem.free", "Release the storage of values (and of every view of them) after their last use.",
           (1, None), (0, 0), frozenset({FREES, SIDE_EFFECT}), _rule_free,
           example="mem.free(%w_full, %b_full)"),
     OpDef("mem.offload", "Start copying a device value to host memory.",
-          (1, 1), (1, 1), frozenset({ASYNC, ALLOCATES}), _rule_offload,
+          (1, 1), (1, 1), frozenset({ASYNC, HOST_COPY, ALLOCATES}), _rule_offload,
           example="%h = mem.offload(%exp_avg) : pending<host<shard<f32[16, 8], 2>>>"),
     OpDef("mem.reload", "Start copying a host value back to the device.",
-          (1, 1), (1, 1), frozenset({ASYNC, ALLOCATES}), _rule_reload,
+          (1, 1), (1, 1), frozenset({ASYNC, HOST_COPY, ALLOCATES}), _rule_reload,
           example="%d = mem.reload(%h) : pending<shard<f32[16, 8], 2>>"),
     OpDef("mem.cast", "Copy a tensor or shard converted to another element type (mixed precision: a shard cast "
           "before its gather, a gradient before its reduction).",
           (1, 1), (1, 1), frozenset({PURE, ALLOCATES, CASTS}), _rule_cast, {"dtype": AttrSpec("dtype", required=True)},
           example="%w_bf16 = mem.cast(%w) {dtype = bf16} : shard<bf16[16, 8], 2>"),
+    OpDef("mem.wait", "Join the pending values of host copies (offloads, reloads); results are usable values.",
+          (1, None), "per_operand", frozenset({WAITS}), _rule_wait,
+          example="%d_dev = mem.wait(%d) : shard<f32[16, 8], 2>", joins=HOST_COPY),
     OpDef("optim.step", "Run the optimizer's update of one parameter with its gradient and the given state, in "
           "place; the results are the updated state (the operands' storage).",
-          (0, None), "per_operand", frozenset({SIDE_EFFECT, READS_STATE, WRITES_STATE}), _rule_optim_step, symbol=True,
+          (0, None), "per_operand", frozenset({SIDE_EFFECT, READS_STATE, WRITES_STATE, OPTIMIZES}), _rule_optim_step,
+          symbol=True,
           example="%m_1, %v_1 = optim.step @fc1.weight(%m, %v) : shard<f32[16, 8], 2>, shard<f32[16, 8], 2>"),
 ]}
 
@@ -294,8 +324,32 @@ def lookup(name: str) -> OpDef | None:
 
 
 def has_trait(op: Op, trait: str) -> bool:
+    """Whether ``op`` is declared with ``trait``; the one question passes and models ask."""
     d = lookup(op.name)
     return d is not None and trait in d.traits
+
+
+def coalesced_form(op: Op) -> str | None:
+    """The op that does ``op``'s collective for several tensors at once (itself if it does)."""
+    d = lookup(op.name)
+    if d is None or not d.has(COLLECTIVE):
+        return None
+    return op.name if d.results == "per_operand" else d.coalesced
+
+
+def is_coalesced(op: Op) -> bool:
+    """Whether ``op`` is a collective over several tensors at once."""
+    return coalesced_form(op) == op.name
+
+
+def single_form(op: Op) -> str | None:
+    """For a coalesced collective, the op that does the same for one tensor."""
+    return next((d.name for d in OPS.values() if d.coalesced == op.name), None)
+
+
+def wait_for(op: Op) -> str:
+    """The wait op that joins the pending values of the async ``op``."""
+    return next(d.name for d in OPS.values() if d.joins is not None and has_trait(op, d.joins))
 
 
 #: ops whose result shares its operand's storage though their schema does not say so

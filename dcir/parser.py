@@ -326,22 +326,19 @@ def _build_function(raw: RawFunc, raw_ops: list[RawOp], source: Source) -> Funct
     off = source.line_offset
     # All definitions first, so a use before its definition resolves to it (the
     # verifier reports the order); a name never defined gets an ownerless value.
+    # Each op is then built once, with its operands resolved (which records their uses).
     later: dict[str, Value] = {}
     args = [Value(str(tok)[1:], typ) for tok, typ in raw.args]
-    ops = []
+    defined = []
     for r in raw_ops:
         if len(r.types) != len(r.results):
             raise DcirError(Diagnostic(
                 f"{r.name} defines {_count(len(r.results), 'result')} but declares {_count(len(r.types), 'type')}",
                 source, (r.line + off, r.col), len(r.name) if not r.results else len(r.results[0])))
         results = [Value(str(n)[1:], t) for n, t in zip(r.results, r.types)]
-        op = Op(r.name, [], results, dict(r.attrs), r.symbol, (r.line + off, r.col), r.operands is not None)
-        op.operands = r.operands  # names for now
-        ops.append(op)
+        defined.append(results)
         for v in results:
             later.setdefault(v.name, v)
-    func = Function(unquote_symbol(raw.name), args, raw.result_types, ops, [], raw.attrs,
-                    (raw.line + off, raw.col), (raw.ret_loc[0] + off, raw.ret_loc[1]))
     current: dict[str, Value] = {}
     for a in args:
         current.setdefault(a.name, a)
@@ -354,12 +351,14 @@ def _build_function(raw: RawFunc, raw_ops: list[RawOp], source: Source) -> Funct
             v = undefined[name] = Value(name, None)
         return v
 
-    for op in ops:
-        op.operands = [resolve(str(n)[1:]) for n in (op.operands or ())]
-        for v in op.results:
+    ops = []
+    for r, results in zip(raw_ops, defined):
+        ops.append(Op(r.name, [resolve(str(n)[1:]) for n in (r.operands or ())], results, dict(r.attrs), r.symbol,
+                      (r.line + off, r.col), r.operands is not None))
+        for v in results:
             current[v.name] = v
-    func.returns = [resolve(str(n)[1:]) for n in raw.ret]
-    return func
+    return Function(unquote_symbol(raw.name), args, raw.result_types, ops, [resolve(str(n)[1:]) for n in raw.ret],
+                    raw.attrs, (raw.line + off, raw.col), (raw.ret_loc[0] + off, raw.ret_loc[1]))
 
 
 # ---- syntax diagnostics --------------------------------------------------------------

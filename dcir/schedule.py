@@ -24,10 +24,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
+from dcir import analysis
 from dcir.analysis import dependency_graph
 from dcir.cost import Machine, is_transfer
 from dcir.ir import Function, Module, Op
-from dcir.memory import owners, timeline, timelines
+from dcir.memory import storage_bases, timeline, timelines
+from dcir.rewrite import Rewriter
 from dcir.sim import COLLECTIVE, COPY, lane_of, simulate
 
 
@@ -64,23 +66,25 @@ class Sweep:
     during_at_start: list[int] | None = None          # bytes per op (default: the function alone)
     start: list[float] = field(default_factory=list)   # compute-lane time at which op i starts (no stalls)
     during: list[int] = field(default_factory=list)    # bytes live while op i runs
-    index: dict = field(default_factory=dict)          # op -> position
+    position: dict = field(default_factory=dict)       # op -> its position
     seconds: list[float] = field(default_factory=list)  # host time of op i (transfer time for async ops)
     free: dict[str, float] = field(default_factory=dict)  # transfer lane -> when it finishes what was issued
     done: dict[int, float] = field(default_factory=dict)  # transfer op position -> when its transfer ends
     placed: dict[int, int] = field(default_factory=dict)  # anchor position -> where its group now starts
     graph: object = None                               # the dependency DAG (dcir.analysis)
-    owner: dict = field(default_factory=dict)          # value -> its storage owner (dcir.memory)
+    storage: dict = field(default_factory=dict)        # value -> the value whose storage it shares (dcir.memory)
+    waits: dict = field(default_factory=dict)          # pending value -> the wait that joins it
 
     def __post_init__(self):
         ops = self.func.ops
-        self.index = {op: i for i, op in enumerate(ops)}
+        self.position = {op: i for i, op in enumerate(ops)}
         run = simulate(self.func, self.machine, stalls=False)
         self.seconds, self.start = run.seconds, run.start
         self.free = {COLLECTIVE: 0.0, COPY: 0.0}
         self.during = list(self.during_at_start or timeline(self.func).during)
         self.graph = dependency_graph(self.func)
-        self.owner = owners(self.func)
+        self.storage = storage_bases(self.func)
+        self.waits = analysis.waits(self.func)
 
     @property
     def channel(self) -> float:
@@ -178,16 +182,13 @@ def run_moves(module: Module, func: Function, moves: list[Move], machine: Machin
 
 
 def _apply(func: Function, plan: list[tuple[list[int], int]]) -> None:
-    """Rebuild the op list: every group leaves its place and runs before its target."""
-    moved: set[int] = set()
-    before: dict[int, list[int]] = {}
-    for group, pos in plan:
-        moved.update(group)
-        before.setdefault(pos, []).extend(group)
-    ops = func.ops
-    out: list[Op] = []
-    for p in range(len(ops) + 1):
-        out.extend(ops[j] for j in before.get(p, ()))
-        if p < len(ops) and p not in moved:
-            out.append(ops[p])
-    func.ops = out
+    """Every group leaves its place and runs before the op that was at its target
+    (positions as before the moves; a target that moves itself stands for the next op
+    that stays), groups bound for one place in plan order."""
+    ops = list(func.ops)
+    moved = {j for group, _ in plan for j in group}
+    rewriter = Rewriter(func)
+    for group, pos in sorted(plan, key=lambda gp: gp[1]):  # stable: plan order within one target
+        stay = next((p for p in range(pos, len(ops)) if p not in moved), None)
+        for j in group:
+            rewriter.move_before(ops[j], None if stay is None else ops[stay])

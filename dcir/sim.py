@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dcir import ops as registry
+from dcir import ops as registry, roles
 from dcir.cost import LAUNCH, Estimate, Machine, is_host_copy, is_transfer, op_seconds
 from dcir.ir import Function, Module, Op
 
@@ -130,12 +130,9 @@ def simulate(func: Function, machine: Machine, stalls: bool = True) -> Run:
 
 
 def runs_per_step(module: Module, micro_steps: int) -> dict[str, int]:
-    """How often one optimizer step calls each function: ``@forward`` and ``@backward``
-    once per micro-step (``@backward`` once less when the module has a ``@backward_last``
-    for the last one), any other (``@unshard``, ``@backward_last``) once."""
-    last = "backward_last" in module.functions
-    runs = {"forward": micro_steps, "backward": micro_steps - 1 if last else micro_steps}
-    return {name: runs.get(name, 1) for name in module.functions}
+    """How often one optimizer step calls each function, as its role declares
+    (``dcir.roles``)."""
+    return {name: roles.runs_per_step(name, module.functions, micro_steps) for name in module.functions}
 
 
 @dataclass

@@ -22,7 +22,7 @@ in the backward and the copies home it finishes in the forward) lowers to calls 
 the optimizer-state store given as ``lower(..., optimizer_state=)`` (the Engine's
 ``dcir_runtime.offload.StateStore``), which the program's state holds under
 ``OPTIMIZER_STATE``. ``param.get`` / ``param.set`` of optimizer state,
-``mem.reload`` / ``mem.offload`` and their ``comm.wait``, ``mem.free`` of a device
+``mem.reload`` / ``mem.offload`` and their ``mem.wait``, ``mem.free`` of a device
 copy and ``optim.step`` become its ``get_state``, ``set_state``, ``reload``,
 ``offload``, ``wait``, ``free`` and ``step``.
 """
@@ -38,7 +38,7 @@ import torch.fx as fx
 
 from dcir import aten
 from dcir.diagnostics import DcirError, Diagnostic
-from dcir.analysis import storage_owners
+from dcir.analysis import view_bases
 from dcir.ir import Function, Module, Op, ShardType
 from dcir.printer import locate
 from dcir.shapes import call_arguments, torch_dtype
@@ -133,7 +133,7 @@ class _Distributed:
         self.module, self.group, self.shards_in_state = module, group, shards_in_state
         self.store_prefix = store_prefix
         self.ops = torch.ops.dcir
-        owners = storage_owners(func)
+        owners = view_bases(func)
         # storage that is not this function's to release: the program's state (an argument
         # is released when the IR frees it: a gathered parameter @forward hands to @backward)
         self.borrowed = {v for v in func.values() if isinstance(v.owner, Op) and v.owner.name == "param.get"}
@@ -207,14 +207,14 @@ class _Offloading:
             if OPTIM_STATE_OF in d.attrs:
                 self.keys.setdefault(d.attrs[OPTIM_STATE_OF].name, []).append(d.attrs[OPTIM_KEY])
         copies = {v for op in func.ops if op.name in ("mem.reload", "mem.offload") for v in op.results}
-        self.waits = {op for op in func.ops if op.name == "comm.wait" and copies.issuperset(op.operands)}
+        self.waits = {op for op in func.ops if op.name == "mem.wait" and copies.issuperset(op.operands)}
         reloaded = {r for op in self.waits for v, r in zip(op.operands, op.results) if v.owner.name == "mem.reload"}
         # device copies of state handed over between functions, which the store counts:
         # @step's arguments (reloaded in the last backward), @forward's (updated in @step)
         args = set(func.args)
         reloaded.update(v for op in func.ops if op.name in ("optim.step", "mem.offload")
                         for v in op.operands if v in args)
-        owners = storage_owners(func)
+        owners = view_bases(func)
         self.reloaded = lambda v: owners.get(v, v) in reloaded  # noqa: E731
         # a run of updates with only reads of state between them becomes one call into the
         # optimizer (each call costs a pass over every parameter); the run's last update
@@ -251,7 +251,7 @@ class _Offloading:
             call("set_state", op.symbol, env[op.operands[0]])
         elif op.name in ("mem.reload", "mem.offload"):
             env[op.results[0]] = call(op.name.split(".")[1], env[op.operands[0]])
-        elif op.name == "comm.wait":
+        elif op.name == "mem.wait":
             for v, r in zip(op.operands, op.results):
                 env[r] = call("wait", env[v])
         elif op.name == "mem.free":

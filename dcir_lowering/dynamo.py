@@ -40,13 +40,11 @@ def graph_to_module(gm: fx.GraphModule, name: str) -> tuple[Module, list[int]]:
     """One AOT graph as a module with one function; also where its outputs are None
     (gradients of inputs that need none), which DCIR does not return."""
     module = Module(name)
-    func = Function(name)
     env: dict = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            v = Value(node.name, _type(node.meta["val"]), func, len(func.args))
-            func.args.append(v)
-            env[node] = v
+            env[node] = Value(node.name, _type(node.meta["val"]))
+    func = Function(name, list(env.values()))  # takes the arguments: sets their owner and index
     GraphLowering(module).lower_ops(gm, func, env)
     outputs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
     none_at = [i for i, o in enumerate(outputs) if o is None]

@@ -361,7 +361,7 @@ class Engine:
         # whether to switch, come out the same: every rank must run the same program
         peaks = self._profile.annotate(dist.group.WORLD, self._collective_device())
         self._profile, self._profiled = None, self.module
-        profiled = dcir.print(self.module)
+        profiled = self.module.clone()  # a snapshot, without a print and two parses
         budget = self._pass_budget()
         record: dict = {"step": self.steps, "measured_peak": peaks, "captured_peak": self.captured_peak,
                         "predicted_peak_profiled": memory_peaks(self.module)}
@@ -369,7 +369,7 @@ class Engine:
         # the captured schedule keeps every profile: an op this run did not measure (a
         # collective the plan had merged) keeps its figure from an earlier run
         base = dcir.parse(self.base_text, self._source_name())
-        copy_profile(dcir.parse(profiled, self._source_name()), base)
+        copy_profile(profiled, base)
         self.base_text = dcir.print(base)
 
         def plan() -> str:
@@ -378,7 +378,7 @@ class Engine:
 
         module = dcir.parse(self._from_rank0(f"plan{self.steps}", plan), self._source_name())
         micro = self.config.gradient_accumulation_steps
-        before = estimate_module(dcir.parse(profiled), micro_steps=micro)
+        before = estimate_module(profiled, micro_steps=micro)
         after = estimate_module(module, micro_steps=micro)
         # settle: a plan the cost model finds no faster than the running schedule is not taken
         # (unless memory forced this cycle: then the plan within the smaller budget is)

@@ -5,7 +5,7 @@ For every op of a DCIR function it measures
 * ``prof.time_us``: host wall time; for a collective or a host copy (``mem.reload``,
   ``mem.offload``), the real transfer: the start is followed at once by a wait for
   completion, so the time is the transfer's own, not hidden behind compute (the later
-  ``comm.wait`` of the program then finds the result ready);
+  wait (``comm.wait``, ``mem.wait``) of the program then finds the result ready);
 * ``prof.launch_us``: for a collective or a host copy, the host time of starting it;
 * ``prof.mem``: the bytes live while the op runs, by following the storage of every
   tensor the function receives or creates (a weak reference per storage: a storage

@@ -127,9 +127,9 @@ def test_collectives_need_the_runtime():
 HOST_ROUND_TRIP = """module @m {
   func @forward(%x: f32[4]) -> (f32[]) {
     %p = mem.offload(%x) : pending<host<f32[4]>>
-    %h = comm.wait(%p) : host<f32[4]>
+    %h = mem.wait(%p) : host<f32[4]>
     %q = mem.reload(%h) : pending<f32[4]>
-    %y = comm.wait(%q) : f32[4]
+    %y = mem.wait(%q) : f32[4]
     %s = aten.sum.default(%y) : f32[]
     mem.free(%y)
     return %s

@@ -102,7 +102,7 @@ class _BreaksSSA(Pass):
 
     def run(self, module, stats: Counter) -> None:
         func = module.functions["forward"]
-        func.ops[2].operands[0] = Value("gone", func.ops[0].results[0].type)
+        func.ops[2].operands = [Value("gone", func.ops[0].results[0].type), *func.ops[2].operands[1:]]
 
 
 def test_invalid_pass_output_is_caught_with_a_reproducer(tmp_path):

@@ -13,10 +13,6 @@ MAX_FUNCTION, MAX_CLASS = 60, 250
 
 #: "path::qualified.name" -> why it is longer than the limit
 ALLOWED = {
-    # Issue 18 splits these; until the rewriter lands, offload splices ops and repairs
-    # indices by hand, and that bookkeeping is what makes these two long.
-    "dcir/passes/offload.py::_hand_over": "hand-written splice and index repair; the rewriter replaces it",
-    "dcir/passes/offload.py::Offload.run": "hand-written splice and index repair; the rewriter replaces it",
     # Issue 18 splits the Engine into capture, plan and execution.
     "runtime/engine.py::Engine": "process group, capture, replanning, accounting and step protocol in one class",
     # Issue 18: rank_main sets up, trains, checkpoints and reports in one body.

@@ -63,7 +63,7 @@ module @m attributes {world_size = 2} {
     %w_shard = param.get @w : shard<f32[64, 64], 2>
     %p = comm.all_gather(%w_shard) {prof.time_us = 100.0} : pending<f32[64, 64]>
     %a = aten.relu.default(%x) {prof.time_us = 60.0} : f32[64, 64]
-    %home = comm.wait(%off) {prof.time_us = 1.0} : host<shard<f32[64, 64], 2>>
+    %home = mem.wait(%off) {prof.time_us = 1.0} : host<shard<f32[64, 64], 2>>
     %w = comm.wait(%p) {prof.time_us = 1.0} : f32[64, 64]
     %y = aten.mm.default(%a, %w) {prof.time_us = 50.0} : f32[64, 64]
     mem.free(%w, %m) {prof.time_us = 1.0}

@@ -34,52 +34,57 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from dcir import ops as registry
 from dcir.cost import Machine, calibrate, estimate, note_source, payload
-from dcir.ir import Function, Module, Op
+from dcir.ir import Function, Module, Op, Value
 from dcir.memory import Bytes, timelines
 from dcir.passes import Pass
+from dcir.rewrite import Rewriter
 
-_GATHERS = ("comm.all_gather", "comm.all_gather_coalesced")
-_REDUCTIONS = ("comm.reduce_scatter", "comm.reduce_scatter_coalesced")
+def _kind(trait: str):
+    return lambda op: registry.has_trait(op, trait) and registry.coalesced_form(op) is not None
 
 
-def _merge(func: Function, a: Op, b: Op, gather: bool) -> list[Op] | None:
-    """The op list with ``b`` merged into ``a`` (gathers: at ``a``'s place; reductions:
-    at ``b``'s), or None when the merge would break an order it must keep."""
-    ops = func.ops
-    ia, ib = ops.index(a), ops.index(b)
-    between = ops[ia + 1:ib]
+def _unprofiled(attrs: dict) -> dict:
+    return {k: v for k, v in attrs.items() if not k.startswith("prof.")}
+
+
+def _merge(rewriter: Rewriter, a: Op, b: Op, gather: bool) -> Op | None:
+    """Merge ``b`` into ``a`` (gathers: at ``a``'s place; reductions: at ``b``'s) and return
+    the coalesced op, or None (nothing changed) when the merge would break an order it must keep."""
+    ops = rewriter.func.ops
+    between = ops[ops.index(a) + 1:ops.index(b)]
+    inside = set(between)
+    name = registry.coalesced_form(a)
     if gather:
         # b's shard reads move along; anything else b reads must exist before a
-        gets = [v.owner for v in b.operands if isinstance(v.owner, Op) and v.owner in between
-                and v.owner.name == "param.get"]
-        if any(v.owner in between and v.owner not in gets for v in b.operands):
+        gets = [v.owner for v in b.operands if v.owner in inside and registry.has_trait(v.owner, registry.LOADS_STATE)]
+        if any(v.owner in inside and v.owner not in gets for v in b.operands):
             return None
-        merged = Op("comm.all_gather_coalesced", [*a.operands, *b.operands], [*a.results, *b.results],
-                    {k: v for k, v in a.attrs.items() if not k.startswith("prof.")})
-        return [*ops[:ia], *gets, merged, *[op for op in between if op not in gets], *ops[ib + 1:]]
-    keep = {k: v for k, v in a.attrs.items() if not k.startswith("prof.")}
-    if keep != {k: v for k, v in b.attrs.items() if not k.startswith("prof.")}:
-        return None  # a different reduction or group
-    pending = set(a.results)
-    freed = {v for v in a.operands}
-    for op in between:  # a's results must not be waited, nor its inputs freed, before the merged start
-        if pending & set(op.operands) or (op.name == "mem.free" and freed & set(op.operands)):
-            return None
-    merged = Op("comm.reduce_scatter_coalesced", [*a.operands, *b.operands], [*a.results, *b.results], keep)
-    return [*ops[:ia], *between, merged, *ops[ib + 1:]]
+        for get in gets:
+            rewriter.move_before(get, a)
+        anchor, attrs = a, _unprofiled(a.attrs)
+    else:
+        attrs = _unprofiled(a.attrs)
+        if name != registry.coalesced_form(b) or attrs != _unprofiled(b.attrs):
+            return None  # a different reduction or group
+        pending, inputs = set(a.results), set(a.operands)
+        for op in between:  # a's results must not be waited, nor its inputs freed, before the merged start
+            if pending & set(op.operands) or (registry.has_trait(op, registry.FREES) and inputs & set(op.operands)):
+                return None
+        anchor = b
+    results = [Value(r.name, r.type) for r in (*a.results, *b.results)]
+    merged = Op(name, [*a.operands, *b.operands], results, attrs)
+    rewriter.insert_before(anchor, [merged])
+    rewriter.replace_op(a, results[:len(a.results)])
+    rewriter.replace_op(b, results[len(a.results):])
+    return merged
 
 
 def _together(func: Function, a: Op, b: Op) -> bool:
     """Whether only shard reads run between the starts ``a`` and ``b``."""
     ops = func.ops
-    return all(op.name == "param.get" for op in ops[ops.index(a) + 1:ops.index(b)])
-
-
-def _owners_of(ops: list[Op]) -> None:
-    for op in ops:
-        for i, r in enumerate(op.results):
-            r.owner, r.index = op, i
+    return all(registry.has_trait(op, registry.LOADS_STATE) for op in ops[ops.index(a) + 1:ops.index(b)])
 
 
 @dataclass(frozen=True)
@@ -99,41 +104,40 @@ class Bucket(Pass):
         """Merge where it pays; ``adjacent``: only collectives that already start together
         (nothing but shard reads between them), which moves nothing (``prefetch`` fuses so)."""
         for func in module.functions.values():
-            for kinds, gather in ((_GATHERS, True), (_REDUCTIONS, False)):
+            for kinds, gather in ((_kind(registry.GATHERS), True), (_kind(registry.SCATTERS), False)):
                 self._bucket(module, func, kinds, gather, machine, stats, prefix, adjacent)
 
     def _bucket(self, module, func, kinds, gather, machine, stats, prefix, adjacent) -> None:
+        """Walk the collectives of one kind in issue order; merge each into the bucket
+        before it when that pays, else undo the merge and start a new bucket there."""
         best = estimate(func, machine).seconds
+        rewriter = Rewriter(func)
+        what = "all_gather" if gather else "reduce_scatter"
         current = None
-        for op in [op for op in func.ops if op.name in kinds]:
-            if current is None:
+        for op in [op for op in func.ops if kinds(op)]:
+            if current is None or (adjacent and not _together(func, current, op)):
                 current = op
                 continue
-            what = "all_gather" if gather else "reduce_scatter"
-            if adjacent and not _together(func, current, op):
-                current = op
-                continue
-            merged_ops = _merge(func, current, op, gather)
-            if merged_ops is None:
+            mark = rewriter.checkpoint()
+            merged = _merge(rewriter, current, op, gather)
+            if merged is None:
                 stats[f"{prefix}: {what} not merged (order)"] += 1
                 current = op
                 continue
-            merged = next(o for o in merged_ops if o.name.endswith("_coalesced") and set(o.results) >= set(op.results))
-            if self.max_bytes is not None and payload(merged) > self.max_bytes:
-                _owners_of([current, op])
-                stats[f"{prefix}: {what} not merged (max_bytes)"] += 1
-                current = op
-                continue
-            old = func.ops
-            func.ops = merged_ops
-            seconds = estimate(func, machine).seconds
-            fits = self.budget is None or timelines(module)[func.name].peak <= self.budget
-            if seconds < best and fits:
-                best = seconds
+            why = self._rejected(module, func, merged, machine, best)
+            if why is None:
+                best = estimate(func, machine).seconds
                 current = merged
                 stats[f"{prefix}: {what} merged"] += 1
             else:
-                func.ops = old
-                _owners_of(old)
-                stats[f"{prefix}: {what} not merged ({'memory budget' if not fits else 'not faster'})"] += 1
+                rewriter.rollback(mark)
+                stats[f"{prefix}: {what} not merged ({why})"] += 1
                 current = op
+
+    def _rejected(self, module, func, merged, machine, best) -> str | None:
+        """Why the merge that made ``merged`` does not pay, or None when it does."""
+        if self.max_bytes is not None and payload(merged) > self.max_bytes:
+            return "max_bytes"
+        if self.budget is not None and timelines(module)[func.name].peak > self.budget:
+            return "memory budget"
+        return None if estimate(func, machine).seconds < best else "not faster"

@@ -24,8 +24,31 @@ from dataclasses import dataclass
 
 from dcir import ops as registry
 from dcir.analysis import live_ops
-from dcir.ir import Module
+from dcir.ir import Function, Module
 from dcir.passes import Pass
+from dcir.rewrite import Rewriter
+
+
+def eliminate_dead_code(func: Function, stats: Counter) -> None:
+    """Erase the ops of ``func`` that nothing observable needs; frees keep what is left."""
+    rewriter = Rewriter(func)
+    live = live_ops(func)
+    dead = [op for i, op in enumerate(func.ops) if i not in live]
+    kept = {v for i, op in enumerate(func.ops) if i in live for v in op.results}
+    kept.update(func.args)
+    for op in dead:
+        if not registry.has_trait(op, registry.FREES):
+            continue
+        alive = [v for v in op.operands if v in kept]
+        if alive:
+            rewriter.set_operands(op, alive)
+        else:
+            rewriter.erase(op)
+            stats["ops removed"] += 1
+    for op in reversed(dead):  # readers before what they read, so each is unused when erased
+        if not registry.has_trait(op, registry.FREES):
+            rewriter.erase(op)
+            stats["ops removed"] += 1
 
 
 @dataclass(frozen=True)
@@ -34,20 +57,4 @@ class DeadCodeElimination(Pass):
 
     def run(self, module: Module, stats: Counter) -> None:
         for func in module.functions.values():
-            live = live_ops(func)
-            kept_values = {v for i, op in enumerate(func.ops) if i in live for v in op.results}
-            kept_values.update(func.args)
-            new_ops = []
-            for i, op in enumerate(func.ops):
-                if registry.has_trait(op, registry.FREES):
-                    alive = [v for v in op.operands if v in kept_values]
-                    if not alive:
-                        stats["ops removed"] += 1
-                        continue
-                    op.operands = alive
-                    new_ops.append(op)
-                elif i in live:
-                    new_ops.append(op)
-                else:
-                    stats["ops removed"] += 1
-            func.ops = new_ops
+            eliminate_dead_code(func, stats)

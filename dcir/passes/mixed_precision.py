@@ -49,7 +49,7 @@ Before -> after (``zero3`` on 2 ranks, then ``mixed_precision{param_dtype=bf16}`
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dcir import ops as registry
 from dcir.diagnostics import DcirError, Diagnostic
@@ -57,6 +57,7 @@ from dcir.dtypes import is_float, parse_dtype
 from dcir.memory import GRAD_ACC_OF
 from dcir.ir import DTYPE_BYTES, DType, Function, Module, Op, PendingType, ShardType, TensorType, Type, Value
 from dcir.passes import Pass
+from dcir.rewrite import EDITED, Constraint, P, Rewriter, Rule, apply_rules
 
 #: the dtype of the master parameters (and so of the optimizer state and the gradients it sees)
 MASTER = "f32"
@@ -73,85 +74,83 @@ def retyped(t: Type, dtype: str) -> Type:
     return t
 
 
-# ---- the edits: every mutation of a function goes through here (one place to port) ----
+# ---- the edits: every change goes through the rewriter ---------------------------------
 
 
-@dataclass
 class _Edit:
-    """Ops to insert before or after existing ops, applied at once; operand uses found once."""
+    """The rewriter of one function, with what this pass's rewrites read: fresh names,
+    the ops' original order, and the frees placed after each op so far (so several
+    frees after one op keep the order they were asked for)."""
 
-    func: Function
-    before: dict = field(default_factory=dict)
-    after: dict = field(default_factory=dict)
+    def __init__(self, func: Function):
+        self.func = func
+        self.rewriter = Rewriter(func)
+        self.fresh = func.name_maker()
+        self.order = {op: i for i, op in enumerate(func.ops)}
+        self.last_after: dict[Op, Op] = {}
 
-    def __post_init__(self):
-        self.fresh = self.func.name_maker()
-        self.uses: dict[Value, list[Op]] = {}
-        for op in self.func.ops:
-            for v in op.operands:
-                self.uses.setdefault(v, []).append(op)
-        self.returned = set(self.func.returns)
+    def first_user(self, value: Value) -> Op | None:
+        users = [u for u in value.users() if u in self.order]
+        return min(users, key=self.order.__getitem__, default=None)
 
-    def cast(self, value: Value, dtype: str, at: Op, result: Value | None = None) -> Value:
-        """A ``mem.cast`` of ``value`` to ``dtype``, inserted before ``at``; its result
-        (``result`` when given, else a new value)."""
-        out = result or Value(self.fresh(f"{value.name}_{dtype}"), retyped(value.type, dtype))
-        self.before.setdefault(at, []).append(Op("mem.cast", [value], [out], {"dtype": DType(dtype)}))
+    def cast(self, value: Value, dtype: str, at: Op, name: str | None = None) -> Value:
+        """A ``mem.cast`` of ``value`` to ``dtype``, inserted before ``at``; its result."""
+        out = Value(name or self.fresh(f"{value.name}_{dtype}"), retyped(value.type, dtype))
+        self.rewriter.insert_before(at, [Op("mem.cast", [value], [out], {"dtype": DType(dtype)})])
         return out
 
     def free_when_done(self, value: Value, reader: Op) -> None:
         """Free ``value`` after ``reader``, or after the wait that ends ``reader`` when it is async."""
-        if value in self.returned:
-            return
+        if any(not isinstance(u, Op) for u, _ in value.uses):
+            return  # returned: the caller holds it
         done = reader
         if registry.has_trait(reader, registry.ASYNC):
-            done = next(op for op in self.uses.get(reader.results[0], []) if registry.has_trait(op, registry.WAITS))
-        self.after.setdefault(done, []).append(Op("mem.free", [value], parens=True))
-
-    def set_result(self, op: Op, value: Value) -> None:
-        """``value`` becomes ``op``'s (only) result."""
-        op.results = [value]
-        value.owner, value.index = op, 0
+            done = next(op for op in reader.results[0].users() if registry.has_trait(op, registry.WAITS))
+        free = Op("mem.free", [value], parens=True)
+        self.rewriter.insert_after(self.last_after.get(done, done), [free])
+        self.last_after[done] = free
 
     def set_operand(self, op: Op, index: int, value: Value) -> None:
-        op.operands[index] = value
+        self.rewriter.set_operands(op, [value if k == index else v for k, v in enumerate(op.operands)])
 
     def retype(self, value: Value, dtype: str) -> None:
         """``value`` holds ``dtype`` now (its readers are this pass's to keep consistent)."""
         value.type = retyped(value.type, dtype)
 
-    def apply(self) -> None:
-        self.func.ops = [new for op in self.func.ops
-                         for new in (*self.before.get(op, ()), op, *self.after.get(op, ()))]
-
 
 # ---- the rewrites ----------------------------------------------------------------------
 
 
-def cast_parameter_read(edit: _Edit, op: Op, policy: "MixedPrecision", stats: Counter) -> None:
+def cast_parameter_read(m: dict) -> object:
     """%w = param.get @p : bf16  ->  %w_f32 = param.get @p : f32; %w = mem.cast(%w_f32)
     {dtype = bf16} before the first use of %w; mem.free(%w) once that use is done when
     it is a gather (the gathered copy is what compute reads)."""
+    edit, op, policy, stats = m["edit"], m["root"], m["policy"], m["stats"]
     low = op.results[0]
-    if low.type.dtype == policy.param_dtype == MASTER:
-        return  # reduced in low precision only: parameters stay as they are
     master = Value(edit.fresh(f"{low.name}_{MASTER}"), retyped(low.type, MASTER))
-    edit.set_result(op, master)
-    users = edit.uses.get(low)
-    if not users:
-        return
-    edit.cast(master, policy.param_dtype, users[0], result=low)
-    if isinstance(low.type, ShardType) and len(users) == 1 and registry.has_trait(users[0], registry.COLLECTIVE):
-        edit.free_when_done(low, users[0])
+    edit.rewriter.insert_before(op, [Op(op.name, [], [master], op.attrs, op.symbol, op.loc, op.parens)])
+    first = edit.first_user(low)
+    if first is None:  # an unused read: the master read replaces it
+        edit.rewriter.erase(op)
+        return EDITED
+    name, users = low.name, low.users()
+    low.name = edit.fresh(f"{name}_unused")
+    cast = edit.cast(master, policy.param_dtype, first, name=name)
+    edit.rewriter.replace_all_uses(low, cast)
+    edit.rewriter.erase(op)
+    if isinstance(cast.type, ShardType) and len(users) == 1 and registry.has_trait(first, registry.COLLECTIVE):
+        edit.free_when_done(cast, first)
     stats["parameter reads cast to " + policy.param_dtype] += 1
+    return EDITED
 
 
-def cast_gradient(edit: _Edit, op: Op, policy: "MixedPrecision", stats: Counter) -> None:
+def cast_gradient(m: dict) -> object:
     """grad.set @p(%g_shard) of a reduced gradient: the reduction's operand %g is cast to
     reduce_dtype before it (and freed after its wait), the reduction's results retyped;
     then %g_shard is cast to f32 before grad.set when it is not f32 already."""
+    edit, op, policy, stats = m["edit"], m["root"], m["policy"], m["stats"]
     grad = op.operands[0]
-    reduction = _reduction_of(edit, grad)
+    reduction = _reduction_of(grad)
     if reduction is not None:
         start, k = reduction
         if start.operands[k].type.dtype != policy.reduce_dtype:
@@ -164,26 +163,27 @@ def cast_gradient(edit: _Edit, op: Op, policy: "MixedPrecision", stats: Counter)
     if grad.type.dtype != MASTER:
         edit.set_operand(op, 0, edit.cast(grad, MASTER, op))
         stats["gradients cast to " + MASTER] += 1
+    return EDITED
 
 
-def accumulate_in_reduce_dtype(edit: _Edit, accumulators: set[str], dtype: str, stats: Counter) -> None:
+def accumulate_in_reduce_dtype(func: Function, accumulators: set[str], dtype: str, stats: Counter) -> None:
     """zero1's gradient accumulators hold ``dtype`` (fp32: the micro-steps' gradients
     are summed in fp32, as FSDP2 accumulates them after an fp32 reduction): a read of
-    one, and each aten op on it (the add of a bf16 gradient promotes to fp32, the zero),
-    is retyped. The reduction of the sum then runs in ``dtype`` with no cast."""
+    one, and each compute op on it (the add of a bf16 gradient promotes to fp32, the
+    zero), is retyped. The reduction of the sum then runs in ``dtype`` with no cast."""
     retyped_values = set()
-    for op in edit.func.ops:
-        reads = op.name == "param.get" and op.symbol in accumulators
-        if not reads and not (op.family == "aten" and retyped_values.intersection(op.operands)):
+    for op in func.ops:
+        reads = registry.has_trait(op, registry.LOADS_STATE) and op.symbol in accumulators
+        if not reads and not (registry.has_trait(op, registry.COMPUTE) and retyped_values.intersection(op.operands)):
             continue
         for r in op.results:
             if isinstance(r.type, TensorType) and is_float(r.type.dtype):
-                edit.retype(r, dtype)
+                r.type = retyped(r.type, dtype)
                 retyped_values.add(r)
         stats["gradient accumulator ops in " + dtype] += 1
 
 
-def _reduction_of(edit: _Edit, grad: Value) -> tuple[Op, int] | None:
+def _reduction_of(grad: Value) -> tuple[Op, int] | None:
     """(the reducing collective, the index of ``grad``'s pending value among its results) when
     ``grad`` is the result of a wait on a reduction that nothing else reads, else None."""
     wait = grad.owner
@@ -193,23 +193,31 @@ def _reduction_of(edit: _Edit, grad: Value) -> tuple[Op, int] | None:
     start = pending.owner
     if not isinstance(start, Op) or not registry.has_trait(start, registry.REDUCES):
         return None
-    if len(edit.uses.get(grad, ())) != 1 or grad in edit.returned:
+    if len(grad.uses) != 1:  # one reader, the grad.set (a return is a use too)
         return None
     return start, pending.index
 
 
-def _converted(module: Module, op: Op) -> bool:
-    decl = module.decls.get(op.symbol)
+def _converted(m: dict) -> bool:
+    decl = m["module"].decls.get(m["root"].symbol)
     return decl is not None and decl.kind == "param" and is_float(decl.type.dtype)
 
 
-# op name -> (named constraint, rewrite)
-RULES = {
+def _low_read(m: dict) -> bool:
+    """A read in ``param_dtype`` (not the master read the rule makes, and not a parameter
+    the policy leaves alone)."""
+    low = m["root"].results[0]
+    return low.type.dtype == m["policy"].param_dtype != MASTER
+
+
+CONVERTED = Constraint("a floating parameter", _converted)
+RULES = [
     # param.get of a bf16 parameter -> f32 master read, cast down before its first use
-    "param.get": (_converted, cast_parameter_read),
+    Rule(P(trait=registry.LOADS_STATE), cast_parameter_read, (CONVERTED, Constraint("read in param_dtype", _low_read)),
+         name="cast parameter read", dead_too=True),
     # grad.set of a bf16 gradient -> reduce in reduce_dtype, hand f32 to the optimizer
-    "grad.set": (_converted, cast_gradient),
-}
+    Rule(P(trait=registry.GRADIENT), cast_gradient, (CONVERTED,), name="cast gradient", dead_too=True),
+]
 
 
 @dataclass(frozen=True)
@@ -236,14 +244,11 @@ class MixedPrecision(Pass):
                 source, decl.loc, len(decl.kind)))
         accumulators = self._accumulators(module)
         for func in module.functions.values():
-            edit = _Edit(func)
             if accumulators:
-                accumulate_in_reduce_dtype(edit, accumulators, self.reduce_dtype, stats)
-            for op in list(func.ops):
-                rule = RULES.get(op.name)
-                if rule is not None and rule[0](module, op):
-                    rule[1](edit, op, self, stats)
-            edit.apply()
+                accumulate_in_reduce_dtype(func, accumulators, self.reduce_dtype, stats)
+        # one sweep: each rule fires once at each op it matches (a cast read is f32 then)
+        apply_rules(module, RULES, max_iterations=1,
+                    context=lambda func: {"edit": _Edit(func), "policy": self, "stats": stats})
         for decl in module.decls.values():
             if decl.kind == "param" and decl.type.dtype == self.param_dtype:
                 decl.type = retyped(decl.type, MASTER)

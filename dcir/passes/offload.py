@@ -48,7 +48,7 @@ KiB, goes to host memory; @a's 1 KiB is all the room holds at once)::
     func @forward(%x: f32[64, 64], %b_exp_avg_1: shard<f32[32], 2>, ...) -> (...) {
       %b_exp_avg_off = mem.offload(%b_exp_avg_1) : pending<host<shard<f32[32], 2>>>
       ...                                       // gathers and compute
-      %b_exp_avg_home, ... = comm.wait(%b_exp_avg_off, ...)
+      %b_exp_avg_home, ... = mem.wait(%b_exp_avg_off, ...)
       param.set @b.exp_avg(%b_exp_avg_home)
       mem.free(%b_exp_avg_1, ...)
       %h = aten.mul.Tensor(%x, %x) : f32[64, 64]  // the forward's peak
@@ -59,13 +59,13 @@ KiB, goes to host memory; @a's 1 KiB is all the room holds at once)::
       %a_exp_avg_host = param.get @a.exp_avg : host<shard<f32[16, 16], 2>>
       %a_exp_avg_pending = mem.reload(%a_exp_avg_host) : pending<shard<f32[16, 16], 2>>
       ...                                       // the rest of the backward
-      %a_exp_avg = comm.wait(%a_exp_avg_pending) : shard<f32[16, 16], 2>
+      %a_exp_avg = mem.wait(%a_exp_avg_pending) : shard<f32[16, 16], 2>
       return %a_exp_avg, %a_exp_avg_sq
     func @step(%a_exp_avg: shard<f32[16, 16], 2>, ...) -> (shard<f32[32], 2>, ...) {
       %a_exp_avg_1, %a_exp_avg_sq_1 = optim.step @a(%a_exp_avg, %a_exp_avg_sq) : ...
       %a_exp_avg_off = mem.offload(%a_exp_avg_1) : pending<host<shard<f32[16, 16], 2>>>
       ...
-      %a_exp_avg_home, ... = comm.wait(%a_exp_avg_off, ...)
+      %a_exp_avg_home, ... = mem.wait(%a_exp_avg_off, ...)
       param.set @a.exp_avg(%a_exp_avg_home)
       mem.free(%a_exp_avg_1, %a_exp_avg_sq_1)
       %b_exp_avg_host = param.get @b.exp_avg : host<shard<f32[32], 2>>
@@ -81,11 +81,13 @@ import re
 from collections import Counter, deque
 from dataclasses import dataclass
 
+from dcir import analysis, roles
+from dcir import ops as registry
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Decl, Function, HostType, Module, Op, PendingType, SymbolRef, Value
 from dcir.memory import OPTIM_KEY, OPTIM_STATE_OF, Bytes, device_bytes, format_bytes, saved_storage, timeline
 from dcir.passes import Pass
-from dcir.passes.zero1 import copy_function
+from dcir.rewrite import Rewriter
 
 
 def _choose(sizes: dict[str, int], budget: int | None) -> set[str]:
@@ -109,9 +111,10 @@ class _StepBuilder:
 
     def __init__(self, module: Module, func: Function, state: dict[str, list[str]], room: float):
         self.module, self.func, self.state, self.room = module, func, state, room
+        self.rewriter = Rewriter(func)
         self.live = 0
-        # copies home in flight: (their mem.offload starts, the ops that finish them, bytes)
-        self.inflight: deque[tuple[list[Op], list[Op], int]] = deque()
+        # copies home in flight: (their mem.offload starts, the state symbols they go to, bytes)
+        self.inflight: deque[tuple[list[Op], list[str], int]] = deque()
         self.reloaded: dict[str, tuple[Op, list[Value]]] = {}
         self.fresh = func.name_maker()
 
@@ -119,14 +122,14 @@ class _StepBuilder:
         return Value(self.fresh(base), type_)
 
     def emit(self, op: Op) -> None:
-        self.func.ops.append(op)
+        self.rewriter.append([op])
 
     def nbytes(self, param: str) -> int:
         return sum(self.module.decls[s].type.inner.nbytes for s in self.state[param])
 
     def retire(self) -> None:
-        _, ops, nbytes = self.inflight.popleft()
-        for op in ops:
+        starts, symbols, nbytes = self.inflight.popleft()
+        for op in _finish_copies(symbols, starts, self.fresh):
             self.emit(op)
         self.live -= nbytes
 
@@ -146,31 +149,37 @@ class _StepBuilder:
             self.emit(Op("mem.reload", [host], [pending]))
             pendings.append(pending)
             devices.append(self.value(base, host_type.inner))
-        self.reloaded[param] = (Op("comm.wait", pendings, devices), devices)
+        self.reloaded[param] = (Op("mem.wait", pendings, devices), devices)
         self.live += need
         return True
 
     def offload(self, param: str, updated: list[Value]) -> None:
-        starts, retire = _copies_home(self.state[param], updated, self.fresh)
+        starts = _copies_home(self.state[param], updated, self.fresh)
         for op in starts:
             self.emit(op)
-        self.inflight.append((starts, retire, self.nbytes(param)))
+        self.inflight.append((starts, self.state[param], self.nbytes(param)))
+
+    def finish_all(self, skip: set[int]) -> None:
+        """Finish the copies home still in flight, but those at the positions ``skip``."""
+        for k, (starts, symbols, _) in enumerate(self.inflight):
+            if k not in skip:
+                self.rewriter.append(_finish_copies(symbols, starts, self.fresh))
 
 
-def _copies_home(symbols: list[str], updated: list[Value], fresh) -> tuple[list[Op], list[Op]]:
-    """The ops that copy a parameter's updated state (``updated``, on the device) home to
-    its host buffers ``symbols``: the async starts, and the ops that finish them (wait,
-    ``param.set`` of the host copies, free of the device copies)."""
-    starts, pendings, homes, sets = [], [], [], []
-    for sym, v in zip(symbols, updated):
-        base = sym.replace(".", "_")
-        pending = Value(fresh(base + "_off"), PendingType(HostType(v.type)))
-        starts.append(Op("mem.offload", [v], [pending]))
-        home = Value(fresh(base + "_home"), HostType(v.type))
-        pendings.append(pending)
-        homes.append(home)
-        sets.append(Op("param.set", [home], symbol=sym))
-    return starts, [Op("comm.wait", pendings, homes), *sets, Op("mem.free", list(updated))]
+def _copies_home(symbols: list[str], updated: list[Value], fresh) -> list[Op]:
+    """The async starts that copy a parameter's updated state (``updated``, on the
+    device) home to its host buffers ``symbols``."""
+    return [Op("mem.offload", [v], [Value(fresh(sym.replace(".", "_") + "_off"), PendingType(HostType(v.type)))])
+            for sym, v in zip(symbols, updated)]
+
+
+def _finish_copies(symbols: list[str], starts: list[Op], fresh) -> list[Op]:
+    """The ops that finish the copies ``starts``: their wait, ``param.set`` of the host
+    copies, free of the device copies."""
+    pendings = [op.results[0] for op in starts]
+    homes = [Value(fresh(sym.replace(".", "_") + "_home"), p.type.inner) for sym, p in zip(symbols, pendings)]
+    sets = [Op("param.set", [home], symbol=sym) for sym, home in zip(symbols, homes)]
+    return [Op("mem.wait", pendings, homes), *sets, Op("mem.free", [op.operands[0] for op in starts])]
 
 
 def _earliest_to_end(during: list[int], limit: int) -> int | None:
@@ -200,9 +209,9 @@ def _hand_over(module: Module, step: Function, micro_steps: int, stats: Counter)
     A reload starts at the earliest op after which its bytes, held to the end of the
     backward, do not raise the backward's peak (the memory model's), so the state
     arrives as early as memory allows at no cost in peak memory."""
-    first = next((i for i, op in enumerate(step.ops) if op.name == "optim.step"), 0)
-    reloads = [op for op in step.ops[:first] if op.name == "mem.reload"]
-    bw = module.functions.get("backward_last") or module.functions.get("backward")
+    first = next((i for i, op in enumerate(step.ops) if registry.has_trait(op, registry.OPTIMIZES)), 0)
+    reloads = [op for op in step.ops[:first] if _is_reload(op)]
+    bw = module.functions.get(roles.last_micro_step(module.functions, roles.BACKWARD))
     if not reloads or bw is None or bw.returns:
         return
     line = timeline(bw, saved_storage(module))
@@ -218,47 +227,59 @@ def _hand_over(module: Module, step: Function, micro_steps: int, stats: Counter)
         placed.append((reload, at))
     if not placed:
         return
-    if micro_steps > 1 and bw.name == "backward":  # the other micro-steps move nothing
-        bw = module.functions["backward_last"] = copy_function(bw, "backward_last")
-    waits = {v: op for op in step.ops if op.name == "comm.wait" for v in op.operands}
-    fresh = bw.name_maker()
-    moved: dict[int, list[Op]] = {}
-    tail: list[Op] = []
-    gone: set[Op] = set()
+    if micro_steps > 1 and bw.name == roles.BACKWARD:  # the other micro-steps move nothing
+        bw = module.functions[roles.BACKWARD_LAST] = bw.clone(roles.BACKWARD_LAST)
+    anchors, fresh = list(bw.ops), bw.name_maker()
+    backward, arrived = Rewriter(bw), []
     for reload, at in placed:
         get = reload.operands[0].owner
-        wait = waits[reload.results[0]]
-        k = wait.operands.index(reload.results[0])
-        device = wait.results[k]
         host = Value(fresh(get.results[0].name), get.results[0].type)
         pending = Value(fresh(reload.results[0].name), reload.results[0].type)
-        arrived = Value(fresh(device.name), device.type)
-        moved.setdefault(at, []).extend([Op("param.get", [], [host], symbol=get.symbol),
-                                         Op("mem.reload", [host], [pending])])
-        tail.append(Op("comm.wait", [pending], [arrived]))
-        bw.returns.append(arrived)
-        bw.result_types.append(arrived.type)
-        # @step takes the reloaded state as an argument in place of its own reload
-        gone.update((get, reload))
-        wait.operands.pop(k)
-        wait.results.pop(k)
-        for i, r in enumerate(wait.results):
-            r.index = i
-        if not wait.operands:
-            gone.add(wait)
-        step.args.append(device)
+        backward.insert_before(anchors[at], [Op(get.name, [], [host], symbol=get.symbol),
+                                             Op(reload.name, [host], [pending])])
+        arrived.append(Op(registry.wait_for(reload), [pending], [Value(fresh(_waited(step, reload).name),
+                                                                         pending.type.inner)]))
         stats["offload: reloads started in the last backward"] += 1
-    ops = []
-    for i, op in enumerate(bw.ops):
-        ops.extend(moved.get(i, ()))
-        ops.append(op)
-    bw.ops = ops + tail
-    step.ops = [op for op in step.ops if op not in gone]
-    for i, a in enumerate(step.args):
-        a.owner, a.index = step, i
+    backward.append(arrived)
+    backward.set_returns([op.results[0] for op in arrived])
+    _take_as_arguments(step, [reload for reload, _ in placed])
 
 
-def _hand_to_forward(module: Module, step: Function, tail: list[tuple[list[Op], list[Op], int]],
+def _is_reload(op: Op) -> bool:
+    return registry.has_trait(op, registry.HOST_COPY) and isinstance(op.operands[0].type, HostType)
+
+
+def _waited(func: Function, start: Op) -> Value:
+    """The value the wait of the async ``start`` yields."""
+    wait = analysis.waits(func)[start.results[0]]
+    return wait.results[wait.operands.index(start.results[0])]
+
+
+def _take_as_arguments(step: Function, reloads: list[Op]) -> None:
+    """``@step`` takes the state ``reloads`` brought as arguments, in place of its own
+    reloads (their reads of the host copy, and their part of the wait)."""
+    rewriter, waits = Rewriter(step), analysis.waits(step)
+    for reload in reloads:
+        device = _waited(step, reload)
+        arg = Value(device.name, device.type)
+        rewriter.insert_arg(arg)
+        rewriter.replace_all_uses(device, arg)
+    moved = {reload.results[0] for reload in reloads}
+    for wait in {waits[pending]: None for pending in moved}:
+        kept = [(v, r) for v, r in zip(wait.operands, wait.results) if v not in moved]
+        if kept:
+            rest = Op(wait.name, [v for v, _ in kept], [Value(r.name, r.type) for _, r in kept])
+            rewriter.insert_before(wait, [rest])
+            for (_, r), new in zip(kept, rest.results):
+                rewriter.replace_all_uses(r, new)
+        rewriter.erase(wait)
+    for reload in reloads:
+        get = reload.operands[0].owner
+        rewriter.erase(reload)
+        rewriter.erase(get)
+
+
+def _hand_to_forward(module: Module, step: Function, tail: list[tuple[list[Op], list[str], int]],
                      stats: Counter) -> set[int]:
     """Finish the copies home still in flight at the end of ``@step`` (``tail``) in the
     next ``@forward`` instead, where they overlap its compute: ``@step`` returns those
@@ -270,46 +291,102 @@ def _hand_to_forward(module: Module, step: Function, tail: list[tuple[list[Op], 
     its bytes from the forward's entry does not raise the forward's peak (the memory
     model's), so the peak stays what it was; a copy that would have to finish at the
     entry gains nothing there and stays in ``@step``."""
-    fw = module.functions.get("forward")
+    fw = module.functions.get(roles.FORWARD)
     if fw is None or not tail:
         return set()
     line = timeline(fw)
     peak, during = line.peak, list(line.during)
-    fresh = fw.name_maker()
-    finish_at: dict[int, list[Op]] = {}
-    handed: dict[int, tuple[list[Value], list[Value], list[Op]]] = {}
+    finish_at: dict[int, int] = {}
     for k in reversed(range(len(tail))):  # the newest copies have the most left to do
-        starts, retire, nbytes = tail[k]
-        before = _latest_from_entry(during, peak - nbytes)
+        before = _latest_from_entry(during, peak - tail[k][2])
         if before == 0:
             continue  # it would finish at the entry, behind no compute
         for j in range(before):
-            during[j] += nbytes
-        updated = [op.operands[0] for op in starts]
-        args = [Value(fresh(v.name), v.type) for v in updated]
-        symbols = [op.symbol for op in retire if op.name == "param.set"]
-        new_starts, new_retire = _copies_home(symbols, args, fresh)
-        finish_at.setdefault(before, [])[:0] = new_retire
-        handed[k] = (updated, args, new_starts)
+            during[j] += tail[k][2]
+        finish_at[k] = before
         stats["offload: copies home finished in the next forward"] += 1
-    if not handed:
-        return set()
-    gone = {op for k in handed for op in tail[k][0]}
-    step.ops = [op for op in step.ops if op not in gone]
-    ops: list[Op] = []
-    for k in sorted(handed):
-        updated, args, new_starts = handed[k]
-        step.returns.extend(updated)
-        step.result_types.extend(v.type for v in updated)
+    if finish_at:
+        _move_copies(step, fw, [(tail[k][0], tail[k][1], finish_at[k]) for k in sorted(finish_at)])
+    return set(finish_at)
+
+
+def _move_copies(step: Function, fw: Function, copies: list[tuple[list[Op], list[str], int]]) -> None:
+    """``@step`` returns the state its copies home ``(starts, symbols, finish)`` would
+    copy; ``@forward`` takes it as arguments, starts the copies at its entry and
+    finishes each before its op ``finish`` (a position before any of this)."""
+    forward, anchors, fresh = Rewriter(fw), list(fw.ops), fw.name_maker()
+    built = {}
+    for k in reversed(range(len(copies))):  # named newest first, as they were decided
+        starts, symbols, _ = copies[k]
+        args = [Value(fresh(op.operands[0].name), op.operands[0].type) for op in starts]
+        new_starts = _copies_home(symbols, args, fresh)
+        built[k] = (args, new_starts, _finish_copies(symbols, new_starts, fresh))
+    stepping, starts_all = Rewriter(step), []
+    for k, (starts, _, finish) in enumerate(copies):
+        args, new_starts, finishing = built[k]
+        stepping.set_returns([*step.returns, *(op.operands[0] for op in starts)])
+        for op in starts:
+            stepping.erase(op)
         for a in args:
-            a.owner, a.index = fw, len(fw.args)
-            fw.args.append(a)
-        ops.extend(new_starts)
-    for i, op in enumerate(fw.ops):
-        ops.extend(finish_at.get(i, ()))
-        ops.append(op)
-    fw.ops = ops
-    return set(handed)
+            forward.insert_arg(a)
+        starts_all.extend(new_starts)
+        forward.insert_before(anchors[finish] if finish < len(anchors) else None, finishing)
+    forward.insert_at(0, starts_all)
+
+
+def _declare_state(module: Module, params: list[Decl], keys: list[str], offloaded: set[str]) -> dict[str, list[str]]:
+    """Declare a buffer for each optimizer state tensor of each parameter (in host memory
+    for the ``offloaded`` ones); returns each parameter's state symbols, in ``keys`` order."""
+    state: dict[str, list[str]] = {}
+    for d in params:
+        syms = []
+        for key in keys:
+            sym = f"{d.name}.{key}"
+            while sym in module.decls:
+                sym += "_"
+            home = HostType(d.type) if d.name in offloaded else d.type
+            module.decls[sym] = Decl("buffer", sym, home, {OPTIM_STATE_OF: SymbolRef(d.name), OPTIM_KEY: key})
+            syms.append(sym)
+        state[d.name] = syms
+    return state
+
+
+def _write_step(module: Module, params: list[Decl], state: dict[str, list[str]], offloaded: set[str],
+                room: float, stats: Counter) -> _StepBuilder:
+    """Write ``@step``'s updates, reloading offloaded state ahead as far as ``room``
+    allows; the copies home still in flight are left in the builder for the caller."""
+    build = _StepBuilder(module, Function(roles.STEP), state, room)
+    order = [d.name for d in params if d.name in offloaded]
+    ahead = 0  # next reload to issue
+
+    def prefetch() -> None:
+        nonlocal ahead
+        while ahead < len(order) and build.reload(order[ahead], force=False):
+            ahead += 1
+
+    prefetch()
+    for d in params:
+        if d.name in offloaded:
+            while ahead <= order.index(d.name):
+                build.reload(order[ahead], force=True)
+                ahead += 1
+            wait, values = build.reloaded.pop(d.name)
+            build.emit(wait)
+        else:
+            values = []
+            for sym in state[d.name]:
+                v = build.value(sym.replace(".", "_"), module.decls[sym].type)
+                build.emit(Op("param.get", [], [v], symbol=sym))
+                values.append(v)
+        updated = [build.value(v.name + "_1", v.type) for v in values]
+        build.emit(Op("optim.step", values, updated, symbol=d.name))
+        if d.name in offloaded:
+            build.offload(d.name, updated)
+            stats["offload: parameters whose optimizer state lives in host memory"] += 1
+        else:
+            stats["offload: parameters whose optimizer state stays on the device"] += 1
+        prefetch()
+    return build
 
 
 @dataclass(frozen=True)
@@ -333,7 +410,7 @@ class Offload(Pass):
                              f"{bad[0]!r} is not a name")
 
     def run(self, module: Module, stats: Counter) -> None:
-        if "step" in module.functions:
+        if roles.STEP in module.functions:
             stats["offload: @step exists already"] += 1
             return
         keys = self.state.split("+")
@@ -348,56 +425,14 @@ class Offload(Pass):
                 f"offload: the optimizer state of @{largest.name} ({format_bytes(sizes[largest.name])}) does not "
                 f"fit the budget of {format_bytes(self.budget)}; the step updates it on the device, so the budget "
                 f"must hold at least the largest parameter's state", module.source, largest.loc, len(largest.kind)))
-        state: dict[str, list[str]] = {}
-        for d in params:
-            syms = []
-            for key in keys:
-                sym = f"{d.name}.{key}"
-                while sym in module.decls:
-                    sym += "_"
-                home = HostType(d.type) if d.name in offloaded else d.type
-                module.decls[sym] = Decl("buffer", sym, home, {OPTIM_STATE_OF: SymbolRef(d.name), OPTIM_KEY: key})
-                syms.append(sym)
-            state[d.name] = syms
-        func = Function("step")
-        build = _StepBuilder(module, func, state, room)
-        order = [d.name for d in params if d.name in offloaded]
-        ahead = 0  # next reload to issue
-
-        def prefetch() -> None:
-            nonlocal ahead
-            while ahead < len(order) and build.reload(order[ahead], force=False):
-                ahead += 1
-
-        prefetch()
-        for d in params:
-            if d.name in offloaded:
-                while ahead <= order.index(d.name):
-                    build.reload(order[ahead], force=True)
-                    ahead += 1
-                wait, values = build.reloaded.pop(d.name)
-                build.emit(wait)
-            else:
-                values = []
-                for sym in state[d.name]:
-                    v = build.value(sym.replace(".", "_"), module.decls[sym].type)
-                    build.emit(Op("param.get", [], [v], symbol=sym))
-                    values.append(v)
-            updated = [build.value(v.name + "_1", v.type) for v in values]
-            build.emit(Op("optim.step", values, updated, symbol=d.name))
-            if d.name in offloaded:
-                build.offload(d.name, updated)
-                stats["offload: parameters whose optimizer state lives in host memory"] += 1
-            else:
-                stats["offload: parameters whose optimizer state stays on the device"] += 1
-            prefetch()
+        state = _declare_state(module, params, keys, offloaded)
+        build = _write_step(module, params, state, offloaded, room, stats)
+        func = build.func
         # the copies home still in flight finish in the next forward where that hides them
         # (under accumulation @forward runs on every micro-step: they stay in @step)
         handed = _hand_to_forward(module, func, list(build.inflight) if self.micro_steps == 1 else [], stats)
-        for k, (_, retire, _) in enumerate(build.inflight):
-            if k not in handed:
-                func.ops.extend(retire)
-        module.functions["step"] = func
+        build.finish_all(skip=handed)
+        module.functions[roles.STEP] = func
         _hand_over(module, func, self.micro_steps, stats)
         moved = sum(sizes[p] for p in offloaded)
         arrived = sum(a.type.nbytes for a in func.args)  # reloaded in the backward: held into @step

@@ -63,7 +63,7 @@ from dcir.schedule import AFTER_DEPENDENCIES, BEFORE_DEPENDENTS, Limit, Move, Sw
 
 
 def _is_gather(op: Op) -> bool:
-    return op.name in ("comm.all_gather", "comm.all_gather_coalesced")
+    return registry.has_trait(op, registry.GATHERS)
 
 
 def _gather_group(sweep: Sweep, i: int) -> list[int]:
@@ -72,19 +72,17 @@ def _gather_group(sweep: Sweep, i: int) -> list[int]:
     group = [i]
     for v in op.operands:
         src = v.owner
-        j = sweep.index.get(src)
-        if isinstance(src, Op) and src.name == "param.get" and j is not None and j < i \
+        j = sweep.position.get(src)
+        if isinstance(src, Op) and registry.has_trait(src, registry.LOADS_STATE) and j is not None and j < i \
                 and sweep.graph.out_degree(j) == 1:
             group.insert(0, j)
     return sorted(group)
 
 
 def _wait_of(sweep: Sweep, i: int) -> int:
-    """Position of the first comm.wait that joins a result of op ``i``."""
-    results = set(sweep.func.ops[i].results)
-    return next((j for j in range(i + 1, len(sweep.func.ops))
-                 if sweep.func.ops[j].name == "comm.wait" and results & set(sweep.func.ops[j].operands)),
-                len(sweep.func.ops))
+    """Position of the first wait that joins a result of op ``i``."""
+    waits = [sweep.waits[r] for r in sweep.func.ops[i].results if r in sweep.waits]
+    return min((sweep.position[w] for w in waits), default=len(sweep.func.ops))
 
 
 def _after_previous_gather(sweep: Sweep, i: int, group: list[int]) -> int:
@@ -114,12 +112,12 @@ HOIST_GATHERS = Move(
 
 
 def _is_reduction_wait(op: Op) -> bool:
-    return op.name == "comm.wait" and all(
+    return registry.has_trait(op, registry.WAITS) and all(
         isinstance(v.owner, Op) and registry.has_trait(v.owner, registry.REDUCES) for v in op.operands)
 
 
 def _reduction_start(sweep: Sweep, i: int) -> int:
-    return max(sweep.index[v.owner] for v in sweep.func.ops[i].operands)
+    return max(sweep.position[v.owner] for v in sweep.func.ops[i].operands)
 
 
 def _wait_group(sweep: Sweep, i: int) -> list[int] | None:
@@ -128,16 +126,16 @@ def _wait_group(sweep: Sweep, i: int) -> list[int] | None:
     ops = sweep.func.ops
     wait = ops[i]
     start = ops[_reduction_start(sweep, i)]
-    own = sweep.owner
+    own = sweep.storage
     inputs = {own.get(v, v) for v in start.operands}
     results = set(wait.results)
     group = [i]
     j = i + 1
     while j < len(ops):
         op = ops[j]
-        if op.name == "grad.set" and set(op.operands) <= results:
+        if registry.has_trait(op, registry.GRADIENT) and set(op.operands) <= results:
             group.append(j)
-        elif op.name == "mem.free" and {own.get(v, v) for v in op.operands} <= inputs:
+        elif registry.has_trait(op, registry.FREES) and {own.get(v, v) for v in op.operands} <= inputs:
             group.append(j)
         else:
             break
@@ -156,8 +154,8 @@ def _reduction_hidden(sweep: Sweep, i: int, group: list[int]) -> int:
 
 
 def _wait_cost(sweep: Sweep, i: int, group: list[int], pos: int) -> tuple[int, int, int]:
-    ops, own = sweep.func.ops, sweep.owner
-    freed = {own.get(v, v) for j in group if ops[j].name == "mem.free" for v in ops[j].operands}
+    ops, own = sweep.func.ops, sweep.storage
+    freed = {own.get(v, v) for j in group if registry.has_trait(ops[j], registry.FREES) for v in ops[j].operands}
     return sum(device_bytes(v) for v in freed), group[-1] + 1, pos
 
 
@@ -173,7 +171,7 @@ def _reduction_done(sweep: Sweep, i: int, group: list[int]) -> int:
 
 
 def _is_reduction(op: Op) -> bool:
-    return op.family == "comm" and registry.has_trait(op, registry.REDUCES) and registry.has_trait(op, registry.ASYNC)
+    return registry.has_trait(op, registry.REDUCES) and registry.has_trait(op, registry.ASYNC)
 
 
 def _reduction_cost(sweep: Sweep, i: int, group: list[int], pos: int) -> tuple[int, int, int]:

@@ -55,10 +55,13 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from dcir import analysis, roles
+from dcir import ops as registry
 from dcir.cost import Machine, calibrate, note_source, op_seconds
 from dcir.ir import Decl, Function, Module, Op, PendingType, SymbolRef, Value
-from dcir.memory import UNSHARD_OF, Bytes, owners, timelines
+from dcir.memory import UNSHARD_OF, Bytes, storage_bases, timelines
 from dcir.passes import Pass
+from dcir.rewrite import Rewriter
 
 
 @dataclass
@@ -72,84 +75,89 @@ class _Gather:
 
 def _gathers(func: Function) -> dict[str, list[_Gather]]:
     """Single-tensor gathers of a parameter, by parameter."""
-    waits = {v: op for op in func.ops if op.name == "comm.wait" for v in op.operands}
-    own = owners(func)
+    waits = analysis.waits(func)
+    storage = storage_bases(func)
     frees = {}
     for op in func.ops:
-        if op.name == "mem.free":
+        if registry.has_trait(op, registry.FREES):
             for v in op.operands:
-                frees.setdefault(own.get(v, v), op)
+                frees.setdefault(storage.get(v, v), op)
     out: dict[str, list[_Gather]] = {}
     for op in func.ops:
-        if op.name != "comm.all_gather":
+        if not registry.has_trait(op, registry.GATHERS) or registry.is_coalesced(op):
             continue
         src = op.operands[0].owner
         wait = waits.get(op.results[0])
-        if not isinstance(src, Op) or src.name != "param.get" or wait is None or len(wait.operands) != 1:
+        if not isinstance(src, Op) or not registry.has_trait(src, registry.LOADS_STATE) or wait is None \
+                or len(wait.operands) != 1:
             continue
         full = wait.results[0]
-        out.setdefault(src.symbol, []).append(_Gather(src, op, wait, full, frees.get(own.get(full, full))))
+        out.setdefault(src.symbol, []).append(_Gather(src, op, wait, full, frees.get(storage.get(full, full))))
     return out
 
 
 def _split_coalesced(func: Function) -> list[tuple[Op, list[Op]]]:
-    """Each ``comm.all_gather_coalesced`` becomes one ``comm.all_gather`` per tensor at its
-    place, yielding the same values, so that every gather of a parameter is seen (a
-    kept parameter gathered again in a coalesced gather would be gathered twice).
-    Returns (coalesced op, its parts) for ``_merge_back``."""
-    groups, ops = [], []
-    for op in func.ops:
-        if op.name != "comm.all_gather_coalesced":
-            ops.append(op)
+    """Each coalesced gather becomes one single gather per tensor at its place, yielding
+    the same values, so that every gather of a parameter is seen (a kept parameter
+    gathered again in a coalesced gather would be gathered twice). Returns (coalesced
+    op, its parts) for ``_merge_back``."""
+    rewriter, groups = Rewriter(func), []
+    for op in list(func.ops):
+        if not registry.has_trait(op, registry.GATHERS) or not registry.is_coalesced(op):
             continue
-        parts = [Op("comm.all_gather", [v], [r], loc=op.loc) for v, r in zip(op.operands, op.results)]
-        ops.extend(parts)
+        parts = [Op(registry.single_form(op), [v], [Value(r.name, r.type)], loc=op.loc)
+                 for v, r in zip(op.operands, op.results)]
+        rewriter.insert_before(op, parts)
+        rewriter.replace_op(op, [p.results[0] for p in parts])
         groups.append((op, parts))
-    func.ops = ops
     return groups
 
 
 def _merge_back(func: Function, groups: list[tuple[Op, list[Op]]]) -> None:
     """The parts of each split gather that are left become one coalesced gather again,
     at the place of the first (its profile holds only if no part went)."""
-    where = {op: i for i, op in enumerate(func.ops)}
-    merged: dict[Op, Op] = {}
-    gone: set[Op] = set()
+    rewriter, where = Rewriter(func), set(func.ops)
     for coalesced, parts in groups:
         left = [p for p in parts if p in where]
-        if len(left) == len(parts):
-            merged[left[0]] = coalesced
-            for i, r in enumerate(coalesced.results):
-                r.owner, r.index = coalesced, i
-        elif len(left) > 1:
-            attrs = {k: v for k, v in coalesced.attrs.items() if not k.startswith("prof.")}
-            merged[left[0]] = Op(coalesced.name, [p.operands[0] for p in left], [p.results[0] for p in left],
-                                 attrs, loc=coalesced.loc)
-        else:
+        if len(left) < 2 and len(left) != len(parts):
             continue
-        gone.update(left[1:])
-    func.ops = [merged.get(op, op) for op in func.ops if op not in gone]
+        attrs = coalesced.attrs if len(left) == len(parts) else \
+            {k: v for k, v in coalesced.attrs.items() if not k.startswith("prof.")}
+        merged = Op(coalesced.name, [p.operands[0] for p in left],
+                    [Value(p.results[0].name, p.results[0].type) for p in left], dict(attrs), loc=coalesced.loc)
+        rewriter.insert_before(left[0], [merged])
+        for p, r in zip(left, merged.results):
+            rewriter.replace_op(p, [r])
+
+
+def _drop_from_free(rewriter: Rewriter, free: Op, value: Value) -> None:
+    """``free`` no longer releases ``value`` (and goes when it releases nothing)."""
+    rest = [v for v in free.operands if v is not value]
+    if rest:
+        rewriter.set_operands(free, rest)
+    else:
+        rewriter.erase(free)
+
+
+def _drop_gather(rewriter: Rewriter, g: _Gather) -> None:
+    """Erase a gather whose result is no longer read, and its shard read if only it read it."""
+    rewriter.erase(g.wait)
+    rewriter.erase(g.start)
+    if not g.get.results[0].uses:
+        rewriter.erase(g.get)
 
 
 def _keep(module: Module, name: str, fw: _Gather, bw: _Gather) -> None:
     """Hand ``fw.full`` from @forward to @backward in place of @backward's gather."""
-    f, b = module.functions["forward"], module.functions["backward"]
-    if len(fw.free.operands) == 1:
-        f.ops.remove(fw.free)
-    else:
-        fw.free.operands = [v for v in fw.free.operands if v is not fw.full]
-    f.returns.append(fw.full)
-    f.result_types.append(fw.full.type)
-    arg = bw.full  # the gathered value becomes an argument, under its own name
-    b.ops = [op for op in b.ops if op is not bw.start and op is not bw.wait
-             and not (op is bw.get and all(u is bw.start for u in _users(b, op.results[0])))]
-    b.args.insert(len(b.args) - 1, arg)
-    for i, a in enumerate(b.args):
-        a.owner, a.index = b, i
-
-
-def _users(func: Function, v: Value) -> list[Op]:
-    return [op for op in func.ops if v in op.operands]
+    f, b = module.functions[roles.FORWARD], module.functions[roles.BACKWARD]
+    forward = Rewriter(f)
+    _drop_from_free(forward, fw.free, fw.full)
+    forward.set_returns([*f.returns, fw.full])
+    backward = Rewriter(b)
+    arg = Value(bw.full.name, bw.full.type)  # the gathered value becomes an argument, under its own name
+    backward.insert_arg(arg, len(b.args) - 1)
+    backward.replace_all_uses(bw.full, arg)
+    _drop_gather(backward, bw)
 
 
 def _resident(module: Module, name: str, gathers: list[_Gather]) -> str:
@@ -161,42 +169,34 @@ def _resident(module: Module, name: str, gathers: list[_Gather]) -> str:
         copy += "_"
     module.decls[copy] = Decl("buffer", copy, decl.full_type, {UNSHARD_OF: SymbolRef(name)})
     for func in module.functions.values():
+        rewriter = Rewriter(func)
         for g in (x for x in gathers if x.start in func.ops):
-            gone = {g.start, g.wait}
-            if all(u is g.start for u in _users(func, g.get.results[0])):
-                gone.add(g.get)
-            read = Op("param.get", [], [g.full], symbol=copy)
-            ops = []
-            for op in func.ops:
-                if op is g.start:
-                    ops.append(read)
-                if op in gone:
-                    continue
-                if op is g.free:  # state is not the schedule's to release
-                    op.operands = [v for v in op.operands if v is not g.full]
-                    if not op.operands:
-                        continue
-                ops.append(op)
-            func.ops = ops
+            read = Op(g.get.name, [], [Value(g.full.name, g.full.type)], symbol=copy)
+            rewriter.insert_before(g.start, [read])
+            if g.free is not None:  # state is not the schedule's to release
+                _drop_from_free(rewriter, g.free, g.full)
+            rewriter.replace_all_uses(g.full, read.results[0])
+            _drop_gather(rewriter, g)
     return copy
 
 
 def _unshard_function(module: Module, copies: list[tuple[str, str]]) -> None:
     """``@unshard``: gathers each kept parameter into its copy; the Engine runs it
     before the first micro-step of every optimizer step."""
-    func = Function("unshard")
+    func = Function(roles.UNSHARD)
+    rewriter = Rewriter(func)
     for name, copy in copies:
         decl = module.decls[name]
         base = name.replace(".", "_")
         shard = Value(func.fresh_name(base + "_shard"), decl.type)
-        func.ops.append(Op("param.get", [], [shard], symbol=name))
+        rewriter.append([Op("param.get", [], [shard], symbol=name)])
         pending = Value(func.fresh_name(base + "_pending"), PendingType(decl.full_type))
-        func.ops.append(Op("comm.all_gather", [shard], [pending]))
+        start = Op("comm.all_gather", [shard], [pending])
+        rewriter.append([start])
         full = Value(func.fresh_name(base), decl.full_type)
-        func.ops.append(Op("comm.wait", [pending], [full]))
-        func.ops.append(Op("param.set", [full], [], symbol=copy))
-        func.ops.append(Op("mem.free", [full]))
-    module.functions["unshard"] = func
+        rewriter.append([Op(registry.wait_for(start), [pending], [full]), Op("param.set", [full], [], symbol=copy),
+                         Op("mem.free", [full])])
+    module.functions[roles.UNSHARD] = func
 
 
 @dataclass(frozen=True)
@@ -212,10 +212,10 @@ class Unshard(Pass):
             raise ValueError("micro_steps must be at least 1")
 
     def run(self, module: Module, stats: Counter) -> None:
-        f, b = module.functions.get("forward"), module.functions.get("backward")
-        if f is None or b is None or len(b.args) != len(f.returns) or "unshard" in module.functions:
+        f, b = module.functions.get(roles.FORWARD), module.functions.get(roles.BACKWARD)
+        if f is None or b is None or len(b.args) != len(f.returns) or roles.UNSHARD in module.functions:
             return
-        funcs = [module.functions[n] for n in ("forward", "backward", "backward_last") if n in module.functions]
+        funcs = [module.functions[n] for n in roles.in_order(module.functions) if roles.runs_per_micro_step(n)]
         split = [(func, _split_coalesced(func)) for func in funcs]
         self._choose(module, f, b, stats)
         for func, groups in split:
@@ -225,7 +225,7 @@ class Unshard(Pass):
         machine = calibrate(module)
         note_source(module, stats, "unshard")
         fws, bws = _gathers(f), _gathers(b)
-        last = module.functions.get("backward_last")
+        last = module.functions.get(roles.BACKWARD_LAST)
         if last is not None:  # the last micro-step's backward gathers the same parameters
             for name, gs in _gathers(last).items():
                 bws.setdefault(name, []).extend(gs)
@@ -245,10 +245,10 @@ class Unshard(Pass):
             ranked.append((saved / max(nbytes, 1), name, fw[0], bw[0]))
         ranked.sort(key=lambda c: (-c[0], c[1]))
         lines = timelines(module)
-        fwd, bwd = list(lines["forward"].during), list(lines["backward"].during)
+        fwd, bwd = list(lines[roles.FORWARD].during), list(lines[roles.BACKWARD].during)
         fpos = {op: i for i, op in enumerate(f.ops)}
         bpos = {op: i for i, op in enumerate(b.ops)}
-        entry = lines["backward"].entry
+        entry = lines[roles.BACKWARD].entry
         kept = []
         for _, name, fw, bw in ranked:
             # forward: held from its free to the end; backward: from entry to where it was gathered

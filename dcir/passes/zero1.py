@@ -51,42 +51,31 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from dcir import analysis, roles
+from dcir import ops as registry
 from dcir.ir import Decl, Function, Module, Op, SymbolRef, Value
 from dcir.memory import GRAD_ACC_OF
 from dcir.passes import Pass
 from dcir.passes.zero2 import replicate_parameters
 from dcir.passes.zero3 import Zero3
-
-def copy_function(func: Function, name: str) -> Function:
-    """A deep copy of ``func`` under another name (values and ops are new objects)."""
-    env: dict[Value, Value] = {}
-    args = [env.setdefault(a, Value(a.name, a.type)) for a in func.args]
-    ops = []
-    for op in func.ops:
-        results = [env.setdefault(r, Value(r.name, r.type)) for r in op.results]
-        ops.append(Op(op.name, [env[v] for v in op.operands], results, dict(op.attrs), op.symbol, op.loc, op.parens))
-    return Function(name, args, list(func.result_types), ops, [env[v] for v in func.returns], dict(func.attrs),
-                    func.loc, func.return_loc)
-
+from dcir.rewrite import Rewriter
 
 def _reductions(func: Function) -> list[tuple[Op, Op, Op]]:
     """(reduce_scatter, wait, grad.set) of every gradient, as ``zero3`` wrote them."""
-    waits = {v: op for op in func.ops if op.name == "comm.wait" for v in op.operands}
-    sets = {op.operands[0]: op for op in func.ops if op.name == "grad.set"}
+    waits = analysis.waits(func)
+    hands = {op.operands[0]: op for op in func.ops if registry.has_trait(op, registry.GRADIENT)}
     out = []
     for op in func.ops:
-        if op.name == "comm.reduce_scatter":
+        if registry.has_trait(op, registry.SCATTERS) and not registry.is_coalesced(op):
             wait = waits[op.results[0]]
-            out.append((op, wait, sets[wait.results[0]]))
+            out.append((op, wait, hands[wait.results[0]]))
     return out
 
 
 def _accumulate(func: Function, accumulators: dict[str, str], last: bool) -> None:
     """Each gradient is added to its accumulator; in the last micro-step the sum is
     reduced (and the accumulator zeroed), in the others nothing is communicated."""
-    before: dict[Op, list[Op]] = {}
-    after: dict[Op, list[Op]] = {}
-    gone: set[Op] = set()
+    rewriter = Rewriter(func)
     fresh = func.name_maker()
     for start, wait, hand in _reductions(func):
         grad, acc_name = start.operands[0], accumulators[hand.symbol]
@@ -94,21 +83,15 @@ def _accumulate(func: Function, accumulators: dict[str, str], last: bool) -> Non
         total = Value(fresh(grad.name + "_sum"), grad.type)
         add = [Op("param.get", [], [acc], symbol=acc_name), Op("aten.add.Tensor", [acc, grad], [total])]
         if last:
-            before[start] = add
-            start.operands = [total]
+            rewriter.insert_before(start, add)
+            rewriter.set_operands(start, [total])
             zero = Value(fresh(grad.name + "_zero"), grad.type)
-            after[wait] = [Op("mem.free", [total]), Op("aten.zero.default", [acc], [zero]),
-                           Op("param.set", [zero], symbol=acc_name), Op("mem.free", [zero])]
+            rewriter.insert_after(wait, [Op("mem.free", [total]), Op("aten.zero.default", [acc], [zero]),
+                                         Op("param.set", [zero], symbol=acc_name), Op("mem.free", [zero])])
         else:
-            before[start] = [*add, Op("param.set", [total], symbol=acc_name), Op("mem.free", [total])]
-            gone.update((start, wait, hand))
-    ops = []
-    for op in func.ops:
-        ops.extend(before.get(op, ()))
-        if op not in gone:
-            ops.append(op)
-        ops.extend(after.get(op, ()))
-    func.ops = ops
+            rewriter.insert_before(start, [*add, Op("param.set", [total], symbol=acc_name), Op("mem.free", [total])])
+            for op in (hand, wait, start):  # readers first
+                rewriter.erase(op)
 
 
 @dataclass(frozen=True)
@@ -127,7 +110,7 @@ class Zero1(Pass):
     def run(self, module: Module, stats: Counter) -> None:
         Zero3(world_size=self.world_size).run(module, stats)
         replicate_parameters(module, stats, self.name)
-        bw = module.functions.get("backward")
+        bw = module.functions.get(roles.BACKWARD)
         if self.micro_steps == 1 or bw is None:
             return
         accumulators = {}
@@ -139,7 +122,7 @@ class Zero1(Pass):
             module.decls[acc] = Decl("buffer", acc, decl.full_type, {GRAD_ACC_OF: SymbolRef(hand.symbol)})
             accumulators[hand.symbol] = acc
             stats["zero1: gradients reduced once per optimizer step"] += 1
-        last = copy_function(bw, "backward_last")
+        last = bw.clone(roles.BACKWARD_LAST)
         _accumulate(bw, accumulators, last=False)
         _accumulate(last, accumulators, last=True)
-        module.functions["backward_last"] = last
+        module.functions[roles.BACKWARD_LAST] = last

@@ -44,10 +44,12 @@ from collections import Counter
 from dataclasses import dataclass
 
 from dcir import ops as registry
-from dcir.analysis import last_uses, storage_owners
+from dcir import roles
+from dcir.analysis import last_uses, view_bases
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Function, Module, Op, PendingType, ShardType, TensorType, Value
 from dcir.passes import Pass
+from dcir.rewrite import EDITED, Constraint, P, Rewriter, Rule, apply_rules
 
 # ---- rematerializing saved views of parameters ----------------------------------------
 
@@ -58,7 +60,7 @@ def _param_view_chain(v: Value, module: Module) -> list[Op] | None:
     chain = []
     while isinstance(v.owner, Op):
         op = v.owner
-        if op.name == "param.get":
+        if registry.has_trait(op, registry.LOADS_STATE):
             decl = module.decls.get(op.symbol)
             return list(reversed(chain)) if decl is not None and decl.kind == "param" else None
         if len(op.operands) != 1 or len(op.results) != 1 or registry.views(op) != {0: 0}:
@@ -73,150 +75,125 @@ def rematerialize_param_views(module: Module, stats: Counter) -> None:
 
     Relies on the capture convention: @forward returns (loss, *saved) and @backward
     takes (*saved, tangent)."""
-    fw, bw = module.functions.get("forward"), module.functions.get("backward")
+    fw, bw = module.functions.get(roles.FORWARD), module.functions.get(roles.BACKWARD)
     if fw is None or bw is None or len(bw.args) != len(fw.returns):
         return
-    keep_returns, keep_args, recompute = [fw.returns[0]], [], []
+    keep_returns, recompute = [fw.returns[0]], []
     for value, arg in zip(fw.returns[1:], bw.args[:-1]):
         chain = _param_view_chain(value, module)
         if chain is None:
             keep_returns.append(value)
-            keep_args.append(arg)
         else:
             recompute.append((arg, value, chain))
     if not recompute:
         return
-    fresh = bw.name_maker()
-    first_use: dict[Value, int] = {}
-    for i, op in enumerate(bw.ops):
-        for v in op.operands:
-            first_use.setdefault(v, i)
-    before: dict[int, list[Op]] = {}  # recomputed just before the first use, not all up front:
-    replacement = {}                   # the gathered parameter then lives only as long as it must
+    fresh, rewriter = bw.name_maker(), Rewriter(bw)
+    pos = {op: i for i, op in enumerate(bw.ops)}
     for arg, value, chain in recompute:
-        # the argument goes away, so the recomputed value (the chain's last) takes its name
+        # recomputed just before the first use, not all up front: the gathered parameter
+        # then lives only as long as it must; the recomputed value takes the argument's name
         source = chain[0].operands[0] if chain else value  # the param.get's result
         cur = Value(arg.name if not chain else fresh(source.name), source.type)
-        ops = [Op("param.get", [], [cur], symbol=source.owner.symbol)]
+        ops = [Op(source.owner.name, [], [cur], symbol=source.owner.symbol)]
         for k, op in enumerate(chain):
-            name = arg.name if k == len(chain) - 1 else fresh(op.results[0].name)
-            cur = Value(name, op.results[0].type)
+            cur = Value(arg.name if k == len(chain) - 1 else fresh(op.results[0].name), op.results[0].type)
             ops.append(Op(op.name, [ops[-1].results[0]], [cur], dict(op.attrs), parens=op.parens))
-        replacement[arg] = cur
-        before.setdefault(first_use.get(arg, len(bw.ops)), []).extend(ops)
+        first = min(arg.users(), key=pos.__getitem__, default=None)
+        if first is None:
+            rewriter.append(ops)
+        else:
+            rewriter.insert_before(first, ops)
+        rewriter.replace_all_uses(arg, cur)
+        rewriter.remove_arg(arg)
         stats["saved parameter views recomputed in backward"] += 1
-    for op in bw.ops:
-        op.operands = [replacement.get(v, v) for v in op.operands]
-    bw.returns = [replacement.get(v, v) for v in bw.returns]
-    bw.ops = [new for i, op in enumerate(bw.ops) for new in (*before.get(i, ()), op)] + before.get(len(bw.ops), [])
-    fw.returns = keep_returns
-    fw.result_types = [v.type for v in keep_returns]
-    tangent = bw.args[-1]
-    bw.args = keep_args + [tangent]
-    for i, a in enumerate(bw.args):
-        a.owner, a.index = bw, i
+    Rewriter(fw).set_returns(keep_returns)
 
 
 # ---- the rewrites ----------------------------------------------------------------------
 
 
-class _Edit:
-    """What a rewrite may do to a function: new names, ops before a value's first use,
-    an op replaced by several, a free after a storage's last use. Applied at the end,
-    in one pass, from facts computed once (``dcir.analysis``)."""
-
-    def __init__(self, func: Function, world: int):
-        self.func, self.world = func, world
-        self.fresh = func.name_maker()
-        self.first: dict[Value, int] = {}
-        for i, op in enumerate(func.ops):
-            for v in op.operands:
-                self.first.setdefault(v, i)
-        self.last, self.returned = last_uses(func)
-        self.owners = storage_owners(func)
-        self.before: dict[int, list[Op]] = {}
-        self.after: dict[int, list[Op]] = {}
-        self.replaced: dict[Op, list[Op]] = {}
-
-    def used(self, v: Value) -> bool:
-        return v in self.first
-
-    def insert_before_first_use(self, v: Value, ops: list[Op]) -> None:
-        self.before.setdefault(self.first[v], []).extend(ops)
-
-    def replace(self, op: Op, ops: list[Op]) -> None:
-        self.replaced[op] = ops
-
-    def free_after_last_use(self, v: Value) -> None:
-        """Free the storage of ``v`` after its last reader, unless the function returns
-        it or received it (an argument is its caller's to free)."""
-        owner = self.owners.get(v, v)
-        if owner in self.returned or owner in self.func.args or owner not in self.last:
-            return
-        frees = self.after.setdefault(self.last[owner], [])
-        if not any(owner in f.operands for f in frees):
-            frees.append(Op("mem.free", [owner], parens=True))
-
-    def apply(self) -> None:
-        ops: list[Op] = []
-        for i, op in enumerate(self.func.ops):
-            ops.extend(self.before.get(i, ()))
-            ops.extend(self.replaced.get(op, [op]))
-            ops.extend(self.after.get(i, ()))
-        self.func.ops = ops
+def _facts(func: Function) -> dict:
+    """What the rewrites read, computed once per function before any of them runs: the
+    first reader of every value, the last reader of every storage, the storages the
+    function returns, and a name maker."""
+    last, returned = last_uses(func)
+    first: dict[Value, Op] = {}
+    for op in func.ops:
+        for v in op.operands:
+            first.setdefault(v, op)
+    return {"first": first, "last": {v: func.ops[i] for v, i in last.items()}, "returned": returned,
+            "storage": view_bases(func), "fresh": func.name_maker(), "frees": {}}
 
 
-def gather_before_first_use(edit: _Edit, op: Op, stats: Counter) -> None:
+def _free_after_last_use(m: dict, v: Value, value: Value | None = None) -> None:
+    """Free the storage of ``v`` (as ``value``, the value that now holds it) after its
+    last reader, unless the function returns it or received it (an argument is its
+    caller's to free). Frees after one reader keep the order they were asked in."""
+    base = m["storage"].get(v, v)
+    if base in m["returned"] or base.owner is m["func"] or base not in m["last"]:
+        return
+    anchor = m["last"][base]
+    frees = m["frees"].setdefault(anchor, {})
+    if base in frees:
+        return
+    free = Op("mem.free", [value or base], parens=True)
+    m["rewriter"].insert_after(list(frees.values())[-1] if frees else anchor, [free])
+    frees[base] = free
+
+
+def gather_before_first_use(m: dict):
     """%w = param.get @p : T  ->  %w_shard = param.get @p : shard<T, N>;
     before the first use of %w: %w_pending = comm.all_gather(%w_shard), %w = comm.wait;
     after the last use of %w or of a view of it: mem.free(%w)."""
-    full = op.results[0]
-    shard = Value(edit.fresh(f"{full.name}_shard"), ShardType(full.type, edit.world), op, 0)
-    op.results = [shard]
-    if not edit.used(full):
-        return  # read but never used: nothing to gather
-    pending = Value(edit.fresh(f"{full.name}_pending"), PendingType(full.type))
-    edit.insert_before_first_use(full, [Op("comm.all_gather", [shard], [pending]), Op("comm.wait", [pending], [full])])
-    edit.free_after_last_use(full)
-    stats["parameters gathered"] += 1
+    root, rewriter, fresh = m["root"], m["rewriter"], m["fresh"]
+    full = root.results[0]
+    shard = Value(fresh(f"{full.name}_shard"), ShardType(full.type, m["module"].world_size))
+    rewriter.insert_before(root, [Op(root.name, [], [shard], dict(root.attrs), root.symbol, root.loc, root.parens)])
+    if full.uses:
+        pending = Value(fresh(f"{full.name}_pending"), PendingType(full.type))
+        gathered = Value(full.name, full.type)
+        start = Op("comm.all_gather", [shard], [pending])
+        rewriter.insert_before(m["first"][full], [start, Op(registry.wait_for(start), [pending], [gathered])])
+        rewriter.replace_all_uses(full, gathered)
+        _free_after_last_use(m, full, gathered)
+    rewriter.erase(root)
+    return EDITED
 
 
-def reduce_then_hand_over(edit: _Edit, op: Op, stats: Counter) -> None:
+def reduce_then_hand_over(m: dict):
     """grad.set @p(%g)  ->  %g_pending = comm.reduce_scatter(%g) {op = "avg"};
     %g_shard = comm.wait(%g_pending); grad.set @p(%g_shard); mem.free(%g) when the
     full gradient has no other use."""
-    grad = op.operands[0]
-    shard_type = ShardType(grad.type, edit.world)
-    pending = Value(edit.fresh(f"{grad.name}_pending"), PendingType(shard_type))
-    shard = Value(edit.fresh(f"{grad.name}_shard"), shard_type)
-    op.operands = [shard]
-    edit.replace(op, [Op("comm.reduce_scatter", [grad], [pending], {"op": "avg"}),
-                      Op("comm.wait", [pending], [shard]), op])
-    edit.free_after_last_use(grad)
-    stats["gradients reduce-scattered"] += 1
+    root, rewriter, fresh = m["root"], m["rewriter"], m["fresh"]
+    grad = root.operands[0]
+    shard_type = ShardType(grad.type, m["module"].world_size)
+    pending = Value(fresh(f"{grad.name}_pending"), PendingType(shard_type))
+    shard = Value(fresh(f"{grad.name}_shard"), shard_type)
+    start = Op("comm.reduce_scatter", [grad], [pending], {"op": "avg"})
+    rewriter.insert_before(root, [start, Op(registry.wait_for(start), [pending], [shard])])
+    rewriter.set_operands(root, [shard])
+    _free_after_last_use(m, grad)
+    return EDITED
 
 
-def _is_param(module: Module, op: Op) -> bool:
-    decl = module.decls.get(op.symbol)
+def _full_param(m: dict) -> bool:
+    decl = m["module"].decls.get(m["root"].symbol)
     return decl is not None and decl.kind == "param" and isinstance(decl.type, TensorType)
 
 
-# op name -> (named constraint, rewrite); the constraint reads the module and the op
-RULES = {
-    # param.get of a parameter -> shard read, gather before first use, free after last
-    "param.get": (_is_param, gather_before_first_use),
-    # grad.set of a full gradient -> reduce-scatter (average), wait, hand over the shard
-    "grad.set": (_is_param, reduce_then_hand_over),
-}
+full_param = Constraint("names an unsharded parameter", _full_param)
+used = Constraint("its result is used", lambda m: bool(m["root"].results[0].uses))
+unused = Constraint("its result is unused", lambda m: not m["root"].results[0].uses)
 
-
-def _shard_function(module: Module, func: Function, world: int, stats: Counter) -> None:
-    edit = _Edit(func, world)
-    for op in list(func.ops):
-        rule = RULES.get(op.name)
-        if rule is not None and rule[0](module, op):
-            rule[1](edit, op, stats)
-    edit.apply()
+RULES = [
+    # param.get @p (unsharded) -> shard read, gather before first use, free after last
+    Rule(P(trait=registry.LOADS_STATE), gather_before_first_use, (full_param, used), "parameters gathered"),
+    # param.get @p whose result nothing reads -> shard read only
+    Rule(P(trait=registry.LOADS_STATE), gather_before_first_use, (full_param, unused),
+         "parameters read but unused", dead_too=True),
+    # grad.set @p(%g) -> reduce-scatter (average), wait, hand over the shard, free %g
+    Rule(P(trait=registry.GRADIENT), reduce_then_hand_over, (full_param,), "gradients reduce-scattered"),
+]
 
 
 @dataclass(frozen=True)
@@ -233,8 +210,7 @@ class Zero3(Pass):
             raise DcirError(Diagnostic(f"zero3: @{module.name} is sharded already", module.source, module.loc, 6))
         rematerialize_param_views(module, stats)
         module.attrs["world_size"] = self.world_size
-        for func in module.functions.values():
-            _shard_function(module, func, self.world_size, stats)
+        apply_rules(module, RULES, stats, max_iterations=1, context=_facts)
         for decl in module.decls.values():
             if decl.kind == "param" and isinstance(decl.type, TensorType):
                 decl.type = ShardType(decl.type, self.world_size)
