@@ -54,7 +54,8 @@ def test_language_reference_covers_every_op():
 _REPORTERS = {"error", "op_error", "operand_error", "TypeRuleError", "MappingError", "_SemanticError", "Diagnostic",
               "_fail", "_error", "RankFailure"}
 _SOURCES = ["dcir/verifier.py", "dcir/ops.py", "dcir/aten.py", "dcir/parser.py", "dcir/passes/__init__.py",
-            "dcir_lowering/frontend.py", "dcir_lowering/backend.py", "runtime/config.py", "runtime/engine.py"]
+            "dcir_lowering/frontend.py", "dcir_lowering/backend.py", "runtime/config.py", "runtime/engine.py",
+            "runtime/group.py", "runtime/shards.py", "runtime/plan.py", "runtime/execution.py"]
 
 
 def _message_fragments() -> list[tuple[str, int, str]]:

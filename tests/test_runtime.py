@@ -179,6 +179,15 @@ def test_user_errors_are_messages_on_every_rank(capfd):
     assert "NO ERROR" not in out and "Traceback" not in out
 
 
+def test_a_failed_initialize_leaves_the_group_it_created(capfd):
+    """No group is left behind for gloo to tear down at exit (which can abort the
+    process while a peer's last broadcast is in flight): the error ends each rank."""
+    code, out = _run(capfd, 2, "initialize-fails", timeout_s=120)
+    assert code == 0, out
+    assert out.count("optimizer SGD has state already (it has stepped)") == 2, out
+    assert out.count("left the group") == 2, out
+
+
 def test_meta_kernels_trace_the_ops():
     from torch.fx.experimental.proxy_tensor import make_fx
 
