@@ -74,10 +74,11 @@ class Engine:
         self.process_group = ProcessGroup.join(config.timeout_s, self.device)
         try:
             self._set_up(model, optimizer, config, lr_scheduler)
-        except BaseException:  # a half-built engine keeps no shards and leaves a group it made
+        except BaseException as e:  # a half-built engine keeps no shards, and leaves a group it made
             if getattr(self, "sharded", None) is not None:
                 self.sharded.drop()
-            self.process_group.leave_after_failure()
+            if isinstance(e, Exception):  # an interrupt is not waited on by a barrier
+                self.process_group.leave_after_failure()
             raise
 
     def _set_up(self, model: torch.nn.Module, optimizer, config: Config, lr_scheduler: Callable | None) -> None:
@@ -184,15 +185,12 @@ class Engine:
 
     def _pass_budget(self) -> int | None:
         """The memory budget left to a schedule (``Planner.pass_budget``)."""
-        if self.config.memory_budget is None:
-            return None
-        return self.planner.pass_budget(self._fixed_bytes(self.memory()))
+        return self.planner.pass_budget(lambda: self._fixed_bytes(self.memory()))
 
     def _after_step(self) -> None:
         """The optimization cycle's turn after an optimizer step, then the budget."""
         if self.planner.after_step(self.steps, self.module):
-            fixed = self._fixed_bytes(self.memory()) if self.config.memory_budget is not None else 0
-            module = self.planner.replan(self.module, self.steps, fixed)
+            module = self.planner.replan(self.module, self.steps, lambda: self._fixed_bytes(self.memory()))
             if module is not None:
                 self._install(module)
                 self.ops.reset_peak()  # the new schedule's gathered peak is measured afresh

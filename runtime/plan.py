@@ -13,6 +13,7 @@ error.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -59,12 +60,13 @@ class Planner:
         self.base_text = text
         self.captured_peak = memory_peaks(module)
 
-    def pass_budget(self, fixed: int) -> int | None:
+    def pass_budget(self, fixed_bytes: Callable[[], int]) -> int | None:
         """The memory budget left to a schedule: the configured budget less what this
-        rank holds whatever the schedule (``fixed``: shards, gradient shards, optimizer
-        state, buffers)."""
+        rank holds whatever the schedule (``fixed_bytes()``: shards, gradient shards, optimizer
+        state, buffers; asked only when there is a budget)."""
         if self.config.memory_budget is None:
             return None
+        fixed = fixed_bytes()
         if fixed + self._budget_cut >= self.config.memory_budget:
             raise DcirError(Diagnostic(
                 f"rank {self.group.rank}: parameter shards, gradient shards, optimizer state and buffers take "
@@ -81,7 +83,7 @@ class Planner:
             self.profile = Profile(running)  # the next step runs under the profiler
         return False
 
-    def replan(self, running: dcir.Module, steps: int, fixed: int) -> dcir.Module | None:
+    def replan(self, running: dcir.Module, steps: int, fixed_bytes: Callable[[], int]) -> dcir.Module | None:
         """Write the finished profile into ``running``, plan the configured passes from it
         on the captured schedule; returns the module to switch to (None: keep running)."""
         # the ranks agree on every figure, so each one's estimates below, and with them
@@ -89,7 +91,7 @@ class Planner:
         peaks = self.profile.annotate(dist.group.WORLD, self.group.collective_device())
         self.profile, self.profiled = None, running
         profiled = dcir.print(running)
-        budget = self.pass_budget(fixed)
+        budget = self.pass_budget(fixed_bytes)
         record: dict = {"step": steps, "measured_peak": peaks, "captured_peak": self.captured_peak,
                         "predicted_peak_profiled": memory_peaks(running)}
         # the captured schedule keeps every profile: an op this run did not measure (a
