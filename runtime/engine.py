@@ -32,7 +32,7 @@ import torch
 
 import dcir
 from dcir.diagnostics import DcirError, Diagnostic
-from dcir_lowering.backend import Program, lower
+from dcir_lowering.backend import lower
 from dcir_runtime import native
 from dcir_runtime.accounting import MemoryStats, fixed_bytes, measure, scheduled_bytes
 from dcir_runtime.capture import capture, source_name
@@ -66,6 +66,12 @@ def initialize(model: torch.nn.Module, optimizer=None, config=None, *, loss_fn: 
     return Engine(model, optimizer, config, loss_fn, lr_scheduler)
 
 
+def _part(path: str, doc: str) -> property:
+    """A read-only attribute of the Engine that is one of its parts' (``"sharded.shards"``)."""
+    part, name = path.split(".")
+    return property(lambda engine: getattr(getattr(engine, part), name), doc=doc)
+
+
 class Engine:
     def __init__(self, model: torch.nn.Module, optimizer, config: Config, loss_fn: Callable | None = None,
                  lr_scheduler: Callable | None = None):
@@ -86,17 +92,11 @@ class Engine:
         native.load()
         self.ops = torch.ops.dcir
         self.ops.set_timeout(int(config.timeout_s * 1000))
-        self.rank, self.world, self.group = group.rank, group.world, group.name
         group.broadcast_from_rank0(list(model.parameters()) + list(model.buffers()))
-        self.sharded = ShardedParameters(model, self.rank, self.world)
-        self.shards, self.shapes, self.aliases = self.sharded.shards, self.sharded.shapes, self.sharded.aliases
-        self.full_bytes = self.sharded.full_bytes
+        self.sharded = ShardedParameters(model, group.rank, group.world)
         self._optim = Optimizer.build(optimizer, model, self.sharded.trainable(), lr_scheduler,
                                       config.offload is not None, self.device)
-        self.optimizer, self.lr_scheduler = self._optim.optimizer, self._optim.lr_scheduler
-        self.state_store = self._optim.state_store
-        prefix = self.sharded.store_prefix
-        self.planner = Planner(config, group, prefix, source_name(model, self.world))
+        self.planner = Planner(config, group, self.sharded.store_prefix, source_name(model, group.world))
         self.execution = Execution(config, group, self.shards, self.optimizer, self.lr_scheduler)
         self._config = config
         self._place_loaded_state = False  # a checkpoint loaded before capture: offloaded state goes home
@@ -120,34 +120,23 @@ class Engine:
     def config(self, config: Config) -> None:
         self._config = self.planner.config = self.execution.config = config
 
-    @property
-    def store_prefix(self) -> str | None:
-        return self.sharded.store_prefix
-
-    @property
-    def module(self) -> dcir.Module | None:
-        return self.execution.module
-
-    @property
-    def program(self) -> Program | None:
-        return self.execution.program
-
-    @property
-    def steps(self) -> int:
-        return self.execution.steps
-
-    @property
-    def micro_steps(self) -> int:
-        return self.execution.micro_steps
-
-    @property
-    def last_grad_norm(self) -> torch.Tensor | None:
-        return self.execution.last_grad_norm
-
-    @property
-    def optimize_log(self) -> list[dict]:
-        """One record per optimization cycle (docs/passes.md)."""
-        return self.planner.log
+    rank = _part("process_group.rank", "this process's rank")
+    world = _part("process_group.world", "the number of ranks")
+    group = _part("process_group.name", "the c10d name of the process group the runtime's collectives run over")
+    shards = _part("sharded.shards", "FQN -> this rank's flat shard (an nn.Parameter; tied parameters are one)")
+    shapes = _part("sharded.shapes", "FQN -> the parameter's full shape")
+    aliases = _part("sharded.aliases", "FQN of a shard -> every FQN of that parameter")
+    store_prefix = _part("sharded.store_prefix", "this engine's prefix in the runtime's shard store")
+    full_bytes = _part("sharded.full_bytes", "the whole model's parameter bytes")
+    optimizer = _part("_optim.optimizer", "the torch optimizer over the shards, with its state")
+    lr_scheduler = _part("_optim.lr_scheduler", "the scheduler ``lr_scheduler(optimizer)`` made, or None")
+    state_store = _part("_optim.state_store", "the optimizer-state store ``@step`` runs on (offload), or None")
+    module = _part("execution.module", "the running DCIR module (None before capture)")
+    program = _part("execution.program", "the running lowered program (None before capture)")
+    steps = _part("execution.steps", "optimizer steps done")
+    micro_steps = _part("execution.micro_steps", "micro-steps done")
+    last_grad_norm = _part("execution.last_grad_norm", "the global gradient norm the last clipping measured")
+    optimize_log = _part("planner.log", "one record per optimization cycle (docs/passes.md)")
 
     def profiled_ir(self) -> dcir.Module | None:
         """The last profiled module (ops carry ``prof.*`` attributes), if any."""
