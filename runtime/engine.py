@@ -40,7 +40,7 @@ from dcir_runtime.config import Config
 from dcir_runtime.execution import Execution, RankFailure
 from dcir_runtime.group import ProcessGroup
 from dcir_runtime.plan import Planner
-from dcir_runtime.shards import Optimizer, ShardedParameters, check_scheduler_factory
+from dcir_runtime.shards import ShardedParameters, ShardOptimizer, check_scheduler_factory
 
 __all__ = ["Engine", "RankFailure", "initialize"]
 
@@ -94,7 +94,7 @@ class Engine:
         self.ops.set_timeout(int(config.timeout_s * 1000))
         group.broadcast_from_rank0(list(model.parameters()) + list(model.buffers()))
         self.sharded = ShardedParameters(model, group.rank, group.world)
-        self._optim = Optimizer.build(optimizer, model, self.sharded.trainable(), lr_scheduler,
+        self._optim = ShardOptimizer.build(optimizer, model, self.sharded.trainable(), lr_scheduler,
                                       config.offload is not None, self.device)
         self.planner = Planner(config, group, self.sharded.store_prefix, source_name(model, group.world))
         self.execution = Execution(config, group, self.shards, self.optimizer, self.lr_scheduler)

@@ -63,7 +63,7 @@ class ShardedParameters:
 
 
 @dataclass
-class Optimizer:
+class ShardOptimizer:
     """The optimizer over the trainable shards, its schedule, and the optimizer-state
     store ``@step`` runs on (the ``offload`` pass; None: ``optimizer.step()``)."""
 
@@ -75,7 +75,7 @@ class Optimizer:
 
     @classmethod
     def build(cls, optimizer, model: torch.nn.Module, trainable: dict[str, torch.nn.Parameter],
-              lr_scheduler: Callable | None, offload: bool, device: torch.device) -> "Optimizer":
+              lr_scheduler: Callable | None, offload: bool, device: torch.device) -> "ShardOptimizer":
         if optimizer is None:
             optimizer = torch.optim.AdamW
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -133,7 +133,7 @@ def _rebuild(built: torch.optim.Optimizer, model: torch.nn.Module) -> Callable:
 
     def make(named):
         shard = dict(named)
-        if set(shard) == {"probe"}:  # Optimizer.state_keys: one parameter, the first group's settings
+        if set(shard) == {"probe"}:  # ShardOptimizer.state_keys: one parameter, the first group's settings
             return type(built)([{**groups[0], "params": list(named)}])
         return type(built)([{**g, "params": [(n, shard[n]) for n in g["params"] if n in shard]}
                             for g in groups if any(n in shard for n in g["params"])])
