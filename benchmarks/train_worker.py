@@ -109,7 +109,7 @@ class Dcir:
     def wait_s(self) -> float:
         """Host seconds blocked in comm.wait: collectives, and host copies (offload)."""
         m = self.engine.memory()
-        return m["wait_s"] + m["copy_wait_s"]
+        return m.wait_s + m.copy_wait_s
 
     def sent_bytes(self) -> int:
         """Bytes this rank has handed to collectives, as the runtime counts them."""

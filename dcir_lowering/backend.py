@@ -133,11 +133,11 @@ class _Distributed:
         self.module, self.group, self.shards_in_state = module, group, shards_in_state
         self.store_prefix = store_prefix
         self.ops = torch.ops.dcir
-        owners = view_bases(func)
+        bases = view_bases(func)  # a view -> the value whose storage it shares
         # storage that is not this function's to release: the program's state (an argument
         # is released when the IR frees it: a gathered parameter @forward hands to @backward)
         self.borrowed = {v for v in func.values() if isinstance(v.owner, Op) and v.owner.name == "param.get"}
-        self.owner = lambda v: owners.get(v, v)
+        self.storage_base = lambda v: bases.get(v, v)
 
     def handles(self, op: Op) -> bool:
         if op.name == "param.get":  # from the shard store, unless the state has it
@@ -155,7 +155,7 @@ class _Distributed:
             return
         if op.name == "mem.free":
             for v in op.operands:
-                if self.owner(v) not in self.borrowed:
+                if self.storage_base(v) not in self.borrowed:
                     g.call_function(d.free, (env[v],))
             return
         if op.name == "comm.wait":
@@ -194,6 +194,30 @@ def _call(state: dict, method: str, *args):
     return getattr(state[OPTIMIZER_STATE], method)(*args)
 
 
+# ---- what a lowered graph's nodes do, for the profiler (``dcir_runtime.profiler``) ----------
+
+def store_call(node: fx.Node) -> str | None:
+    """The method of the optimizer-state store a node of a lowered function calls
+    (``reload``, ``offload``, ``wait``, ``get_state``, ``step``, ...), or None."""
+    if node.op == "call_function" and node.target is _call:
+        return node.args[1]
+    return None
+
+
+def reads_state(node: fx.Node) -> bool:
+    """Whether a node of a lowered function reads the program's state (parameter
+    shards, buffers, optimizer state), or picks a result of such a read. An update
+    (``optim.step``) returns the state it was given, updated in place."""
+    if node.op != "call_function":
+        return False
+    if node.target is _item and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    if node.target is _call:
+        return node.args[1] in ("get_state", "step")
+    qualified = getattr(node.target, "_qualified_op_name", "")
+    return qualified == "dcir::get_shard" or node.target is _state_get
+
+
 class _Offloading:
     """Optimizer state and host copies as calls on the optimizer-state store, which
     the program's state holds under ``OPTIMIZER_STATE``."""
@@ -214,8 +238,8 @@ class _Offloading:
         args = set(func.args)
         reloaded.update(v for op in func.ops if op.name in ("optim.step", "mem.offload")
                         for v in op.operands if v in args)
-        owners = view_bases(func)
-        self.reloaded = lambda v: owners.get(v, v) in reloaded  # noqa: E731
+        bases = view_bases(func)  # a view -> the value whose storage it shares
+        self.reloaded = lambda v: bases.get(v, v) in reloaded  # noqa: E731
         # a run of updates with only reads of state between them becomes one call into the
         # optimizer (each call costs a pass over every parameter); the run's last update
         # makes it, the others wait for it
@@ -512,7 +536,7 @@ def constants(module: Module, device: torch.device | str = "cpu") -> dict:
 
 
 def gathered_copies(module: Module, device: torch.device | str = "cpu") -> dict:
-    """Storage for the buffers the schedule owns: gathered copies of parameters (filled
+    """Storage for the buffers the schedule keeps: gathered copies of parameters (filled
     by ``@unshard``) and gradient accumulators (``zero1``, zero at the start)."""
     from dcir.memory import GRAD_ACC_OF, UNSHARD_OF
     out = {}

@@ -468,7 +468,7 @@ def _apply(engine, sd: dict, groups: list, mid: int) -> None:
     for name, b in _persistent_buffers(engine.model).items():
         b.copy_(sd[name])
     counts = pickle.loads(sd["dcir.engine"])
-    engine.steps, engine.micro_steps = counts["steps"], counts["micro_steps"]
+    engine.execution.resume(counts["steps"], counts["micro_steps"])
     if f"dcir.rng.{engine.rank}" in sd:
         torch.set_rng_state(sd[f"dcir.rng.{engine.rank}"])
     if f"dcir.cuda_rng.{engine.rank}" in sd and torch.cuda.is_available():
@@ -480,8 +480,6 @@ def _apply(engine, sd: dict, groups: list, mid: int) -> None:
         place_loaded_state(engine, engine.module)
     elif engine.state_store is not None:
         engine._place_loaded_state = True  # at capture (Engine._install)
-    engine._saved = None  # a forward without its backward (an evaluation) is over
-    engine._gather_next = True  # replicas (zero1/2, unshard) come from the loaded shards
 
 
 def place_loaded_state(engine, module) -> None:

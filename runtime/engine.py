@@ -5,54 +5,44 @@ micro-step ``loss = engine(*args, **kwargs)``, ``engine.backward(loss)``,
 ``engine.step()``. Under ``torchrun`` every process is one rank; without it the engine
 runs a world of one.
 
-What happens:
+The Engine is the public face of five parts, each in its own module (docs/runtime.md,
+"How the Engine is built"):
 
-1. ``initialize`` joins the process group (gloo on CPU, NCCL when the model is on a
-   GPU), loads the C++ runtime, makes every rank start from rank 0's parameters and
-   buffers, and keeps of each parameter only this rank's flat shard (the layout of
-   ``shard<T, N>``), in the runtime's shard store. The optimizer is built over the
-   shards, so its state is sharded too.
-2. The first call captures the step (``dcir.compile_to_ir``) on rank 0 with that call's
-   inputs, runs ``zero3`` and the configured passes, and sends the program's text to
-   the other ranks, so every rank runs the same verified program. The model's full
-   parameters are released then: from here on the engine owns the parameters.
-3. Each call runs the lowered ``@forward``; ``backward`` runs ``@backward``, whose
-   ``grad.set`` ops hand over reduce-scattered gradient shards, accumulated into the
-   shards' ``.grad``; ``step`` runs the optimizer at the accumulation boundary.
+* ``group``: the process group, joined by ``initialize`` (and left again when
+  ``initialize`` fails after creating it);
+* ``shards``: this rank's flat shard of every parameter, in the runtime's shard store,
+  and the optimizer over the shards, so its state is sharded too;
+* ``capture``: on the first call, rank 0 captures the step with that call's inputs,
+  runs the stage's pass and the configured passes, and every rank runs its text. The
+  model's full parameters are released then: from here on the engine holds them;
+* ``plan``: the passes and the optimization cycle (profile a step, replan, switch);
+* ``execution``: the micro-step protocol, ``@forward`` / ``@backward`` / ``@step``,
+  with ``accounting`` saying what the rank holds.
+
+This module wires them: what one part learns (a new plan, a finished step) the
+Engine hands to the next.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
-import functools
-import os
 import time
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 import dcir
-from dcir.cost import estimate_module
 from dcir.diagnostics import DcirError, Diagnostic
-from dcir.ir import TensorType
-from dcir.memory import GRAD_ACC_OF, UNSHARD_OF, format_bytes, peaks as memory_peaks
-from dcir.passes import PassManager, parse_pipeline
-from dcir.passes.offload import Offload
-from dcir.passes.zero1 import Zero1
-from dcir.passes.zero2 import Zero2
-from dcir.passes.zero3 import Zero3
-from dcir_lowering.backend import Program, lower
-from dcir_lowering.frontend import compile_to_ir
-from dcir_runtime import native, precision
+from dcir_lowering.backend import lower
+from dcir_runtime import native
+from dcir_runtime.accounting import MemoryStats, fixed_bytes, measure, scheduled_bytes
+from dcir_runtime.capture import capture, source_name
 from dcir_runtime.config import Config
-from dcir_runtime.offload import ABSENT, StateStore
-from dcir_runtime.profiler import Profile, copy_profile
+from dcir_runtime.execution import Execution, RankFailure
+from dcir_runtime.group import ProcessGroup
+from dcir_runtime.plan import Planner
+from dcir_runtime.shards import ShardedParameters, ShardOptimizer, check_scheduler_factory
 
-
-class RankFailure(RuntimeError):
-    """A collective failed: another rank crashed, diverged or timed out."""
+__all__ = ["Engine", "RankFailure", "initialize"]
 
 
 def initialize(model: torch.nn.Module, optimizer=None, config=None, *, loss_fn: Callable | None = None,
@@ -72,327 +62,92 @@ def initialize(model: torch.nn.Module, optimizer=None, config=None, *, loss_fn: 
     LambdaLR(opt, warmup)``), which ``engine.step()`` advances after every optimizer
     step; it is ``engine.lr_scheduler``."""
     config = Config.load(config)
-    _check_scheduler_factory(lr_scheduler)  # before anything joins a group or holds a shard
+    check_scheduler_factory(lr_scheduler)  # before anything joins a group or holds a shard
     return Engine(model, optimizer, config, loss_fn, lr_scheduler)
 
 
-#: How long the other ranks wait for rank 0 to capture and compile the step (tens of
-#: seconds for a large model; a collective's ``timeout_s`` would be too short).
-CAPTURE_TIMEOUT_S = 900
-
-
-def _join_group(config: Config, device: torch.device) -> None:
-    if dist.is_initialized():
-        return
-    timeout = datetime.timedelta(seconds=config.timeout_s)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
-    else:  # not launched by torchrun: a world of one
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-
-
-def _check_scheduler_factory(make: Callable | None) -> None:
-    """A function of the engine's optimizer: a scheduler built beforehand, on the model's
-    parameters, would never see the shards the engine updates."""
-    if make is not None and (isinstance(make, torch.optim.lr_scheduler.LRScheduler) or not callable(make)):
-        raise DcirError(Diagnostic(
-            f"lr_scheduler takes a function of the engine's optimizer, not a {type(make).__name__}: "
-            "the engine updates the shards, so give lambda opt: LambdaLR(opt, ...)"))
-
-
-def _scheduler(make: Callable | None, optimizer: torch.optim.Optimizer):
-    """``make(optimizer)``, checked: a scheduler of the engine's own optimizer."""
-    if make is None:
-        return None
-    _check_scheduler_factory(make)
-    scheduler = make(optimizer)
-    if getattr(scheduler, "optimizer", optimizer) is not optimizer or not callable(getattr(scheduler, "step", None)):
-        raise DcirError(Diagnostic("lr_scheduler(optimizer) must return a scheduler of that optimizer"))
-    return scheduler
+def _part(path: str, doc: str) -> property:
+    """A read-only attribute of the Engine that is one of its parts' (``"sharded.shards"``)."""
+    def get(engine):
+        for name in path.split("."):
+            engine = getattr(engine, name)
+        return engine
+    return property(get, doc=doc)
 
 
 class Engine:
-    _count = 0
-
     def __init__(self, model: torch.nn.Module, optimizer, config: Config, loss_fn: Callable | None = None,
                  lr_scheduler: Callable | None = None):
-        self.config, self.model, self.loss_fn = config, model, loss_fn
-        precision.attach(self)  # self.precision, self.loss_scaler, self.skipped_steps
+        self.model, self.loss_fn = model, loss_fn
         self.device = next(model.parameters()).device
-        _join_group(config, self.device)
+        self.process_group = ProcessGroup.join(config.timeout_s, self.device)
+        try:
+            self._set_up(model, optimizer, config, lr_scheduler)
+        except BaseException as e:  # a half-built engine keeps no shards, and leaves a group it made
+            if getattr(self, "sharded", None) is not None:
+                self.sharded.drop()
+            if isinstance(e, Exception):  # an interrupt is not waited on by a barrier
+                self.process_group.leave_after_failure()
+            raise
+
+    def _set_up(self, model: torch.nn.Module, optimizer, config: Config, lr_scheduler: Callable | None) -> None:
+        group = self.process_group
         native.load()
         self.ops = torch.ops.dcir
         self.ops.set_timeout(int(config.timeout_s * 1000))
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.group = dist.group.WORLD.group_name
-        self._sync_from_rank0(model)
-        # one shard per distinct parameter (tied weights are one), named by its first FQN
-        self.aliases: dict[str, list[str]] = {}
-        first: dict[int, str] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            self.aliases.setdefault(first.setdefault(id(p), name), []).append(name)
-        self.shapes: dict[str, torch.Size] = {}
-        self.shards: dict[str, torch.nn.Parameter] = {}
-        self.ops.reset_peak()
-        # several engines may live in one process: each keeps its shards under its own prefix
-        Engine._count += 1
-        self.store_prefix = f"engine{Engine._count}/"
-        for name, p in model.named_parameters():
-            self.shapes[name] = p.shape
-            self.shards[name] = torch.nn.Parameter(self._shard_of(p.detach()), requires_grad=p.requires_grad)
-            self.ops.set_shard(self.store_prefix + name, self.shards[name])
-        self.full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        try:
-            self._build_optimizer(optimizer, model, lr_scheduler)
-        except BaseException:  # a half-built engine keeps no shards (nor leaves them to interpreter shutdown)
-            self.ops.drop_shards(self.store_prefix)
-            self.store_prefix = None
-            raise
-        self.last_grad_norm: torch.Tensor | None = None  # what the last clipping measured
-        self.module: dcir.Module | None = None
-        self.program: Program | None = None
-        self._saved = None
-        # state handed between functions (offload): the last backward's results are @step's
-        # arguments, @step's results the next forward's last arguments
-        self._step_args: tuple = ()
-        self._forward_args: tuple = ()
-        self.micro_steps = 0
-        self.steps = 0
-        self._gather_next = False  # after a checkpoint load: gather replicas at the next call
+        group.broadcast_from_rank0(list(model.parameters()) + list(model.buffers()))
+        self.sharded = ShardedParameters(model, group.rank, group.world)
+        self._optim = ShardOptimizer.build(optimizer, model, self.sharded.trainable(), lr_scheduler,
+                                      config.offload is not None, self.device)
+        self.planner = Planner(config, group, self.sharded.store_prefix, source_name(model, group.world))
+        self.execution = Execution(config, group, self.shards, self.optimizer, self.lr_scheduler)
+        self._config = config
         self._place_loaded_state = False  # a checkpoint loaded before capture: offloaded state goes home
         self.capture_s = 0.0
-        self.base_text = ""
-        self.captured_peak: dict[str, int] = {}
-        self._profile: Profile | None = None
-        self._profiled: dcir.Module | None = None
-        self._tracer = None  # dcir_runtime.trace.Tracer of the next step, when one is asked for
-        self.optimize_log: list[dict] = []
-        self._budget_cut = 0                 # taken off the passes' budget after a step went over
-        self._replanned_for_memory = False
-        self._cut_applied = False
 
     def __del__(self):
-        ops = getattr(self, "ops", None)
-        if ops is not None and getattr(self, "store_prefix", None):
+        sharded = getattr(self, "sharded", None)
+        if sharded is not None:
             try:
-                ops.drop_shards(self.store_prefix)
+                sharded.drop()
             except Exception:  # interpreter shutdown: the library may be gone already
                 pass
 
-    # ---- sharding ------------------------------------------------------------------------
+    # ---- what the parts hold, under the Engine's names ----------------------------------------
 
-    @torch.no_grad()
-    def _sync_from_rank0(self, model: torch.nn.Module) -> None:
-        if self.world == 1:
-            return
-        for t in list(model.parameters()) + list(model.buffers()):
-            dist.broadcast(t.data, src=0)
+    @property
+    def config(self) -> Config:
+        return self._config
 
-    def _collective_device(self) -> torch.device:
-        """Where a small tensor for a torch.distributed collective lives: NCCL reduces
-        only GPU tensors, gloo CPU ones."""
-        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    @config.setter
+    def config(self, config: Config) -> None:
+        self._config = self.planner.config = self.execution.config = config
 
-    def _build_optimizer(self, optimizer, model: torch.nn.Module, lr_scheduler: Callable | None) -> None:
-        """The optimizer over the trainable shards, its schedule, and the optimizer-state
-        store ``@step`` runs on (the ``offload`` pass; None: ``optimizer.step()``)."""
-        if optimizer is None:
-            optimizer = torch.optim.AdamW
-        if isinstance(optimizer, torch.optim.Optimizer):
-            optimizer = self._rebuild(optimizer, model)
-        self._make_optimizer = optimizer
-        trainable = {n: s for n, s in self.shards.items() if s.requires_grad}
-        self.optimizer = optimizer(list(trainable.items()))
-        self.lr_scheduler = _scheduler(lr_scheduler, self.optimizer)
-        self.state_store = None
-        if self.config.offload is not None:
-            self.state_store = StateStore(self.optimizer, trainable, self.device)
+    rank = _part("process_group.rank", "this process's rank")
+    world = _part("process_group.world", "the number of ranks")
+    group = _part("process_group.name", "the c10d name of the process group the runtime's collectives run over")
+    shards = _part("sharded.shards", "FQN -> this rank's flat shard (an nn.Parameter; tied parameters are one)")
+    shapes = _part("sharded.shapes", "FQN -> the parameter's full shape")
+    aliases = _part("sharded.aliases", "FQN of a shard -> every FQN of that parameter")
+    store_prefix = _part("sharded.store_prefix", "this engine's prefix in the runtime's shard store")
+    full_bytes = _part("sharded.full_bytes", "the whole model's parameter bytes")
+    optimizer = _part("_optim.optimizer", "the torch optimizer over the shards, with its state")
+    lr_scheduler = _part("_optim.lr_scheduler", "the scheduler ``lr_scheduler(optimizer)`` made, or None")
+    state_store = _part("_optim.state_store", "the optimizer-state store ``@step`` runs on (offload), or None")
+    module = _part("execution.module", "the running DCIR module (None before capture)")
+    program = _part("execution.program", "the running lowered program (None before capture)")
+    steps = _part("execution.steps", "optimizer steps done")
+    micro_steps = _part("execution.micro_steps", "micro-steps done")
+    last_grad_norm = _part("execution.last_grad_norm", "the global gradient norm the last clipping measured")
+    optimize_log = _part("planner.log", "one record per optimization cycle (docs/passes.md)")
+    precision = _part("execution.precision.policy", "the mixed-precision policy (docs/config.md)")
+    loss_scaler = _part("execution.precision.loss_scaler", "fp16's dynamic loss scaler, or None")
+    skipped_steps = _part("execution.precision.skipped_steps", "optimizer steps skipped for inf/NaN gradients")
 
-    def _rebuild(self, built: torch.optim.Optimizer, model: torch.nn.Module) -> Callable:
-        """An optimizer built on the model's own parameters (DeepSpeed's ``initialize(model,
-        optimizer=opt)``) as a factory of the same class, groups and hyperparameters over
-        the shards, each named by its parameter's FQN; frozen parameters are left out."""
-        if built.state:
-            raise DcirError(Diagnostic(
-                f"optimizer {type(built).__name__} has state already (it has stepped): "
-                "give the engine a fresh one, or a function of the shards"))
-        name_of = {id(p): n for n, p in model.named_parameters()}
-        strangers = [p for g in built.param_groups for p in g["params"] if id(p) not in name_of]
-        if strangers:
-            raise DcirError(Diagnostic(
-                f"optimizer {type(built).__name__} holds {len(strangers)} tensor(s) that are not the model's: "
-                "build it on model.parameters(), or pass a function of the shards"))
-        groups = [{**{k: v for k, v in g.items() if k not in ("params", "param_names")},
-                   "params": [name_of[id(p)] for p in g["params"]]} for g in built.param_groups]
-
-        def make(named):
-            shard = dict(named)
-            if set(shard) == {"probe"}:  # _state_keys: one parameter, the first group's settings
-                return type(built)([{**groups[0], "params": list(named)}])
-            return type(built)([{**g, "params": [(n, shard[n]) for n in g["params"] if n in shard]}
-                                for g in groups if any(n in shard for n in g["params"])])
-        return make
-
-    def _shard_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's flat shard: ``full`` flattened, zero-padded to a multiple of the
-        world size, elements ``[rank * chunk, (rank + 1) * chunk)``."""
-        chunk = -(-full.numel() // self.world)
-        flat = torch.nn.functional.pad(full.reshape(-1), (0, chunk * self.world - full.numel()))
-        return flat[self.rank * chunk:(self.rank + 1) * chunk].clone()
-
-    # ---- capture ------------------------------------------------------------------------
-
-    def _from_rank0(self, key: str, make: Callable[[], str]) -> str:
-        """Rank 0 runs ``make`` (returns module text, may raise DcirError); every rank
-        gets its text, or rank 0's error, through the rendezvous store."""
-        key = f"dcir/{self.store_prefix}{key}"
-        store = dist.distributed_c10d._get_default_store()
-        if self.rank == 0:
-            try:
-                status, text = "ok", make()
-            except DcirError as e:
-                status, text = "error", e.render()
-            if self.world > 1:
-                store.set(key, f"{status}\n{text}")
-        else:
-            store.wait([key], datetime.timedelta(seconds=CAPTURE_TIMEOUT_S))
-            status, text = store.get(key).decode().split("\n", 1)
-        if status == "error":
-            raise DcirError(Diagnostic(f"rank 0 could not compile the step:\n{text}"))
-        return text
-
-    def _capture(self, args: tuple, kwargs: dict) -> None:
-        begin = time.perf_counter()
-
-        def compile_step() -> str:
-            module = compile_to_ir(self.model, args, kwargs=kwargs, loss_fn=self.loss_fn,
-                                   **precision.capture_options(self.precision))
-            dcir.run_passes(module, [self._stage_pass(), *precision.passes(self.precision), *self._offload_pass(),
-                                     *self._passes(self.config.passes)])
-            return dcir.print(module)
-
-        self.base_text = self._from_rank0("program", compile_step)
-        module = dcir.parse(self.base_text, self._source_name())
-        self.captured_peak = memory_peaks(module)  # what a plan starts from
-        self._install(module)
-        for p in self.model.parameters():  # the engine owns the parameters from here on
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        self.capture_s = time.perf_counter() - begin
-
-    def _stage_pass(self):
-        """The pass of the configured ZeRO stage."""
-        if self.config.zero_stage == 1:
-            return Zero1(world_size=self.world, micro_steps=self.config.gradient_accumulation_steps)
-        return (Zero2 if self.config.zero_stage == 2 else Zero3)(world_size=self.world)
-
-    def _offload_pass(self) -> list:
-        """``offload`` within the configured budget, for the state this optimizer keeps."""
-        if self.config.offload is None:
-            return []
-        return [Offload(budget=self.config.offload["budget"], state="+".join(self._state_keys()),
-                        micro_steps=self.config.gradient_accumulation_steps)]
-
-    def _state_keys(self) -> list[str]:
-        """The optimizer's per-element state tensors (Adam: exp_avg, exp_avg_sq), found by
-        stepping a fresh optimizer of the same kind once on a two-element parameter."""
-        probe = torch.nn.Parameter(torch.zeros(2, device=self.device))
-        probe.grad = torch.zeros_like(probe)
-        opt = self._make_optimizer([("probe", probe)])
-        opt.step()
-        return [k for k, v in opt.state[probe].items() if isinstance(v, torch.Tensor) and v.shape == probe.shape]
-
-    def _source_name(self) -> str:
-        return f"<{type(self.model).__name__} on {self.world} ranks>"
-
-    def _install(self, module: dcir.Module) -> None:
-        state = dict(self.model.named_buffers())
-        if self.state_store is not None and self._place_loaded_state:
-            from dcir_runtime.checkpoint import place_loaded_state
-            place_loaded_state(self, module)  # binds the store too
-            self._place_loaded_state = False
-        elif self.state_store is not None:
-            self.state_store.bind(module)
-        self.program = lower(module, state, inductor=self.config.inductor, group=self.group,
-                             store_prefix=self.store_prefix, optimizer_state=self.state_store)
-        self.module = module
-        step = module.functions.get("step")
-        carried = len(step.returns) if step is not None else 0
-        if len(self._forward_args) != carried:  # before the first step: no state exists yet
-            self._forward_args = (ABSENT,) * carried
-
-    # ---- the optimization cycle -------------------------------------------------------------
-
-    def _passes(self, specs: list[str], budget: int | None = None) -> list:
-        """The passes of ``specs``, with what the engine knows filled in where the spec
-        leaves it open: the memory ``budget``, and the micro-steps per optimizer step."""
-        out = []
-        for p in parse_pipeline(",".join(specs)):
-            if getattr(p, "budget", "n/a") is None and budget is not None:
-                p = dataclasses.replace(p, budget=budget)
-            if getattr(p, "micro_steps", None) == 1:
-                p = dataclasses.replace(p, micro_steps=self.config.gradient_accumulation_steps)
-            out.append(p)
-        return out
-
-    def _fixed_bytes(self, m: dict) -> int:
-        """What a rank holds whatever the schedule: parameter shards, gradient shards (held
-        through the backward and the optimizer step), optimizer state, buffers."""
-        trainable = sum(s.numel() * s.element_size() for s in self.shards.values() if s.requires_grad)
-        return m["parameters"] + trainable + m["optimizer_state_peak"] + m["buffers"]
-
-    def _pass_budget(self) -> int | None:
-        """The memory budget left to a schedule: the configured budget less what this
-        rank holds whatever the schedule (shards, gradient shards, optimizer state, buffers)."""
-        if self.config.memory_budget is None:
-            return None
-        fixed = self._fixed_bytes(self.memory())
-        if fixed + self._budget_cut >= self.config.memory_budget:
-            raise DcirError(Diagnostic(
-                f"rank {self.rank}: parameter shards, gradient shards, optimizer state and buffers take "
-                f"{format_bytes(fixed)}, which leaves nothing of the memory budget of "
-                f"{format_bytes(self.config.memory_budget)} for the step's own memory"))
-        return self.config.memory_budget - fixed - self._budget_cut
-
-    def _replan(self) -> None:
-        """Write the finished profile into the IR, plan the configured passes from it on
-        the captured schedule, and switch to the new program."""
-        # the ranks agree on every figure, so each one's estimates below, and with them
-        # whether to switch, come out the same: every rank must run the same program
-        peaks = self._profile.annotate(dist.group.WORLD, self._collective_device())
-        self._profile, self._profiled = None, self.module
-        profiled = self.module.clone()  # a snapshot, without a print and two parses
-        budget = self._pass_budget()
-        record: dict = {"step": self.steps, "measured_peak": peaks, "captured_peak": self.captured_peak,
-                        "predicted_peak_profiled": memory_peaks(self.module)}
-
-        # the captured schedule keeps every profile: an op this run did not measure (a
-        # collective the plan had merged) keeps its figure from an earlier run
-        base = dcir.parse(self.base_text, self._source_name())
-        copy_profile(profiled, base)
-        self.base_text = dcir.print(base)
-
-        def plan() -> str:
-            PassManager(self._passes(self.config.optimize["passes"], budget)).run(base)
-            return dcir.print(base)
-
-        module = dcir.parse(self._from_rank0(f"plan{self.steps}", plan), self._source_name())
-        micro = self.config.gradient_accumulation_steps
-        before = estimate_module(profiled, micro_steps=micro)
-        after = estimate_module(module, micro_steps=micro)
-        # settle: a plan the cost model finds no faster than the running schedule is not taken
-        # (unless memory forced this cycle: then the plan within the smaller budget is)
-        forced = self._replanned_for_memory and self._budget_cut > 0 and not self._cut_applied
-        self._cut_applied = self._cut_applied or forced
-        take = after.seconds < before.seconds or forced
-        record.update(predicted_before_s=before.seconds, predicted_s=after.seconds if take else before.seconds,
-                      planned_s=after.seconds, cost_source=after.source, budget=budget, switched=take,
-                      reason="memory" if forced else "faster" if take else "kept",
-                      predicted_peak=memory_peaks(module if take else self.module))
-        if take:
-            self._install(module)
-            self.ops.reset_peak()  # the new schedule's gathered peak is measured afresh
-        self.optimize_log.append(record)
+    @property
+    def loss_scale(self) -> float:
+        """The fp16 loss scale ``backward`` multiplies the loss by (DeepSpeed's name); 1 without."""
+        return self.execution.precision.loss_scale()
 
     def trace(self, path) -> None:
         """Trace the next optimizer step that starts after this call into ``path``: a
@@ -401,111 +156,76 @@ class Engine:
         the next one is."""
         from dcir_runtime.trace import Tracer
 
-        self._tracer = Tracer(lambda: self.module, path, self.rank)
+        self.execution.tracer = Tracer(lambda: self.module, path, self.rank)
 
     def profiled_ir(self) -> dcir.Module | None:
         """The last profiled module (ops carry ``prof.*`` attributes), if any."""
-        return self._profiled
+        return self.planner.profiled
 
-    # ---- the training step ---------------------------------------------------------------
+    # ---- capture and planning ------------------------------------------------------------------
+
+    def _capture(self, args: tuple, kwargs: dict) -> None:
+        begin = time.perf_counter()
+        captured = capture(self.model, args, kwargs, loss_fn=self.loss_fn, config=self.config,
+                           group=self.process_group, key=f"{self.store_prefix}program", passes=self.planner.passes,
+                           state_keys=lambda: self._optim.state_keys(self.device))
+        self.planner.start(captured.text, captured.module)
+        self._install(captured.module)
+        for p in self.model.parameters():  # the engine holds the parameters from here on
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.capture_s = time.perf_counter() - begin
+
+    def _install(self, module: dcir.Module) -> None:
+        """Lower ``module`` over this engine's state and run it from the next call on."""
+        state = dict(self.model.named_buffers())
+        if self.state_store is not None and self._place_loaded_state:
+            from dcir_runtime.checkpoint import place_loaded_state
+            place_loaded_state(self, module)  # binds the store too
+            self._place_loaded_state = False
+        elif self.state_store is not None:
+            self.state_store.bind(module)
+        program = lower(module, state, inductor=self.config.inductor, group=self.group,
+                        store_prefix=self.store_prefix, optimizer_state=self.state_store)
+        self.execution.install(module, program)
+
+    def _fixed_bytes(self, m: MemoryStats) -> int:
+        """What a rank holds whatever the schedule (``accounting.fixed_bytes``)."""
+        return fixed_bytes(m, self.shards)
+
+    def _pass_budget(self) -> int | None:
+        """The memory budget left to a schedule (``Planner.pass_budget``)."""
+        return self.planner.pass_budget(lambda: self._fixed_bytes(self.memory()))
+
+    def _after_step(self) -> None:
+        """The optimization cycle's turn after an optimizer step, then the budget."""
+        if self.planner.after_step(self.steps, self.module):
+            module = self.planner.replan(self.module, self.steps, lambda: self._fixed_bytes(self.memory()))
+            if module is not None:
+                self._install(module)
+                self.ops.reset_peak()  # the new schedule's gathered peak is measured afresh
+        if self.config.memory_budget is not None:
+            m = self.memory()
+            self.planner.check_budget(self._fixed_bytes(m), scheduled_bytes(m), self.module)
+
+    # ---- the training step -----------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         """Runs ``@forward`` on this rank's micro-batch; returns the loss."""
         if self.program is None:
             self._capture(args, kwargs)
-        inputs = self.program._inputs(args, kwargs)
-        self._check_inputs(inputs)
-        first = self.micro_steps % self.config.gradient_accumulation_steps == 0  # of an optimizer step
-        if first or self._gather_next:
-            with torch.no_grad():  # the first micro-step of a step: gathered copies, if any
-                self._run("unshard", self.program.unshard)
-            self._gather_next = False
-        fn = self.program.forward_fn
-        if self._profile is not None:
-            fn = functools.partial(self._profile.run, "forward", self.program.forward_gm)
-        elif self._tracer is not None and (self._tracer.recorded or first):
-            fn = functools.partial(self._tracer.run, "forward", self.program.forward_gm)
-        with torch.no_grad():
-            loss, self._saved = self._run("forward", fn, self.program.state, {}, *inputs, *self._forward_args)
-        self._forward_args = (ABSENT,) * len(self._forward_args)  # the copies home are done
-        return loss
-
-    def _check_inputs(self, inputs: list) -> None:
-        fw = self.module.functions["forward"]
-        names = fw.attrs.get("capture.inputs") or [f"%{a.name}" for a in fw.args]
-        for arg, name, x in zip(fw.args, names, inputs):
-            if isinstance(arg.type, TensorType) and tuple(x.shape) != tuple(arg.type.shape):
-                raise DcirError(Diagnostic(
-                    f"input {name} has shape {list(x.shape)}; the program was captured for {arg.type} "
-                    "(shapes are static: give every micro-batch the captured shape)"))
-
-    def _run(self, which: str, fn, *args):
-        try:
-            out = fn(*args)
-        except RuntimeError as e:
-            if "dcir runtime" not in str(e) and "Connection closed" not in str(e) and "Gloo" not in str(e):
-                raise
-            raise RankFailure(f"rank {self.rank} of {self.world}: step {self.steps + 1} failed in @{which}: {e}") from None
-        return (out[0], tuple(out[1:])) if which == "forward" else out
+        return self.execution.forward(args, kwargs, self.planner.profile)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Runs ``@backward`` for the last forward; accumulates this rank's gradient
         shards (scaled by 1/gradient_accumulation_steps) into the shards' ``.grad``."""
-        if self._saved is None:
-            raise RuntimeError("engine.backward(loss) needs a forward first (loss = engine(...))")
-        scale = 1.0 / self.config.gradient_accumulation_steps
-        tangent = torch.full_like(loss, scale * precision.loss_scale(self))
-        grads: dict = {}
-        last = (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
-        name, gm, fn = self.program.backward_for(last)
-        if self._profile is not None:
-            fn = functools.partial(self._profile.run, name, gm)
-        elif self._tracer is not None and self._tracer.recorded:
-            fn = functools.partial(self._tracer.run, name, gm)
-        with torch.no_grad():
-            out = self._run(name, fn, self.program.state, grads, *self._saved, tangent)
-            self._saved = None
-            if last:  # what the last backward hands to @step: optimizer state reloaded early
-                self._step_args = tuple(out or ())
-            precision.unscale(self, grads)
-            for name, g in grads.items():
-                shard = self.shards[name]
-                shard.grad = g.detach() if shard.grad is None else shard.grad.add_(g)
+        self.execution.backward(loss, self.planner.profile)
 
     def step(self) -> bool:
         """Ends a micro-step; at the accumulation boundary runs the optimizer on the
         shards and clears their gradients. Returns whether the optimizer ran."""
-        self.micro_steps += 1
-        if self.micro_steps % self.config.gradient_accumulation_steps:
+        if not self.execution.step(self.planner.profile):
             return False
-        if not precision.step_or_skip(self):  # fp16: inf/NaN gradients skip the step
-            return False
-        if self.config.gradient_clipping is not None:
-            self._clip(self.config.gradient_clipping, 2.0)
-        if self.program.step_gm is not None:  # the program's own step: state moves as it says
-            with torch.no_grad():
-                fn = self.program.step_gm
-                if self._profile is not None:  # its ops' costs, for the cost model's step
-                    fn = functools.partial(self._profile.run, "step", self.program.step_gm)
-                elif self._tracer is not None and self._tracer.recorded:
-                    fn = functools.partial(self._tracer.run, "step", self.program.step_gm)
-                out = self._run("step", fn, self.program.state, {}, *self._step_args)
-            self._step_args = ()
-            self._forward_args = tuple(out or ())  # state still on the device, copied home next forward
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        self.steps += 1
-        if self._tracer is not None and self._tracer.recorded:
-            self._tracer.write()
-            self._tracer = None
-        if self._profile is not None:
-            self._replan()
-        elif self.config.optimize is not None and self.steps in self.config.optimize["profile_at"]:
-            self._profile = Profile(self.module)  # the next step runs under the profiler
-        self._check_budget()
+        self._after_step()
         return True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -514,74 +234,17 @@ class Engine:
         total norm, the same on every rank, as ``torch.nn.utils.clip_grad_norm_`` does on
         one device. A collective: every rank calls it, after the backward of the last
         micro-step of an optimizer step and before ``engine.step()``."""
-        if self.program is None or (self.micro_steps + 1) % self.config.gradient_accumulation_steps:
+        if self.program is None or not self.execution.boundary_next():
             raise DcirError(Diagnostic(
                 "clip_grad_norm_ clips a whole step's gradients: call it after its last micro-step's backward "
                 f"(every {self.config.gradient_accumulation_steps}), before engine.step()"))
-        return self._clip(float(max_norm), float(norm_type))
-
-    @torch.no_grad()
-    def _clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
-        """The global norm of the shards' gradients (padding is zero and adds nothing),
-        summed across ranks in float64; the gradients scaled by ``max_norm / (norm +
-        1e-6)`` when that is below 1, as torch's ``clip_grad_norm_`` does."""
-        grads = [s.grad for s in self.shards.values() if s.grad is not None]
-        device = self._collective_device()
-        if norm_type == float("inf"):
-            local = max((g.abs().max().double() for g in grads), default=torch.zeros((), dtype=torch.float64))
-            total = local.reshape(1).to(device)
-            if self.world > 1:
-                dist.all_reduce(total, op=dist.ReduceOp.MAX)
-        else:
-            local = sum((g.double().abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64))
-            total = local.reshape(1).to(device)
-            if self.world > 1:
-                dist.all_reduce(total)
-            total = total.pow(1.0 / norm_type)
-        norm = total[0].to(self.device, torch.float32)
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        self.last_grad_norm = norm
-        return norm
-
-    @property
-    def loss_scale(self) -> float:
-        """The fp16 loss scale ``backward`` multiplies the loss by (DeepSpeed's name); 1 without."""
-        return precision.loss_scale(self)
+        return self.execution.clip(float(max_norm), float(norm_type))
 
     def get_lr(self) -> list[float]:
         """The learning rate of each of the optimizer's parameter groups (DeepSpeed's name)."""
         return [group["lr"] for group in self.optimizer.param_groups]
 
-    def _check_budget(self) -> None:
-        """After a step: over the memory budget is an error, unless the optimization
-        cycle can plan again within less (once: the overshoot, agreed across ranks,
-        comes off the budget the passes get, and the next step is profiled)."""
-        budget = self.config.memory_budget
-        if budget is None:
-            return
-        m = self.memory()
-        # the program's replicas and accumulators are the schedule's memory: the passes'
-        # budget leaves them out of the fixed part, because the memory model counts them
-        held = self._fixed_bytes(m) + m["replicas"] + m["gradient_accumulators"] + m["gathered_peak"]
-        over = held - budget
-        if self.config.optimize is not None and self.world > 1:
-            agreed = torch.tensor([float(over)], dtype=torch.float64, device=self._collective_device())
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-            over = int(agreed.item())
-        if over <= 0:
-            return
-        if self.config.optimize is not None and not self._replanned_for_memory and self.optimize_log:
-            self._replanned_for_memory = True
-            self._budget_cut += over
-            self._profile = self._profile or Profile(self.module)
-            return
-        raise DcirError(Diagnostic(
-            f"rank {self.rank} holds {format_bytes(held)} (parameters, gradients, optimizer state, buffers, "
-            f"replicas, accumulators and the peak of gathered parameters), over the memory budget of {format_bytes(budget)}"))
-
-    # ---- state ---------------------------------------------------------------------------
+    # ---- state -------------------------------------------------------------------------------------
 
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state=None):
         """Writes everything needed to continue (shards, optimizer state, steps, RNG,
@@ -616,34 +279,15 @@ class Engine:
             raise RuntimeError("engine.ir() exists after the first call: capture needs the step's inputs")
         return self.module
 
-    def memory(self) -> dict[str, int]:
-        """Bytes this rank holds, as the runtime accounts them: this engine's parameter
-        shards, gradient shards, optimizer state on the device (now and at its peak,
-        which ``offload`` bounds) and in host memory, replicated buffers, the program's
-        gathered copies of parameters (``replicas``: ``zero1``/``zero2``, ``unshard``
-        across micro-steps) and gradient accumulators (``zero1``), gathered
-        parameters now and at their peak (the runtime's, for the process); plus the
-        full model's parameter bytes for comparison, and the runtime's counters:
-        collectives started, bytes sent, seconds blocked in ``comm.wait`` of a
-        collective (``wait_s``) and of a host copy (``copy_wait_s``, ``offload``)."""
-        stats = self.ops.memory_stats()
-        grads = sum(s.grad.numel() * s.grad.element_size() for s in self.shards.values() if s.grad is not None)
-        tensors = [t for st in self.optimizer.state.values() for t in st.values()
-                   if isinstance(t, torch.Tensor) and t.dim() > 0]
-        store = self.state_store
-        host = sum(t.numel() * t.element_size() for t in tensors if store is not None and store.is_host(t))
-        state = sum(t.numel() * t.element_size() for t in tensors) - host
-        buffers = sum(b.numel() * b.element_size() for b in self.model.buffers())
-        held = {UNSHARD_OF: 0, GRAD_ACC_OF: 0}  # the program's own buffers
-        for name, d in (self.module.decls.items() if self.module is not None else ()):
-            for kind in held:
-                if kind in d.attrs:
-                    held[kind] += d.full_type.nbytes
-        params = sum(s.numel() * s.element_size() for s in self.shards.values())
-        return {"parameters": params, "gradients": grads, "optimizer_state": state,
-                "optimizer_state_peak": max(state, store.peak if store is not None else 0),
-                "optimizer_state_host": host, "buffers": buffers,
-                "replicas": held[UNSHARD_OF], "gradient_accumulators": held[GRAD_ACC_OF],
-                "gathered_now": stats[1], "gathered_peak": stats[2], "full_parameters": self.full_bytes,
-                "collectives": stats[4], "sent": stats[5], "wait_s": stats[6] / 1e9,
-                "copy_wait_s": store.wait_s if store is not None else 0.0}
+    def memory(self) -> MemoryStats:
+        """Bytes this rank holds, as the runtime accounts them, by name (``m.parameters``,
+        or ``m["parameters"]``): this engine's parameter shards, gradient shards,
+        optimizer state on the device (now and at its peak, which ``offload`` bounds)
+        and in host memory, replicated buffers, the program's gathered copies of
+        parameters (``replicas``: ``zero1``/``zero2``, ``unshard`` across micro-steps)
+        and gradient accumulators (``zero1``), gathered parameters now and at their peak
+        (the runtime's, for the process); plus the full model's parameter bytes for
+        comparison, and the runtime's counters: collectives started, bytes sent, seconds
+        blocked in ``comm.wait`` of a collective (``wait_s``) and of a host copy
+        (``copy_wait_s``, ``offload``). See ``dcir_runtime.accounting.MemoryStats``."""
+        return measure(self.shards, self.optimizer, self.state_store, self.model, self.module, self.full_bytes)

@@ -28,6 +28,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -182,3 +183,21 @@ def build_info() -> BuildInfo | None:
 def registered_ops() -> list[str]:
     """Every op the runtime registers (``m.def`` in the source's ``TORCH_LIBRARY(dcir, m)``)."""
     return sorted(set(re.findall(r'm\.def\("(\w+)\(', SOURCE.read_text())))
+
+
+class RuntimeStats(NamedTuple):
+    """The C++ runtime's counters for this process (``dcir::memory_stats``), by name."""
+
+    shard_bytes: int      # the shard store: every engine's parameter shards
+    gathered_now: int     # gathered buffers alive now (from their all_gather to their mem.free)
+    gathered_peak: int    # their peak since the last ``dcir::reset_peak``
+    freed: int            # bytes released by mem.free
+    collectives: int      # collectives started
+    sent: int             # bytes handed to them
+    wait_ns: int          # host time blocked in comm.wait of a collective
+    pending: int          # collectives started and not yet waited
+
+
+def runtime_stats() -> RuntimeStats:
+    """The runtime's counters, named (the op returns them as a list, in this order)."""
+    return RuntimeStats(*torch.ops.dcir.memory_stats())

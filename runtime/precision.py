@@ -186,49 +186,49 @@ class LossScaler:
         self.last_overflow_iter, self.cur_hysteresis = state["last_overflow_iter"], state["cur_hysteresis"]
 
 
-# ---- the Engine's hooks --------------------------------------------------------------------
+# ---- what the Engine's execution asks ------------------------------------------------------
 
-def attach(engine) -> None:
-    """Give ``engine`` its policy, its loss scaler (None without fp16) and a counter of
-    the optimizer steps skipped for inf/NaN gradients."""
-    engine.precision = policy_of(engine.config)
-    engine.loss_scaler = LossScaler(engine.config.fp16) if engine.config.fp16 is not None else None
-    engine.skipped_steps = 0
+class Precision:
+    """One engine's policy, its loss scaler (None without fp16) and the count of the
+    optimizer steps skipped for inf/NaN gradients; ``Execution`` asks it at each
+    backward and step."""
 
+    def __init__(self, config):
+        self.policy = policy_of(config)
+        self.loss_scaler = LossScaler(config.fp16) if config.fp16 is not None else None
+        self.skipped_steps = 0
 
-def loss_scale(engine) -> float:
-    """The factor ``backward`` seeds the backward with (1 without loss scaling)."""
-    return engine.loss_scaler.cur_scale if engine.loss_scaler is not None else 1.0
+    def loss_scale(self) -> float:
+        """The factor ``backward`` seeds the backward with (1 without loss scaling)."""
+        return self.loss_scaler.cur_scale if self.loss_scaler is not None else 1.0
 
+    def unscale(self, grads: dict) -> None:
+        """Divide this micro-step's gradient shards by the loss scale, in place."""
+        if self.loss_scaler is None:
+            return
+        for g in grads.values():
+            g.div_(self.loss_scaler.cur_scale)
 
-def unscale(engine, grads: dict) -> None:
-    """Divide this micro-step's gradient shards by the loss scale, in place."""
-    if engine.loss_scaler is None:
-        return
-    for g in grads.values():
-        g.div_(engine.loss_scaler.cur_scale)
-
-
-@torch.no_grad()
-def step_or_skip(engine) -> bool:
-    """At the optimizer step, under loss scaling: whether to take it. The ranks agree
-    whether any gradient shard holds an inf or a NaN; if one does, the gradients are
-    dropped, the step counted in ``engine.skipped_steps`` and the scale adjusted."""
-    scaler = engine.loss_scaler
-    if scaler is None:
-        return True
-    bad = any(not torch.isfinite(s.grad).all() for s in engine.shards.values() if s.grad is not None)
-    flag = torch.tensor([float(bad)], device=engine._collective_device())
-    if engine.world > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    overflow = bool(flag.item())
-    attempted = scaler.cur_scale
-    scaler.update_scale(overflow)
-    if not overflow:
-        return True
-    engine.optimizer.zero_grad(set_to_none=True)
-    engine.skipped_steps += 1
-    if engine.rank == 0:
-        log.warning("dcir: step %d: inf/NaN gradients, step skipped (%d so far); loss scale %g -> %g",
-                    engine.steps + 1, engine.skipped_steps, attempted, scaler.cur_scale)
-    return False
+    @torch.no_grad()
+    def step_or_skip(self, shards: dict, group, optimizer, steps: int) -> bool:
+        """At the optimizer step, under loss scaling: whether to take it. The ranks agree
+        whether any gradient shard holds an inf or a NaN; if one does, the gradients are
+        dropped, the step counted in ``skipped_steps`` and the scale adjusted."""
+        scaler = self.loss_scaler
+        if scaler is None:
+            return True
+        bad = any(not torch.isfinite(s.grad).all() for s in shards.values() if s.grad is not None)
+        flag = torch.tensor([float(bad)], device=group.collective_device())
+        if group.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        overflow = bool(flag.item())
+        attempted = scaler.cur_scale
+        scaler.update_scale(overflow)
+        if not overflow:
+            return True
+        optimizer.zero_grad(set_to_none=True)
+        self.skipped_steps += 1
+        if group.rank == 0:
+            log.warning("dcir: step %d: inf/NaN gradients, step skipped (%d so far); loss scale %g -> %g",
+                        steps + 1, self.skipped_steps, attempted, scaler.cur_scale)
+        return False

@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from dcir.cost import LAUNCH, TIME, is_transfer
 from dcir.ir import Function, Module
-from dcir_lowering.backend import OP_INDEX, OPTIMIZER_STATE, _call, _item, _state_get
+from dcir_lowering.backend import OP_INDEX, OPTIMIZER_STATE, reads_state, store_call
 
 MEM, PEAK, RUNS = "prof.mem", "prof.peak_bytes", "prof.runs"
 
@@ -49,20 +49,14 @@ def _dcir_name(node: fx.Node) -> str | None:
 
 def _host_copy(node: fx.Node) -> bool:
     """A call on the optimizer-state store that starts a host copy."""
-    return node.op == "call_function" and node.target is _call and node.args[1] in ("reload", "offload")
+    return store_call(node) in ("reload", "offload")
 
 
-def _reads_state(node: fx.Node) -> bool:
-    """Module state (shards, buffers, optimizer state): held whatever the schedule, so
-    not counted. An update (``optim.step``) returns the state it was given, updated in
-    place: a reloaded copy is counted from its reload, state on the device not at all."""
-    if node.op != "call_function":
-        return False
-    if node.target is _item and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    if node.target is _call:
-        return node.args[1] in ("get_state", "step")
-    return _dcir_name(node) == "get_shard" or node.target is _state_get
+def _counted(node: fx.Node) -> bool:
+    """Module state (shards, buffers, optimizer state) is held whatever the schedule,
+    so not counted. An update (``optim.step``) returns the state it was given, updated
+    in place: a reloaded copy is counted from its reload, state on the device not at all."""
+    return node.op == "call_function" and not reads_state(node)
 
 
 def _tensors(x):
@@ -79,8 +73,9 @@ class _Recorder(fx.Interpreter):
     the program runs as scheduled and ``spans`` record when each op began and ended
     (``dcir_runtime.trace``)."""
 
-    def __init__(self, gm: fx.GraphModule, n_ops: int, sync: bool = True):
+    def __init__(self, gm: fx.GraphModule, n_ops: int, store, sync: bool = True):
         super().__init__(gm, garbage_collect_values=True)
+        self.store = store  # the optimizer-state store the function's host copies run on (offload), or None
         self.sync = sync
         self.spans: list[tuple[int, float, float]] = []  # (op, begin, end), perf_counter seconds
         self.time = [0.0] * n_ops
@@ -101,9 +96,9 @@ class _Recorder(fx.Interpreter):
     def _host(self, n: fx.Node, out) -> bool:
         """A copy in host memory, which the store made (on a CPU, RAM like the rest):
         not the device's, as in the memory model."""
-        if n.target is not _call or not isinstance(out, torch.Tensor):
+        if store_call(n) is None or not isinstance(out, torch.Tensor):
             return False
-        return self.env[n.args[0]][OPTIMIZER_STATE].is_host(out)
+        return self.store.is_host(out)
 
     def _live(self) -> int:
         total = 0
@@ -137,9 +132,9 @@ class _Recorder(fx.Interpreter):
             elif self.sync and _host_copy(n):  # the program's own wait then finds it done
                 if k is not None:
                     self.launch[k] += end - begin
-                self.env[n.args[0]][OPTIMIZER_STATE].wait(out)
+                self.store.wait(out)
                 end = time.perf_counter()
-        if n.op == "placeholder" or (n.op == "call_function" and not _reads_state(n) and not self._host(n, out)):
+        if n.op == "placeholder" or (_counted(n) and not self._host(n, out)):
             self._track(out)
         if k is not None:
             self.spans.append((k, begin, end))
@@ -159,7 +154,8 @@ class Profile:
 
     def run(self, name: str, gm: fx.GraphModule, *args, sync: bool = True):
         """Run function ``name`` (lowered as ``gm``) on ``args``, measuring; returns its result."""
-        rec = _Recorder(gm, len(self.module.functions[name].ops), sync)
+        state = args[0]  # a lowered function takes (state, grads, *args)
+        rec = _Recorder(gm, len(self.module.functions[name].ops), state.get(OPTIMIZER_STATE), sync)
         out = rec.run(*args)
         self.runs.setdefault(name, []).append(rec)
         return out

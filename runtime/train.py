@@ -80,9 +80,9 @@ def _config(text: str | None, precision: str = "fp32"):
     return dataclasses.replace(config, **{precision: getattr(section, precision)})
 
 
-def rank_main(ns) -> None:
+def _model_and_engine(ns):
+    """A byte-level Llama from a ``LlamaConfig`` (no download), in an Engine."""
     import torch
-    import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -94,109 +94,180 @@ def rank_main(ns) -> None:
         vocab_size=256, hidden_size=ns.hidden, intermediate_size=ns.hidden * 3, num_hidden_layers=ns.layers,
         num_attention_heads=max(1, ns.hidden // 32), num_key_value_heads=max(1, ns.hidden // 64),
         max_position_embeddings=ns.seq, attn_implementation="eager"))
-    engine = dcir.initialize(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=ns.lr, weight_decay=0.01),
-                             config=_config(ns.config, ns.precision), loss_fn=lambda out: out.loss)
-    rank, world = engine.rank, engine.world
-    data = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8).long()
-    split = int(len(data) * 0.95)
-    train, held_out = data[:split], data[split:]
-    g = torch.Generator().manual_seed(ns.seed)  # the same on every rank: the global batch
+    return dcir.initialize(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=ns.lr, weight_decay=0.01),
+                           config=_config(ns.config, ns.precision), loss_fn=lambda out: out.loss)
 
-    def batch(source):
-        starts = torch.randint(0, len(source) - ns.seq, (ns.batch * world,), generator=g)
-        ids = torch.stack([source[s:s + ns.seq] for s in starts[rank * ns.batch:(rank + 1) * ns.batch]])
+
+class _Batches:
+    """The corpus, 95% for training and 5% held out, cut into this rank's part of
+    every global batch. One generator, the same on every rank, draws the global
+    batch; a checkpoint saves its state, so a resumed run draws the same batches."""
+
+    def __init__(self, ns, rank: int, world: int):
+        import torch
+
+        self.ns, self.rank, self.world = ns, rank, world
+        data = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8).long()
+        split = int(len(data) * 0.95)
+        self.train, self.held_out = data[:split], data[split:]
+        self.generator = torch.Generator().manual_seed(ns.seed)
+
+    def __call__(self, source) -> dict:
+        import torch
+
+        ns = self.ns
+        starts = torch.randint(0, len(source) - ns.seq, (ns.batch * self.world,), generator=self.generator)
+        mine = starts[self.rank * ns.batch:(self.rank + 1) * ns.batch]
+        ids = torch.stack([source[s:s + ns.seq] for s in mine])
         return {"input_ids": ids, "labels": ids}
 
-    def evaluate() -> float:
-        losses = torch.stack([engine(**batch(held_out)).detach() for _ in range(4)])
-        dist.all_reduce(losses)
-        return (losses / world).mean().item()
 
-    begin = time.perf_counter()
-    first_eval = evaluate()  # the first call captures the step
-    if ns.resume:
-        from dcir_runtime.checkpoint import latest
+def _evaluate(engine, batches: _Batches) -> float:
+    """The mean loss over 4 held-out batches of every rank."""
+    import torch
+    import torch.distributed as dist
 
-        if latest(ns.resume) is None:
-            if rank == 0:
-                print(f"dcir-train: no complete checkpoint in {ns.resume}; starting fresh", flush=True)
-        else:
-            path, client = engine.load_checkpoint(ns.resume)
-            g.set_state(client["data"])  # the data order continues where it stopped
-            if rank == 0:
-                print(f"dcir-train: resumed from {path} at step {engine.steps}", flush=True)
+    losses = torch.stack([engine(**batches(batches.held_out)).detach() for _ in range(4)])
+    dist.all_reduce(losses)
+    return (losses / engine.world).mean().item()
+
+
+def _resume(engine, directory: str, batches: _Batches) -> None:
+    """``--resume``: continue from the latest complete checkpoint in ``directory``, if any."""
+    from dcir_runtime.checkpoint import latest
+
+    if latest(directory) is None:
+        if engine.rank == 0:
+            print(f"dcir-train: no complete checkpoint in {directory}; starting fresh", flush=True)
+        return
+    path, client = engine.load_checkpoint(directory)
+    batches.generator.set_state(client["data"])  # the data order continues where it stopped
+    if engine.rank == 0:
+        print(f"dcir-train: resumed from {path} at step {engine.steps}", flush=True)
+
+
+def _progress_bar(engine, ns):
+    if engine.rank != 0:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=ns.steps, initial=engine.steps, desc=f"dcir {engine.world} ranks", unit="step",
+                file=sys.stdout, dynamic_ncols=True)
+
+
+def _train(engine, ns, batches: _Batches):
+    """Optimizer steps up to ``ns.steps``; returns (the losses of every micro-step, the
+    seconds they took, the memory after the first backward, with its gradients)."""
     accumulate = engine.config.gradient_accumulation_steps
-    bar = None
-    if rank == 0:
-        from tqdm import tqdm
-        bar = tqdm(total=ns.steps, initial=engine.steps, desc=f"dcir {world} ranks", unit="step", file=sys.stdout,
-                   dynamic_ncols=True)
+    bar = _progress_bar(engine, ns)
     losses, t0 = [], time.perf_counter()
     memory = None
     kill_at = int(os.environ.get("DCIR_TEST_KILL_AT_STEP", 0))  # test-only, see _test_kill
     while engine.steps < ns.steps:
         done = engine.steps
         if ns.trace and engine.steps == ns.steps - 1:
-            engine.trace(os.path.join(ns.trace, f"rank{rank}.json"))
+            engine.trace(os.path.join(ns.trace, f"rank{engine.rank}.json"))
         for _ in range(accumulate):
-            loss = engine(**batch(train))
+            loss = engine(**batches(batches.train))
             engine.backward(loss)
             memory = memory or engine.memory()  # with gradients, before the optimizer frees them
             engine.step()
             losses.append(loss.item())
         if bar is not None:
-            tokens = len(losses) * ns.batch * ns.seq * world
+            tokens = len(losses) * ns.batch * ns.seq * engine.world
             bar.set_postfix(loss=f"{sum(losses[-accumulate:]) / accumulate:.3f}",
                             tok_s=f"{tokens / (time.perf_counter() - t0):,.0f}")
             bar.update(engine.steps - done)
         if engine.steps == done:
             continue  # fp16: the step was skipped (inf/NaN gradients)
         if ns.save_every and engine.steps % ns.save_every == 0:
-            engine.save_checkpoint(ns.checkpoint_dir, client_state={"data": g.get_state()})
+            engine.save_checkpoint(ns.checkpoint_dir, client_state={"data": batches.generator.get_state()})
         if engine.steps == kill_at:
-            _test_kill(rank)
+            _test_kill(engine.rank)
     train_s = time.perf_counter() - t0
     if bar is not None:
         bar.close()
-    last_eval = evaluate()
+    return losses, train_s, memory
+
+
+def _memory_of_every_rank(engine, memory) -> list:
+    """Every rank's accounting: from the first backward (gradients held), with the
+    optimizer state as it is at the end (none before the last step: resumed at the end)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
     last = engine.memory()
-    state = ("optimizer_state", "optimizer_state_peak", "optimizer_state_host")
-    memory = {**(memory or last), **{k: last[k] for k in state}}  # none before the last: resumed at the end
-    everyone = [None] * world
+    memory = dataclasses.replace(memory or last, optimizer_state=last.optimizer_state,
+                                 optimizer_state_peak=last.optimizer_state_peak,
+                                 optimizer_state_host=last.optimizer_state_host)
+    everyone = [None] * engine.world
     dist.all_gather_object(everyone, memory)
-    if ns.ir and rank == 0:
+    return everyone
+
+
+def _report(engine, ns, losses: list[float], train_s: float, evals: tuple[float, float], everyone: list,
+            total_s: float) -> None:
+    """Rank 0's summary: losses, throughput, capture time and every rank's memory."""
+    if not losses:
+        print(f"\nnothing to train: step {engine.steps} of {ns.steps} is done")
+        return
+    world, accumulate = engine.world, engine.config.gradient_accumulation_steps
+    ran = max(1, len(losses) // accumulate)  # optimizer steps this run (fewer after a resume)
+    tokens = ran * accumulate * ns.batch * ns.seq * world
+    n_params = everyone[0].full_parameters // 4  # fp32
+    print(f"\nLlama {ns.layers} layers, hidden {ns.hidden}, {n_params / 1e6:.2f} M parameters; {world} ranks; "
+          f"{ran} steps of {ns.batch * world * accumulate} x {ns.seq} tokens")
+    print(f"loss            train {sum(losses[:accumulate]) / accumulate:.3f} -> "
+          f"{sum(losses[-10:]) / len(losses[-10:]):.3f} (last 10); held out {evals[0]:.3f} -> {evals[1]:.3f}")
+    print(f"final loss      {losses[-1]!r} (step {engine.steps})")
+    _precision_line(engine)
+    print(f"throughput      {tokens / train_s:,.0f} tokens/s ({tokens / train_s / world:,.0f} per rank), "
+          f"{train_s / ran:.3f} s/step; capture + passes {engine.capture_s:.1f} s, total {total_s:.1f} s")
+    _memory_table(everyone)
+    if ns.ir:
+        print(f"the program: {ns.ir} (dcir-opt {ns.ir} reads it)")
+
+
+def _precision_line(engine) -> None:
+    if not engine.precision.active:
+        return
+    scaled = f"; loss scale {engine.loss_scale:g}, {engine.skipped_steps} steps skipped (inf/NaN)" \
+        if engine.loss_scaler is not None else ""
+    print(f"precision       compute and gathers in {engine.precision.param_dtype}, gradients reduced in "
+          f"{engine.precision.reduce_dtype}, master weights f32{scaled}")
+
+
+def _memory_table(everyone: list) -> None:
+    mib = 2**20
+    print("memory per rank (the runtime's accounting, MiB; optimizer state on the device at its peak, "
+          "and in host memory):")
+    print(f"  {'rank':>4} {'params':>8} {'replicas':>9} {'grads':>8} {'optim':>8} {'optim host':>11} "
+          f"{'gathered peak':>14} {'of full params':>15}")
+    for r, m in enumerate(everyone):
+        print(f"  {r:>4} {m.parameters / mib:8.2f} {m.replicas / mib:9.2f} {m.gradients / mib:8.2f} "
+              f"{m.optimizer_state_peak / mib:8.2f} {m.optimizer_state_host / mib:11.2f} "
+              f"{m.gathered_peak / mib:14.2f} {m.parameters / m.full_parameters:14.1%}")
+
+
+def rank_main(ns) -> None:
+    """One rank: capture (by a first evaluation), resume if asked, train, evaluate,
+    and on rank 0 the summary."""
+    import torch.distributed as dist
+
+    engine = _model_and_engine(ns)
+    batches = _Batches(ns, engine.rank, engine.world)
+    begin = time.perf_counter()
+    first_eval = _evaluate(engine, batches)  # the first call captures the step
+    if ns.resume:
+        _resume(engine, ns.resume, batches)
+    losses, train_s, memory = _train(engine, ns, batches)
+    last_eval = _evaluate(engine, batches)
+    everyone = _memory_of_every_rank(engine, memory)
+    if ns.ir and engine.rank == 0:
         with open(ns.ir, "w") as f:
             f.write(str(engine.ir()))
-    if rank == 0 and not losses:
-        print(f"\nnothing to train: step {engine.steps} of {ns.steps} is done")
-    elif rank == 0:
-        ran = max(1, len(losses) // accumulate)  # optimizer steps this run (fewer after a resume)
-        tokens = ran * accumulate * ns.batch * ns.seq * world
-        mib = 2**20
-        n_params = memory["full_parameters"] // 4  # fp32
-        print(f"\nLlama {ns.layers} layers, hidden {ns.hidden}, {n_params / 1e6:.2f} M parameters; {world} ranks; "
-              f"{ran} steps of {ns.batch * world * accumulate} x {ns.seq} tokens")
-        print(f"loss            train {sum(losses[:accumulate]) / accumulate:.3f} -> "
-              f"{sum(losses[-10:]) / len(losses[-10:]):.3f} (last 10); held out {first_eval:.3f} -> {last_eval:.3f}")
-        print(f"final loss      {losses[-1]!r} (step {engine.steps})")
-        if engine.precision.active:
-            scaled = f"; loss scale {engine.loss_scale:g}, {engine.skipped_steps} steps skipped (inf/NaN)" \
-                if engine.loss_scaler is not None else ""
-            print(f"precision       compute and gathers in {engine.precision.param_dtype}, gradients reduced in "
-                  f"{engine.precision.reduce_dtype}, master weights f32{scaled}")
-        print(f"throughput      {tokens / train_s:,.0f} tokens/s ({tokens / train_s / world:,.0f} per rank), "
-              f"{train_s / ran:.3f} s/step; capture + passes {engine.capture_s:.1f} s, "
-              f"total {time.perf_counter() - begin:.1f} s")
-        print("memory per rank (the runtime's accounting, MiB; optimizer state on the device at its peak, "
-              "and in host memory):")
-        print(f"  {'rank':>4} {'params':>8} {'replicas':>9} {'grads':>8} {'optim':>8} {'optim host':>11} "
-              f"{'gathered peak':>14} {'of full params':>15}")
-        for r, m in enumerate(everyone):
-            print(f"  {r:>4} {m['parameters'] / mib:8.2f} {m['replicas'] / mib:9.2f} {m['gradients'] / mib:8.2f} "
-                  f"{m['optimizer_state_peak'] / mib:8.2f} {m['optimizer_state_host'] / mib:11.2f} "
-                  f"{m['gathered_peak'] / mib:14.2f} {m['parameters'] / m['full_parameters']:14.1%}")
-        if ns.ir:
-            print(f"the program: {ns.ir} (dcir-opt {ns.ir} reads it)")
+    if engine.rank == 0:
+        _report(engine, ns, losses, train_s, (first_eval, last_eval), everyone, time.perf_counter() - begin)
     dist.destroy_process_group()
 
 

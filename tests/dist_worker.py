@@ -15,6 +15,9 @@ middle of the second step; the others must fail with RankFailure (exit code 17).
 
 ``python dist_worker.py errors``: a user's mistakes, each a located message on every rank.
 
+``python dist_worker.py initialize-fails``: the job's first initialize fails; the engine
+leaves the process group it created.
+
 ``python dist_worker.py ops``: each collective of the C++ runtime against its definition.
 
 With ``DCIR_TEST_DEVICE=cuda`` in the environment, ``equivalence`` and ``ops`` run on
@@ -37,6 +40,7 @@ import torch.nn.functional as F
 
 import dcir
 from dcir_runtime import RankFailure
+from dcir_runtime.native import runtime_stats
 from models import Breaks, Tied  # a graph break; tied embeddings, a frozen layer
 from models import mlp, tiny_llama  # mlp: 16*8+16 and 4*16+4 split unevenly over 3
 from models import squared as _squared
@@ -297,7 +301,7 @@ def run_case(name: str, rank: int, world: int) -> dict:
         if "gradient_clipping" in config:
             norms.append(engine.last_grad_norm.item())
         if name in SHRINK and engine.steps == SHRINK[name]:
-            held = engine._fixed_bytes(engine.memory()) + engine.memory()["gathered_peak"]
+            held = engine._fixed_bytes(engine.memory()) + engine.memory().gathered_peak
             engine.config = dataclasses.replace(engine.config, memory_budget=held - 1)
         memory = memory or engine.memory()
         if local:
@@ -400,6 +404,22 @@ def user_errors() -> None:
     torch.distributed.destroy_process_group()
 
 
+def initialize_fails() -> None:
+    """The job's first initialize fails after joining the group (the optimizer has
+    stepped): the engine leaves the group it created, so the error ends the process
+    cleanly rather than gloo's teardown at exit."""
+    model = mlp()
+    stepped = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 8)).sum().backward()
+    stepped.step()
+    try:
+        dcir.initialize(model, optimizer=stepped, config={"timeout_s": 30})
+    except dcir.DcirError as e:
+        print("ERROR:", e.render().replace("\n", " "), flush=True)
+    assert not torch.distributed.is_initialized(), "the failed initialize left its process group behind"
+    print("left the group", flush=True)
+
+
 def native_ops() -> None:
     """The collectives against their definition, on a tensor that splits unevenly."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -427,11 +447,11 @@ def native_ops() -> None:
     assert torch.equal(s1, (flat * ranks_sum)[mine])
     assert torch.equal(s2, (F.pad(full[0], (0, c2 * world - 5)) * ranks_sum)[rank * c2:(rank + 1) * c2])
     assert torch.equal(d.wait(d.all_reduce(grad, "avg", g, "t")), full * ranks_sum / world)
-    before = d.memory_stats()
+    before = runtime_stats()
     x = d.wait(d.all_gather(shard, [2, 5], g, "t"))
-    assert d.memory_stats()[1] - before[1] == chunk * world * 4  # the gathered buffer, accounted
+    assert runtime_stats().gathered_now - before.gathered_now == chunk * world * 4  # the gathered buffer, accounted
     d.free(x)
-    assert x.untyped_storage().nbytes() == 0 and d.memory_stats()[1] == before[1]
+    assert x.untyped_storage().nbytes() == 0 and runtime_stats().gathered_now == before.gathered_now
     try:
         d.reduce_scatter(grad, "mean", g, "t")
     except RuntimeError as e:
@@ -448,5 +468,7 @@ if __name__ == "__main__":
         faulty_rank(sys.argv[2], float(sys.argv[3]))
     elif sys.argv[1] == "errors":
         user_errors()
+    elif sys.argv[1] == "initialize-fails":
+        initialize_fails()
     elif sys.argv[1] == "ops":
         native_ops()

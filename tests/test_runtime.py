@@ -179,6 +179,34 @@ def test_user_errors_are_messages_on_every_rank(capfd):
     assert "NO ERROR" not in out and "Traceback" not in out
 
 
+def test_a_failed_initialize_leaves_the_group_it_created(capfd):
+    """No group is left behind for gloo to tear down at exit (which can abort the
+    process while a peer's last broadcast is in flight): the error ends each rank."""
+    code, out = _run(capfd, 2, "initialize-fails", timeout_s=120)
+    assert code == 0, out
+    assert out.count("optimizer SGD has state already (it has stepped)") == 2, out
+    assert out.count("left the group") == 2, out
+
+
+def test_memory_is_named_fields_that_read_as_the_mapping_it_was():
+    """``engine.memory()`` by field, and as the dict it used to be (code written
+    against ``m["parameters"]`` keeps working); the C++ counters by name too."""
+    from dcir_runtime.accounting import MemoryStats
+
+    engine = dcir.initialize(torch.nn.Linear(8, 4), loss_fn=lambda y: y.sum())
+    engine.backward(engine(torch.randn(2, 8)))
+    m = engine.memory()
+    assert isinstance(m, MemoryStats)
+    assert m.parameters == m["parameters"] == (8 * 4 + 4) * 4 == m.full_parameters
+    assert m.gradients == m.parameters and m.optimizer_state == 0  # before the first step
+    assert list(m)[:3] == ["parameters", "gradients", "optimizer_state"] and len(m) == 15
+    assert {**m} == dict(m) and dict(m)["wait_s"] == m.wait_s
+    with pytest.raises(KeyError):
+        m["params"]
+    stats = native.runtime_stats()
+    assert stats.shard_bytes >= m.parameters and stats.gathered_peak >= stats.gathered_now >= 0
+
+
 def test_meta_kernels_trace_the_ops():
     from torch.fx.experimental.proxy_tensor import make_fx
 

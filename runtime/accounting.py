@@ -1,0 +1,99 @@
+"""What a rank holds, as the runtime accounts it: ``Engine.memory()``.
+
+The C++ runtime counts the shard store and the gathered buffers (``native.runtime_stats``);
+this adds what Python holds: gradient shards, optimizer state on the device and in host
+memory, buffers, the program's replicas and accumulators. See docs/runtime.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+import torch
+
+from dcir.ir import Module
+from dcir.memory import GRAD_ACC_OF, UNSHARD_OF
+from dcir_runtime.native import runtime_stats
+from dcir_runtime.offload import StateStore
+
+
+@dataclass(frozen=True)
+class MemoryStats(Mapping):
+    """Bytes (and counters) of one rank, by name: ``m.parameters``. It also reads as
+    the mapping ``Engine.memory()`` always returned (``m["parameters"]``, ``dict(m)``),
+    so code written against that keeps working."""
+
+    parameters: int              # this engine's parameter shards
+    gradients: int               # gradient shards
+    optimizer_state: int         # optimizer state on the device now
+    optimizer_state_peak: int    # ... at its peak (what ``offload`` bounds)
+    optimizer_state_host: int    # ... in host memory (``offload``)
+    buffers: int                 # the model's buffers, replicated on every rank
+    replicas: int                # whole parameters the program keeps (zero1/zero2, unshard)
+    gradient_accumulators: int   # full gradients summed across micro-steps (zero1)
+    gathered_now: int            # gathered parameters alive now (the runtime's, for the process)
+    gathered_peak: int           # ... at their peak
+    full_parameters: int         # the whole model's parameter bytes, for comparison
+    collectives: int             # collectives started
+    sent: int                    # bytes handed to them
+    wait_s: float                # host seconds blocked in comm.wait of a collective
+    copy_wait_s: float           # ... of a host copy (offload)
+
+    def __getitem__(self, key: str):
+        if key not in self._names():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    @classmethod
+    def _names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def measure(shards: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer, store: StateStore | None,
+            model: torch.nn.Module, module: Module | None, full_bytes: int) -> MemoryStats:
+    """The accounting of one engine: its ``shards`` and their ``optimizer`` (with its
+    offload ``store``, if any), the ``model``'s buffers, and the buffers the running
+    ``module`` keeps (None before capture)."""
+    stats = runtime_stats()
+    tensors = [t for st in optimizer.state.values() for t in st.values()
+               if isinstance(t, torch.Tensor) and t.dim() > 0]
+    host = _bytes(t for t in tensors if store is not None and store.is_host(t))
+    state = _bytes(tensors) - host
+    held = {UNSHARD_OF: 0, GRAD_ACC_OF: 0}  # the program's own buffers
+    for d in (module.decls.values() if module is not None else ()):
+        for kind in held:
+            if kind in d.attrs:
+                held[kind] += d.full_type.nbytes
+    return MemoryStats(
+        parameters=_bytes(shards.values()), gradients=_bytes(s.grad for s in shards.values() if s.grad is not None),
+        optimizer_state=state, optimizer_state_peak=max(state, store.peak if store is not None else 0),
+        optimizer_state_host=host, buffers=_bytes(model.buffers()),
+        replicas=held[UNSHARD_OF], gradient_accumulators=held[GRAD_ACC_OF],
+        gathered_now=stats.gathered_now, gathered_peak=stats.gathered_peak, full_parameters=full_bytes,
+        collectives=stats.collectives, sent=stats.sent, wait_s=stats.wait_ns / 1e9,
+        copy_wait_s=store.wait_s if store is not None else 0.0)
+
+
+def fixed_bytes(m: MemoryStats, shards: dict[str, torch.nn.Parameter]) -> int:
+    """What a rank holds whatever the schedule: parameter shards, gradient shards (held
+    through the backward and the optimizer step), optimizer state, buffers."""
+    trainable = _bytes(s for s in shards.values() if s.requires_grad)
+    return m.parameters + trainable + m.optimizer_state_peak + m.buffers
+
+
+def scheduled_bytes(m: MemoryStats) -> int:
+    """What the schedule holds: the program's replicas and accumulators, and the peak
+    of gathered parameters (the memory model counts these, so a pass's budget leaves
+    them out of the fixed part)."""
+    return m.replicas + m.gradient_accumulators + m.gathered_peak

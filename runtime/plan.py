@@ -1,0 +1,146 @@
+"""Plan: the passes an Engine runs, and the optimization cycle that replans them from
+a profile (docs/passes.md, "The optimization cycle").
+
+After each optimizer step listed in ``optimize.profile_at`` the next step runs under
+the profiler; after it, the profile is written into the running module, copied onto
+the captured schedule (which keeps every profile), and rank 0 plans the configured
+passes on it within the memory budget. Every rank takes the plan when the cost model
+finds it faster than the running schedule, or when memory forced the cycle. A step
+that ends over the memory budget forces one more cycle, within less, before it is an
+error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch.distributed as dist
+
+import dcir
+from dcir.cost import estimate_module
+from dcir.diagnostics import DcirError, Diagnostic
+from dcir.memory import format_bytes, peaks as memory_peaks
+from dcir.passes import PassManager, parse_pipeline
+from dcir_runtime.config import Config
+from dcir_runtime.group import ProcessGroup
+from dcir_runtime.profiler import Profile, copy_profile
+
+
+class Planner:
+    """The passes of one engine and its optimization cycle: the captured schedule, the
+    profile being taken, and one record per cycle (``log``, ``engine.optimize_log``)."""
+
+    def __init__(self, config: Config, group: ProcessGroup, key: str, source: str):
+        self.config, self.group = config, group
+        self.key, self.source = key, source  # rendezvous prefix; what diagnostics call the program
+        self.base_text = ""                  # the captured schedule, with every profile so far
+        self.captured_peak: dict[str, int] = {}
+        self.profile: Profile | None = None  # the profile the running step takes, if any
+        self.profiled: dcir.Module | None = None
+        self.log: list[dict] = []
+        self._budget_cut = 0                 # taken off the passes' budget after a step went over
+        self._replanned_for_memory = False
+        self._cut_applied = False
+
+    def passes(self, specs: list[str], budget: int | None = None) -> list:
+        """The passes of ``specs``, with what the engine knows filled in where the spec
+        leaves it open: the memory ``budget``, and the micro-steps per optimizer step."""
+        out = []
+        for p in parse_pipeline(",".join(specs)):
+            if getattr(p, "budget", "n/a") is None and budget is not None:
+                p = dataclasses.replace(p, budget=budget)
+            if getattr(p, "micro_steps", None) == 1:
+                p = dataclasses.replace(p, micro_steps=self.config.gradient_accumulation_steps)
+            out.append(p)
+        return out
+
+    def start(self, text: str, module: dcir.Module) -> None:
+        """The captured program: what every plan starts from."""
+        self.base_text = text
+        self.captured_peak = memory_peaks(module)
+
+    def pass_budget(self, fixed_bytes: Callable[[], int]) -> int | None:
+        """The memory budget left to a schedule: the configured budget less what this
+        rank holds whatever the schedule (``fixed_bytes()``: shards, gradient shards, optimizer
+        state, buffers; asked only when there is a budget)."""
+        if self.config.memory_budget is None:
+            return None
+        fixed = fixed_bytes()
+        if fixed + self._budget_cut >= self.config.memory_budget:
+            raise DcirError(Diagnostic(
+                f"rank {self.group.rank}: parameter shards, gradient shards, optimizer state and buffers take "
+                f"{format_bytes(fixed)}, which leaves nothing of the memory budget of "
+                f"{format_bytes(self.config.memory_budget)} for the step's own memory"))
+        return self.config.memory_budget - fixed - self._budget_cut
+
+    def after_step(self, steps: int, running: dcir.Module) -> bool:
+        """After optimizer step ``steps``: start profiling the next step when the cycle
+        says so. Returns whether a finished profile is waiting to be planned from."""
+        if self.profile is not None:
+            return True
+        if self.config.optimize is not None and steps in self.config.optimize["profile_at"]:
+            self.profile = Profile(running)  # the next step runs under the profiler
+        return False
+
+    def replan(self, running: dcir.Module, steps: int, fixed_bytes: Callable[[], int]) -> dcir.Module | None:
+        """Write the finished profile into ``running``, plan the configured passes from it
+        on the captured schedule; returns the module to switch to (None: keep running)."""
+        # the ranks agree on every figure, so each one's estimates below, and with them
+        # whether to switch, come out the same: every rank must run the same program
+        peaks = self.profile.annotate(dist.group.WORLD, self.group.collective_device())
+        self.profile, self.profiled = None, running
+        profiled = running.clone()  # a snapshot, without a print and two parses
+        budget = self.pass_budget(fixed_bytes)
+        record: dict = {"step": steps, "measured_peak": peaks, "captured_peak": self.captured_peak,
+                        "predicted_peak_profiled": memory_peaks(running)}
+        # the captured schedule keeps every profile: an op this run did not measure (a
+        # collective the plan had merged) keeps its figure from an earlier run
+        base = dcir.parse(self.base_text, self.source)
+        copy_profile(profiled, base)
+        self.base_text = dcir.print(base)
+
+        def plan() -> str:
+            PassManager(self.passes(self.config.optimize["passes"], budget)).run(base)
+            return dcir.print(base)
+
+        module = dcir.parse(self.group.from_rank0(f"{self.key}plan{steps}", plan), self.source)
+        micro = self.config.gradient_accumulation_steps
+        before = estimate_module(profiled, micro_steps=micro)
+        after = estimate_module(module, micro_steps=micro)
+        # settle: a plan the cost model finds no faster than the running schedule is not taken
+        # (unless memory forced this cycle: then the plan within the smaller budget is)
+        forced = self._replanned_for_memory and self._budget_cut > 0 and not self._cut_applied
+        self._cut_applied = self._cut_applied or forced
+        take = after.seconds < before.seconds or forced
+        record.update(predicted_before_s=before.seconds, predicted_s=after.seconds if take else before.seconds,
+                      planned_s=after.seconds, cost_source=after.source, budget=budget, switched=take,
+                      reason="memory" if forced else "faster" if take else "kept",
+                      predicted_peak=memory_peaks(module if take else running))
+        self.log.append(record)
+        return module if take else None
+
+    def check_budget(self, fixed: int, scheduled: int, running: dcir.Module) -> None:
+        """After a step: holding more than the memory budget is an error, unless the
+        optimization cycle can plan again within less (once: the overshoot, agreed
+        across ranks, comes off the budget the passes get, and the next step is
+        profiled). ``fixed`` and ``scheduled`` are what the rank holds whatever the
+        schedule, and what the schedule holds (``dcir_runtime.accounting``)."""
+        budget = self.config.memory_budget
+        if budget is None:
+            return
+        held = fixed + scheduled
+        over = held - budget
+        if self.config.optimize is not None and self.group.world > 1:
+            over = int(self.group.most(over))
+        if over <= 0:
+            return
+        if self.config.optimize is not None and not self._replanned_for_memory and self.log:
+            self._replanned_for_memory = True
+            self._budget_cut += over
+            self.profile = self.profile or Profile(running)
+            return
+        raise DcirError(Diagnostic(
+            f"rank {self.group.rank} holds {format_bytes(held)} (parameters, gradients, optimizer state, buffers, "
+            f"replicas, accumulators and the peak of gathered parameters), over the memory budget of "
+            f"{format_bytes(budget)}"))
