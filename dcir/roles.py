@@ -103,3 +103,10 @@ def in_order(functions) -> list[str]:
     without a role last, in their given order)."""
     names = list(functions)
     return sorted(names, key=lambda f: (ROLES[f].order if f in ROLES else len(ROLES), names.index(f)))
+
+
+def hands_gradients(name: str) -> bool:
+    """Whether the function ``name`` hands gradients to the optimizer (a backward)."""
+    r = ROLES.get(name)
+    return r is not None and r.gradients
+

@@ -6,7 +6,7 @@ final backward (see ``roles``)."""
 from __future__ import annotations
 
 from dcir import ops as registry
-from dcir.verifier import roles
+from dcir import roles
 from dcir.verifier.checker import Checker
 
 
@@ -60,7 +60,7 @@ class Gradients(Checker):
         """Each trainable parameter gets one gradient per optimizer step: the final
         backward hands it over exactly once. The backwards are alternatives (each runs
         alone in its micro-step), so the count is per function."""
-        final = roles.final_backward(self.m)
+        final = roles.last_micro_step(self.m.functions, roles.BACKWARD)
         training = final in self.m.functions
         for decl in self.m.decls.values():
             if not decl.trainable:
@@ -74,12 +74,12 @@ class Gradients(Checker):
     def _handed_once(self, name: str) -> None:
         for func, per in self.handed.items():  # within one backward: once
             sets = per.get(name, [])
-            for extra in sets[1:] if roles.is_backward(func) else ():
+            for extra in sets[1:] if roles.hands_gradients(func) else ():
                 self._twice(extra, name, sets[0])
         # in any other function: a second hand-over (or, without a backward, a second one)
         first = next((per[name][0] for func, per in self.handed.items()
-                      if roles.is_backward(func) and per.get(name)), None)
-        others = [op for func, per in self.handed.items() if not roles.is_backward(func) for op in per.get(name, [])]
+                      if roles.hands_gradients(func) and per.get(name)), None)
+        others = [op for func, per in self.handed.items() if not roles.hands_gradients(func) for op in per.get(name, [])]
         for extra in others if first is not None else others[1:]:
             self._twice(extra, name, first or others[0])
 
