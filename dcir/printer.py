@@ -6,6 +6,7 @@ order they were given, floats in Python's shortest round-trip form.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import re
@@ -99,6 +100,19 @@ def _print_function(f: Function, out: list[str]) -> None:
 
 def print_module(m: Module) -> str:
     """The module as DCIR text, ending with a newline."""
+    # Printing makes strings and short-lived lists and no cycles; a collection started
+    # here would only rescan the module's objects (their use-lists too): about a fifth
+    # of the time on a 100k-op module.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _print_module(m)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _print_module(m: Module) -> str:
     out = ["module " + symbol(m.name) + (" attributes " + attr_dict(m.attrs) if m.attrs else "") + " {"]
     for d in m.decls.values():
         out.append(f"  {d.kind} {symbol(d.name)} : {d.type}" + (" " + attr_dict(d.attrs) if d.attrs else ""))

@@ -22,14 +22,24 @@ _SAME_DTYPE = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "m
 
 
 class Dtypes(Checker):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self._rule: dict[str, object] = {}  # op name -> the check it needs (None: none); once per name
+
     def op(self, op: Op, d: OpDef | None, ok: bool) -> bool:
         if not ok or d is None:
             return ok
+        rule = self._rule.get(op.name, self)
+        if rule is self:
+            rule = self._rule[op.name] = self._rule_for(op.name, d)
+        return True if rule is None else rule(op)
+
+    def _rule_for(self, name: str, d: OpDef):
         if CASTS in d.traits:
-            return self._cast(op)
-        if SCHEMA in d.traits and op.name.split(".")[1] in _SAME_DTYPE:
-            return self._same_dtype(op)
-        return True
+            return self._cast
+        if SCHEMA in d.traits and name.split(".")[1] in _SAME_DTYPE:
+            return self._same_dtype
+        return None
 
     def _cast(self, op: Op) -> bool:
         to = op.attrs.get("dtype")
