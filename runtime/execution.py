@@ -29,6 +29,11 @@ from dcir_runtime.precision import Precision
 from dcir_runtime.profiler import Profile
 
 
+#: why a loss computed outside the engine is refused, and what to do instead
+_OUTSIDE_LOSS = ("a loss computed outside the engine is not supported yet; compute it in the model (labels=) or with "
+                 "initialize(..., loss_fn=), and scale it with gradient_accumulation_steps")
+
+
 class RankFailure(RuntimeError):
     """A collective failed: another rank crashed, diverged or timed out."""
 
@@ -47,6 +52,7 @@ class Execution:
         self.steps = 0
         self.last_grad_norm: torch.Tensor | None = None  # what the last clipping measured
         self._saved = None  # the last forward's saved values, for its backward
+        self._loss = None  # the loss the last forward returned: what backward differentiates
         self._step_args: tuple = ()
         self._forward_args: tuple = ()
         self._gather_next = False  # after a checkpoint load: gather replicas at the next call
@@ -93,6 +99,7 @@ class Execution:
         with torch.no_grad():
             loss, self._saved = self._run("forward", fn, self.program.state, {}, *inputs, *self._forward_args)
         self._forward_args = (ABSENT,) * len(self._forward_args)  # the copies home are done
+        self._loss = loss
         return loss
 
     def _check_inputs(self, inputs: list) -> None:
@@ -117,6 +124,10 @@ class Execution:
     def backward(self, loss: torch.Tensor, profile: Profile | None) -> None:
         if self._saved is None:
             raise RuntimeError("engine.backward(loss) needs a forward first (loss = engine(...))")
+        if loss is not self._loss:  # the captured backward seeds the captured loss: another would be ignored
+            raise DcirError(Diagnostic(
+                f"engine.backward(loss) takes the loss the last engine(...) call returned; this tensor is not it: "
+                f"{_OUTSIDE_LOSS}"))
         scale = 1.0 / self.config.gradient_accumulation_steps
         tangent = torch.full_like(loss, scale * self.precision.loss_scale())
         grads: dict = {}

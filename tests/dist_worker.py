@@ -386,6 +386,9 @@ def user_errors() -> None:
     engine = dcir.initialize(mlp(), config={"timeout_s": 30, "gradient_accumulation_steps": 2}, loss_fn=_squared)
     engine.backward(engine(torch.randn(2, 8)))
     attempt(lambda: engine.clip_grad_norm_(1.0))  # the first of two micro-steps: half a step's gradients
+    engine.step()
+    loss = engine(torch.randn(2, 8))
+    attempt(lambda: engine.backward(loss / 2))  # not the engine's loss: refused, not silently replaced by it
     model = mlp()
     built = torch.optim.lr_scheduler.StepLR(torch.optim.AdamW(model.parameters()), 1)
     attempt(lambda: dcir.initialize(model, config={"timeout_s": 30}, lr_scheduler=built))

@@ -168,6 +168,8 @@ def test_user_errors_are_messages_on_every_rank(capfd):
         " (parameters, gradients, optimizer state, buffers, replicas, accumulators and the peak of gathered parameters), over the memory budget of ",
         "error: /nonexistent/dcir.json: cannot read the config: No such file or directory",
         "error: clip_grad_norm_ clips a whole step's gradients: call it after its last micro-step's backward (every 2)",
+        "error: engine.backward(loss) takes the loss the last engine(...) call returned; this tensor is not it: ",
+        "a loss computed outside the engine is not supported yet; compute it in the model (labels=) or with",
         "error: lr_scheduler takes a function of the engine's optimizer, not a StepLR: ",
         "the engine updates the shards, so give lambda opt: LambdaLR(opt, ...)",
         "error: lr_scheduler(optimizer) must return a scheduler of that optimizer",

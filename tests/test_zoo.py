@@ -65,7 +65,7 @@ GAPS = {
         "pass loss_fn=\"")),
     "loss-only": ("'Tensor' object has no attribute 'loss'", _OUTPUTS + (
         "out.loss on the returned tensor raises \"AttributeError: 'Tensor' object has no attribute 'loss'\" "
-        "(and Engine.backward ignores its argument: its tangent is full_like(loss, 1/accumulation))")),
+        "(and Engine.backward refuses any tensor but that loss)")),
     "custom-op": ("transformers.grouped_mm_fallback.default is not an aten op", (
         "transformers' MoE experts call torch.ops.transformers.grouped_mm_fallback (a torch.library op with a "
         "fake kernel, integrations/moe.py); GraphLowering.lower_ops (dcir_lowering/frontend.py) raises "
