@@ -199,6 +199,16 @@ def _unuse(values, user, start: int = 0) -> None:
         v.uses.remove((user, i))
 
 
+def _reuse(old: tuple, values, user) -> tuple:
+    """``values`` as ``user``'s new operands (or returns): the old uses dropped, the new recorded."""
+    if old:
+        _unuse(old, user)
+    new = tuple(values)
+    for i, v in enumerate(new):
+        v.uses.append((user, i))
+    return new
+
+
 class Op:
     """One operation: ``%r = family.op @sym(%a, %b) {k = v} : T``.
 
@@ -236,11 +246,7 @@ class Op:
 
     @operands.setter
     def operands(self, values) -> None:
-        if self._operands:
-            _unuse(self._operands, self)
-        new = self._operands = tuple(values)
-        for i, v in enumerate(new):
-            v.uses.append((self, i))
+        self._operands = _reuse(self._operands, values, self)
 
     @property
     def family(self) -> str:
@@ -280,11 +286,7 @@ class Function:
 
     @returns.setter
     def returns(self, values) -> None:
-        if self._returns:
-            _unuse(self._returns, self)
-        new = self._returns = tuple(values)
-        for i, v in enumerate(new):
-            v.uses.append((self, i))
+        self._returns = _reuse(self._returns, values, self)
 
     def values(self) -> Iterator[Value]:
         yield from self.args

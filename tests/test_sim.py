@@ -16,28 +16,12 @@ import dcir
 from dcir.cli import main as opt_main
 from dcir.cost import Machine, estimate
 from dcir.hardware import HardwareError, dump, load, shipped
+from dcir.ops import WAITS, has_trait
 from dcir.schedule import Sweep
 from dcir.sim import COLLECTIVE, COMPUTE, COPY, simulate, simulate_module
+from test_schedule import GATHER_AND_COPY  # the same program: a gather beside a host copy
 
 ROOT = Path(__file__).resolve().parents[1]
-
-GATHER_AND_COPY = """
-module @m attributes {world_size = 2} {
-  param @w : shard<f32[64, 64], 2> {trainable}
-  func @forward(%x: f32[64, 64], %m: shard<f32[64, 64], 2>) -> (f32[]) {
-    %off = mem.offload(%m) {prof.time_us = 80.0} : pending<host<shard<f32[64, 64], 2>>>
-    %w_shard = param.get @w : shard<f32[64, 64], 2>
-    %p = comm.all_gather(%w_shard) {prof.time_us = 100.0} : pending<f32[64, 64]>
-    %a = aten.relu.default(%x) {prof.time_us = 60.0} : f32[64, 64]
-    %home = comm.wait(%off) {prof.time_us = 1.0} : host<shard<f32[64, 64], 2>>
-    %w = comm.wait(%p) {prof.time_us = 1.0} : f32[64, 64]
-    %y = aten.mm.default(%a, %w) {prof.time_us = 50.0} : f32[64, 64]
-    mem.free(%w, %m) {prof.time_us = 1.0}
-    %loss = aten.sum.default(%y) {prof.time_us = 5.0} : f32[]
-    return %loss
-  }
-}
-"""
 
 
 def test_lanes_run_side_by_side_and_waits_block_compute():
@@ -49,7 +33,7 @@ def test_lanes_run_side_by_side_and_waits_block_compute():
     # launches cost 8 us (and param.get 8): the copy runs 8-88 us, the gather 24-124 us
     assert (copy.start, copy.end) == pytest.approx((8e-6, 88e-6))
     assert (gather.start, gather.end) == pytest.approx((24e-6, 124e-6))
-    waits = [s for s in run.slices if s.op.name == "comm.wait"]
+    waits = [s for s in run.slices if has_trait(s.op, WAITS)]  # the copy's mem.wait, the gather's comm.wait
     assert [w.stalled for w in waits] == pytest.approx([4e-6, 35e-6])  # the slice holds its stall
     assert run.exposed_s == pytest.approx(39e-6) and run.summary() == estimate(run.func, Machine())
     # without stalls the compute lane never waits: the schedule the scheduling moves aim for

@@ -253,6 +253,16 @@ class Chatty(torch.nn.Module):
         return self.fc2(h).pow(2).mean()
 
 
+def _three_adamw_steps(ref, program, mine, x) -> None:
+    """Three AdamW steps of eager ``ref`` and of ``program`` (lowered over ``mine``'s state) on ``x``."""
+    opt_ref, opt_mine = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(mine.parameters(), lr=1e-2)
+    for _ in range(3):
+        ref(x).backward()
+        program.train_step(x)
+        opt_ref.step(), opt_mine.step()
+        opt_ref.zero_grad(), opt_mine.zero_grad()
+
+
 def test_logging_warnings_and_print_do_not_break_capture(capsys, caplog):
     torch.manual_seed(0)
     ref, mine = Chatty(), Chatty()
@@ -270,12 +280,7 @@ def test_logging_warnings_and_print_do_not_break_capture(capsys, caplog):
     assert "Chatty prints" not in capsys.readouterr().out and "Chatty.forward" not in caplog.text
     from dcir_lowering.backend import state_of
     program = dcir.lower(module, state_of(mine))
-    opt_ref, opt_mine = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(mine.parameters(), lr=1e-2)
-    for _ in range(3):
-        ref(x).backward()
-        program.train_step(x)
-        opt_ref.step(), opt_mine.step()
-        opt_ref.zero_grad(), opt_mine.zero_grad()
+    _three_adamw_steps(ref, program, mine, x)
     for (n, a), (_, b) in zip(ref.named_parameters(), mine.named_parameters()):
         assert torch.equal(a, b), n
 
@@ -377,10 +382,5 @@ def test_index_with_an_absent_entry_is_written_parsed_and_trained():
     dcir.verify(module)
     assert dcir.print(module) == text
     program = dcir.lower(module, state_of(mine))
-    opt_ref, opt_mine = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(mine.parameters(), lr=1e-2)
-    for _ in range(3):
-        ref(x).backward()
-        program.train_step(x)
-        opt_ref.step(), opt_mine.step()
-        opt_ref.zero_grad(), opt_mine.zero_grad()
+    _three_adamw_steps(ref, program, mine, x)
     assert torch.equal(ref.w, mine.w)
