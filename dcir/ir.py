@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import zip_longest
 from typing import Iterator, Union
 
 # ---- types -------------------------------------------------------------------------
@@ -260,16 +261,29 @@ class Op:
 class Function:
     """A function: arguments, ops in execution order, and the values it returns.
 
-    ``returns`` records its uses like ``Op.operands`` (``(function, index)``)."""
+    ``returns`` records its uses like ``Op.operands`` (``(function, index)``).
 
-    __slots__ = ("name", "args", "result_types", "ops", "_returns", "attrs", "loc", "return_loc")
+    The signature is declared: ``role`` says what the function is for (``forward``,
+    ``backward``..., ``dcir/roles.py``; None for a plain function), and each argument
+    and result carries an attribute dict (``arg_attrs``, ``result_attrs``, parallel to
+    ``args`` and ``result_types``) saying what passes through it (``{input =
+    "labels"}``, ``{saved}``, ``{grad = 0}``: ``dcir/signature.py``)."""
+
+    __slots__ = ("name", "args", "result_types", "ops", "_returns", "attrs", "loc", "return_loc", "role",
+                 "arg_attrs", "result_attrs")
 
     def __init__(self, name: str, args: list[Value] | None = None, result_types: list[Type] | None = None,
                  ops: list[Op] | None = None, returns: list[Value] | None = None,
-                 attrs: dict[str, Attr] | None = None, loc: Loc | None = None, return_loc: Loc | None = None):
+                 attrs: dict[str, Attr] | None = None, loc: Loc | None = None, return_loc: Loc | None = None,
+                 role: str | None = None, arg_attrs: list[dict] | None = None,
+                 result_attrs: list[dict] | None = None):
         self.name = name
+        self.role = role
         self.args = list(args or ())
         self.result_types = list(result_types or ())
+        self.arg_attrs = [dict(a) for a in arg_attrs] if arg_attrs is not None else [{} for _ in self.args]
+        self.result_attrs = ([dict(a) for a in result_attrs] if result_attrs is not None
+                             else [{} for _ in self.result_types])
         self.ops = list(ops or ())
         self._returns = tuple(returns) if returns else ()
         for i, v in enumerate(self._returns):
@@ -310,9 +324,9 @@ class Function:
         """A value name not yet used in this function, derived from ``base``."""
         return self.name_maker()(base)
 
-    def clone(self, name: str | None = None) -> "Function":
+    def clone(self, name: str | None = None, role: str | None = None) -> "Function":
         """A deep copy (new values and ops, same names, types, attributes and locations),
-        optionally under another name."""
+        optionally under another name and role."""
         env: dict[Value, Value] = {}
 
         def copy(v: Value) -> Value:
@@ -323,7 +337,7 @@ class Function:
         ops = [Op(op.name, [copy(v) for v in op.operands], [copy(r) for r in op.results], dict(op.attrs),
                   op.symbol, op.loc, op.parens) for op in self.ops]
         return Function(name or self.name, args, list(self.result_types), ops, [copy(v) for v in self.returns],
-                        dict(self.attrs), self.loc, self.return_loc)
+                        dict(self.attrs), self.loc, self.return_loc, role or self.role, self.arg_attrs, self.result_attrs)
 
 
 @dataclass(slots=True)
@@ -368,6 +382,10 @@ class Module:
         decls = {k: replace(d, attrs=dict(d.attrs)) for k, d in self.decls.items()}
         funcs = {k: f.clone() for k, f in self.functions.items()}
         return Module(self.name, decls, funcs, dict(self.attrs), self.loc, self.source)
+
+    def role(self, role: str) -> Function | None:
+        """The function that declares ``role`` (``dcir/roles.py``), if the module has one."""
+        return next((f for f in self.functions.values() if f.role == role), None)
 
     def ops(self) -> Iterator[tuple[Function, Op]]:
         for f in self.functions.values():
@@ -421,6 +439,9 @@ def structure(module: Module) -> tuple:
             (op.name, op.symbol, op.parens, tuple(v.name for v in op.operands),
              tuple((r.name, r.type) for r in op.results), _attrs_key(op.attrs))
             for op in f.ops)
-        funcs.append((f.name, tuple((a.name, a.type) for a in f.args), tuple(f.result_types), ops,
+        funcs.append((f.name, f.role, tuple((a.name, a.type, _attrs_key(d or {}))
+                                            for a, d in zip_longest(f.args, f.arg_attrs[:len(f.args)])),
+                      tuple((t, _attrs_key(d or {})) for t, d in zip_longest(f.result_types,
+                                                                             f.result_attrs[:len(f.result_types)])), ops,
                       tuple(v.name for v in f.returns), _attrs_key(f.attrs)))
     return (module.name, _attrs_key(module.attrs), decls, tuple(funcs))

@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass, field
 
 from dcir import ops as registry
-from dcir import roles
+from dcir import roles, signature
 from dcir.analysis import view_bases
 from dcir.ir import Function, HostType, Module, Op, PendingType, Value
 
@@ -138,13 +138,13 @@ def saved_storage(module: Module) -> dict[Value, tuple[object, int]]:
     (``dcir.roles``: ``@backward``, ``@backward_last``), the storage ``@forward``
     returned them in: two saved values that are views of one tensor are one storage, of
     that tensor's size."""
-    fw = module.functions.get(roles.saver(module.functions) or "")
+    fw = roles.saver(module.functions.values())
     out = {}
-    for name, bw in module.functions.items():
-        if fw is None or not roles.takes_saved(name) or len(bw.args) != len(fw.returns):
+    for bw in module.functions.values():
+        if fw is None or not roles.takes_saved(bw):
             continue
         bases = storage_bases(fw)
-        for ret, arg in zip(fw.returns[1:], bw.args[:-1]):
+        for ret, arg in signature.saved_pairs(fw, bw):
             base = bases.get(ret, ret)
             # module state is not the schedule's memory
             state = isinstance(base.owner, Op) and registry.has_trait(base.owner, registry.LOADS_STATE)
@@ -180,7 +180,7 @@ def timelines(module: Module) -> dict[str, Timeline]:
     held = resident(module)
     out = {}
     for name, f in module.functions.items():
-        t = timeline(f, saved if roles.takes_saved(name) else None)
+        t = timeline(f, saved if roles.takes_saved(f) else None)
         if held:
             t.entry += held
             t.during = [x + held for x in t.during]

@@ -50,8 +50,9 @@ class RawOp:
 @dataclass(slots=True)
 class RawFunc:
     name: str
-    args: list
-    result_types: list
+    args: list            # (value token, type, attribute dict)
+    results: list         # (type, attribute dict)
+    role: str | None
     attrs: dict
     ops: list[RawOp]
     ret: list[Token]
@@ -172,22 +173,28 @@ class _ToRaw(Transformer):
                      attrs or {}, types or [], meta.line, meta.column)
 
     def arg(self, c):
-        return c[0], c[1]
+        return c[0], c[1], c[2] or {}
 
     def func_args(self, c):
         return list(c)
 
+    def result(self, c):
+        return c[0], c[1] or {}
+
     def func_results(self, c):
-        return c[0] or []
+        return [r for r in c if r is not None]
+
+    def role(self, c):
+        return str(c[0])
 
     def ret(self, c):
         return c[1] or [], (c[0].line, c[0].column)
 
     @v_args(meta=True)
     def func(self, meta, c):
-        name, args, result_types, attrs, *body = c
+        name, args, results, role, attrs, *body = c
         ret, ret_loc = body.pop()
-        return RawFunc(str(name), args or [], result_types or [], attrs or {}, body, ret, meta.line, meta.column,
+        return RawFunc(str(name), args or [], results or [], role, attrs or {}, body, ret, meta.line, meta.column,
                        meta.end_line, ret_loc)
 
     @v_args(meta=True)
@@ -328,7 +335,7 @@ def _build_function(raw: RawFunc, raw_ops: list[RawOp], source: Source) -> Funct
     # verifier reports the order); a name never defined gets an ownerless value.
     # Each op is then built once, with its operands resolved (which records their uses).
     later: dict[str, Value] = {}
-    args = [Value(str(tok)[1:], typ) for tok, typ in raw.args]
+    args = [Value(str(tok)[1:], typ) for tok, typ, _ in raw.args]
     defined = []
     for r in raw_ops:
         if len(r.types) != len(r.results):
@@ -357,8 +364,10 @@ def _build_function(raw: RawFunc, raw_ops: list[RawOp], source: Source) -> Funct
                       (r.line + off, r.col), r.operands is not None))
         for v in results:
             current[v.name] = v
-    return Function(unquote_symbol(raw.name), args, raw.result_types, ops, [resolve(str(n)[1:]) for n in raw.ret],
-                    raw.attrs, (raw.line + off, raw.col), (raw.ret_loc[0] + off, raw.ret_loc[1]))
+    return Function(unquote_symbol(raw.name), args, [t for t, _ in raw.results], ops,
+                    [resolve(str(n)[1:]) for n in raw.ret], raw.attrs, (raw.line + off, raw.col),
+                    (raw.ret_loc[0] + off, raw.ret_loc[1]), raw.role, [d for _, _, d in raw.args],
+                    [d for _, d in raw.results])
 
 
 # ---- syntax diagnostics --------------------------------------------------------------
@@ -369,7 +378,7 @@ _TERMINAL_NAMES = {
     "FLOAT": "a number", "STRING": "a string", "DTYPE": "an element type", "DECL_KIND": "'param' or 'buffer'",
     "RETURN": "'return'", "LBRACE": "'{'", "RBRACE": "'}'", "LPAR": "'('", "RPAR": "')'", "LSQB": "'['",
     "RSQB": "']'", "COMMA": "','", "COLON": "':'", "EQUAL": "'='", "LESSTHAN": "'<'", "MORETHAN": "'>'",
-    "__ANON_0": "'->'", "MODULE": "'module'", "FUNC": "'func'", "ATTRIBUTES": "'attributes'",
+    "__ANON_0": "'->'", "MODULE": "'module'", "FUNC": "'func'", "ATTRIBUTES": "'attributes'", "ROLE": "'role'",
     "SHARD": "'shard'", "PENDING": "'pending'", "HOST": "'host'", "NONE": "'none'", "TRUE": "'true'",
     "FALSE": "'false'", "$END": "the end of the file", "<END-OF-FILE>": "the end of the file",
 }

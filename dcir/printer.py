@@ -11,12 +11,13 @@ import json
 import math
 import re
 from functools import lru_cache
+from itertools import zip_longest
 
 from dcir.ir import UNIT, DType, Function, Module, Op, SymbolRef
 
 _BARE_SYMBOL = re.compile(r"[A-Za-z_$][\w.$-]*\Z")
 _BARE_KEY = re.compile(r"[A-Za-z_][\w.]*\Z")
-_KEYWORDS = {"true", "false", "none", "param", "buffer", "func", "module", "return", "attributes",
+_KEYWORDS = {"true", "false", "none", "param", "buffer", "func", "module", "return", "attributes", "role",
              "shard", "pending", "host", "bool", "u8", "i8", "i16", "i32", "i64", "f16", "bf16", "f32", "f64",
              "c64", "c128"}
 
@@ -85,11 +86,19 @@ def print_op(op: Op) -> str:
     return "".join(parts)
 
 
+def _typed(text: str, attrs: dict) -> str:
+    """An argument or result of a signature, with its attributes (``{saved}``) if any."""
+    return text + " " + attr_dict(attrs) if attrs else text  # None: a result without its attributes
+
+
 def _print_function(f: Function, out: list[str]) -> None:
-    args = ", ".join(f"%{a.name}: {a.type}" for a in f.args)
+    args = ", ".join(_typed(f"%{a.name}: {a.type}", d) for a, d in zip_longest(f.args, f.arg_attrs[:len(f.args)]))
     head = f"  func {symbol(f.name)}({args})"
     if f.result_types:
-        head += " -> (" + ", ".join(map(str, f.result_types)) + ")"
+        results = zip_longest(f.result_types, f.result_attrs[:len(f.result_types)])
+        head += " -> (" + ", ".join(_typed(str(t), d) for t, d in results) + ")"
+    if f.role is not None:
+        head += f" role {f.role}"
     if f.attrs:
         head += " attributes " + attr_dict(f.attrs)
     out.append(head + " {")

@@ -125,15 +125,22 @@ class Rewriter:
         old, op.operands = op.operands, list(values)
         self._undo.append(lambda: setattr(op, "operands", old))
 
-    def set_returns(self, values: Iterable[Value], types: list | None = None) -> None:
-        """Set what the function returns; its result types follow the values' unless given."""
+    def set_returns(self, values: Iterable[Value], types: list | None = None, attrs: list[dict] | None = None) -> None:
+        """Set what the function returns; its result types follow the values' unless given,
+        and its result attributes (``{saved}``...) stay unless given (they must be when the
+        number of results changes)."""
         func = self.func
-        old, old_types = func.returns, list(func.result_types)
-        func.returns = list(values)
+        old, old_types, old_attrs = func.returns, list(func.result_types), list(func.result_attrs)
+        values = list(values)
+        if attrs is None and len(values) != len(old_attrs):
+            raise ValueError(f"@{func.name} returns {len(values)} values instead of {len(old_attrs)}: "
+                             "give their attributes")
+        func.returns = values
         func.result_types = list(types) if types is not None else [v.type for v in func.returns]
+        func.result_attrs = [dict(d) for d in attrs] if attrs is not None else old_attrs
 
         def undo():
-            func.returns, func.result_types = old, old_types
+            func.returns, func.result_types, func.result_attrs = old, old_types, old_attrs
         self._undo.append(undo)
 
     def replace_all_uses(self, old: Value, new: Value) -> None:
@@ -152,25 +159,30 @@ class Rewriter:
 
     # ---- arguments ----
 
-    def insert_arg(self, value: Value, at: int | None = None) -> None:
-        """Make the fresh ``value`` an argument (at ``at``; default: the last)."""
+    def insert_arg(self, value: Value, at: int | None = None, attrs: dict | None = None) -> None:
+        """Make the fresh ``value`` an argument (at ``at``; default: the last), with the
+        signature attributes ``attrs`` (``{saved}``...)."""
         if value.owner is not None:
             raise ValueError(f"%{value.name} is defined already; an argument must be a fresh value")
-        args = self.func.args
-        args.insert(len(args) if at is None else at, value)
+        args, arg_attrs = self.func.args, self.func.arg_attrs
+        at = len(args) if at is None else at
+        args.insert(at, value)
+        arg_attrs.insert(at, dict(attrs or {}))
         self._renumber()
-        self._undo.append(lambda: (args.remove(value), setattr(value, "owner", None), self._renumber()))
+        self._undo.append(lambda: (args.remove(value), arg_attrs.pop(at), setattr(value, "owner", None),
+                                   self._renumber()))
 
     def remove_arg(self, value: Value) -> None:
         """Drop the unused argument ``value``."""
         if value.uses:
             raise ValueError(f"cannot remove argument %{value.name}: it is still used")
-        args = self.func.args
+        args, arg_attrs = self.func.args, self.func.arg_attrs
         at = args.index(value)
         args.pop(at)
+        attrs = arg_attrs.pop(at)
         value.owner = None
         self._renumber()
-        self._undo.append(lambda: (args.insert(at, value), self._renumber()))
+        self._undo.append(lambda: (args.insert(at, value), arg_attrs.insert(at, attrs), self._renumber()))
 
     def _renumber(self) -> None:
         for i, a in enumerate(self.func.args):

@@ -132,7 +132,8 @@ def simulate(func: Function, machine: Machine, stalls: bool = True) -> Run:
 def runs_per_step(module: Module, micro_steps: int) -> dict[str, int]:
     """How often one optimizer step calls each function, as its role declares
     (``dcir.roles``)."""
-    return {name: roles.runs_per_step(name, module.functions, micro_steps) for name in module.functions}
+    funcs = list(module.functions.values())
+    return {f.name: roles.runs_per_step(f, funcs, micro_steps) for f in funcs}
 
 
 @dataclass

@@ -36,11 +36,12 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from dcir import aten
+from dcir import aten, signature
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.analysis import view_bases
 from dcir.ir import Function, Module, Op, ShardType
 from dcir.printer import locate
+from dcir.roles import BACKWARD, BACKWARD_LAST, EVAL, FORWARD, STEP, UNSHARD
 from dcir.shapes import call_arguments, torch_dtype
 from dcir.verifier import verify
 
@@ -342,49 +343,65 @@ def _unsupported(module: Module, op: Op, message: str) -> DcirError:
 
 @dataclass
 class Program:
-    """A lowered training step over live state (the model's tensors, by FQN).
+    """A lowered program over live state (the model's tensors, by FQN): each function
+    with a role (``dcir/roles.py``) lowered to a GraphModule taking ``(state, grads,
+    *args)`` (``graphs``), and what runs it (``runs``: the same, or compiled).
 
-    ``forward(*args, **kwargs)`` returns ``(loss, saved)``; ``backward(saved)`` returns
-    the gradients by FQN; ``train_step(*args, **kwargs)`` does both and accumulates into
-    the parameters' ``.grad`` like ``loss.backward()`` would. Arguments are matched to
-    ``@forward``'s by its ``capture.inputs`` attribute when it has one (a captured
-    model called with keywords), else by position.
+    ``forward(*args, **kwargs)`` returns ``(outputs, saved)``, split as ``@forward``'s
+    signature declares (``dcir/signature.py``); ``backward(saved, grads)`` returns the
+    gradients by FQN; ``train_step(*args, **kwargs)`` does both, with the gradient of
+    every output all ones (for a loss: ``loss.backward()``), and accumulates into the
+    parameters' ``.grad``. Arguments are matched to the ``{input = ...}`` arguments by
+    their names (``args[0]`` or a keyword such as ``labels``).
     """
 
     module: Module
     state: dict
-    forward_gm: fx.GraphModule
-    backward_gm: fx.GraphModule
-    forward_fn: object
-    backward_fn: object
-    unshard_gm: fx.GraphModule | None = None  # fills the gathered copies (``unshard`` across micro-steps)
-    backward_last_gm: fx.GraphModule | None = None  # the last micro-step's backward (``zero1``)
-    backward_last_fn: object = None
-    step_gm: fx.GraphModule | None = None  # the optimizer step (``offload``), run on an optimizer-state store
+    graphs: dict[str, fx.GraphModule]
+    runs: dict[str, object]
+
+    def function(self, role: str):
+        return self.module.role(role)
+
+    @property
+    def forward_gm(self):
+        return self.graphs.get(FORWARD)
+
+    @property
+    def step_gm(self):
+        return self.graphs.get(STEP)
 
     def backward_for(self, last: bool) -> tuple[str, fx.GraphModule, object]:
-        """(name, graph, callable) of the backward to run: ``@backward_last`` in the last
+        """(role, graph, callable) of the backward to run: ``@backward_last`` in the last
         micro-step of an optimizer step when the module has one, else ``@backward``."""
-        if last and self.backward_last_gm is not None:
-            return "backward_last", self.backward_last_gm, self.backward_last_fn
-        return "backward", self.backward_gm, self.backward_fn
+        role = BACKWARD_LAST if last and BACKWARD_LAST in self.graphs else BACKWARD
+        return role, self.graphs[role], self.runs[role]
 
     def unshard(self) -> None:
         """Gather the copies ``@unshard`` fills: once per optimizer step, before its
         first micro-step (the parameters change only at the step)."""
-        if self.unshard_gm is not None:
-            self.unshard_gm(self.state, {})
+        if UNSHARD in self.graphs:
+            self.graphs[UNSHARD](self.state, {})
+
+    def split(self, role: str, out) -> tuple[list, tuple]:
+        """A run's results of the function of ``role``: (its outputs, the rest)."""
+        kinds = [signature.kind(d) for d in self.function(role).result_attrs]
+        out = list(out or ())
+        return ([v for v, k in zip(out, kinds) if k == signature.OUTPUT],
+                tuple(v for v, k in zip(out, kinds) if k != signature.OUTPUT))
 
     def forward(self, *args, **kwargs):
-        out = self.forward_fn(self.state, {}, *self._inputs(args, kwargs))
-        return out[0], tuple(out[1:])
+        role = FORWARD if FORWARD in self.runs else EVAL
+        return self.split(role, self.runs[role](self.state, {}, *self.inputs(role, args, kwargs)))
 
-    def _inputs(self, args: tuple, kwargs: dict) -> list:
-        names = self.module.functions["forward"].attrs.get("capture.inputs")
-        if names is None:
+    def inputs(self, role: str, args: tuple, kwargs: dict) -> list:
+        """The call's ``args`` and ``kwargs`` in the order of the ``{input}`` arguments of
+        the function of ``role``."""
+        func = self.function(role)
+        if not signature.args(func, signature.INPUT):  # a hand-written function: by position
             return list(args) + list(kwargs.values())
         out = []
-        for name in names:
+        for name in signature.input_names(func):
             m = re.fullmatch(r"args\[(\d+)\]", name)
             if m and int(m.group(1)) < len(args):
                 out.append(args[int(m.group(1))])
@@ -394,25 +411,34 @@ class Program:
                 raise TypeError(f"the captured step takes an input {name!r} that this call does not give")
         return out
 
-    def backward(self, saved, tangent: torch.Tensor | None = None, last: bool = True) -> dict:
+    def tangents(self, given: dict | None = None, last: bool = True) -> list:
+        """The backward's ``{grad = K}`` arguments: ``given[K]`` (the gradient of output K),
+        zeros where it has none (the loss did not use that output); without ``given``,
+        ones (the gradient of the outputs' sum)."""
+        bw = self.function(self.backward_for(last)[0])
+        device = next((t.device for t in self.state.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        out = []
+        for arg, k in signature.grads(bw):
+            dtype = torch_dtype(arg.type.dtype)
+            g = given.get(k) if given is not None else torch.ones(arg.type.shape, dtype=dtype, device=device)
+            out.append(torch.zeros(arg.type.shape, dtype=dtype, device=device) if g is None else g.to(dtype))
+        return out
+
+    def backward(self, saved, grads: list, last: bool = True) -> dict:
         """Gradients by FQN; ``last``: this is the last micro-step of an optimizer step."""
-        loss_type = self.module.functions["forward"].result_types[0]
-        if tangent is None:
-            device = next((t.device for t in self.state.values() if isinstance(t, torch.Tensor)), "cpu")
-            tangent = torch.ones(loss_type.shape, dtype=torch_dtype(loss_type.dtype), device=device)
-        grads: dict = {}
-        self.backward_for(last)[2](self.state, grads, *saved, tangent)
-        return grads
+        out: dict = {}
+        self.backward_for(last)[2](self.state, out, *saved, *grads)
+        return out
 
     @torch.no_grad()
-    def train_step(self, *args, **kwargs) -> torch.Tensor:
+    def train_step(self, *args, **kwargs):
         self.unshard()
-        loss, saved = self.forward(*args, **kwargs)
-        for fqn, g in self.backward(saved).items():
+        outputs, saved = self.forward(*args, **kwargs)
+        for fqn, g in self.backward(saved, self.tangents()).items():
             p = self.state[fqn]
             g = g.detach().reshape(p.shape)  # a one-rank shard is the flattened gradient
             p.grad = g.clone() if p.grad is None else p.grad + g
-        return loss
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
 def lower(module: Module, state: dict, *, inductor: bool = False, group: str | None = None,
@@ -443,19 +469,15 @@ def lower(module: Module, state: dict, *, inductor: bool = False, group: str | N
     if missing:
         raise DcirError(Diagnostic(f"no tensor for {', '.join('@' + m for m in missing)} in the program's state"))
     in_state = any(isinstance(d.type, ShardType) and name in state for name, d in module.decls.items())
-    fw = lower_function(module, "forward", group, in_state, store_prefix)
-    bw = lower_function(module, "backward", group, in_state, store_prefix)
-    extra = {name: lower_function(module, name, group, in_state, store_prefix) if name in module.functions else None
-             for name in ("unshard", "backward_last", "step")}
-    last = extra["backward_last"]
+    graphs = {f.role: lower_function(module, f.name, group, in_state, store_prefix)
+              for f in module.functions.values() if f.role is not None}
 
-    def compiled(gm):
-        if gm is None or not inductor:
+    def compiled(role: str, gm):
+        if not inductor or role not in (FORWARD, BACKWARD, BACKWARD_LAST, EVAL):
             return gm
         return compile_compute(gm) if group is not None else torch.compile(gm, dynamic=False)
 
-    return Program(module, state, fw, bw, compiled(fw), compiled(bw), extra["unshard"], last, compiled(last),
-                   extra["step"])
+    return Program(module, state, graphs, {role: compiled(role, gm) for role, gm in graphs.items()})
 
 
 _STATE_CALLS = (_state_get, _state_set, _grad_set, _call)

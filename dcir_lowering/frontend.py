@@ -40,6 +40,9 @@ import torch.fx as fx
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import NONE, UNIT, Decl, DType, Function, Module, Op, TensorType, Type, Value
 from dcir.shapes import dcir_dtype
+from dcir import signature
+from dcir.roles import BACKWARD, EVAL, FORWARD
+from dcir_lowering.outputs import Outputs
 
 #: Largest constant tensor written into the text (elements); larger ones must be buffers.
 MAX_CONSTANT = 4096
@@ -50,9 +53,9 @@ def compile_to_ir(model: torch.nn.Module, example_inputs, *, kwargs: dict | None
                   output_dtype: torch.dtype | None = None, cast_inputs: bool = True) -> Module:
     """Capture ``model``'s training step on ``example_inputs`` as a DCIR module.
 
-    The loss is ``loss_fn(output)`` when given; otherwise the model's output itself (a
-    scalar tensor), its ``.loss`` (Hugging Face models called with ``labels=``), its
-    ``["loss"]`` or its first element.
+    ``@forward`` returns what the model returns, flattened into ``{output}`` results
+    (``capture`` also gives the structure to rebuild it), or ``loss_fn(output)`` when
+    given; ``@backward`` takes the gradient of each output that has one (``{grad = K}``).
 
     ``param_dtype`` and ``output_dtype`` mean what they mean in FSDP2's
     ``MixedPrecisionPolicy``: the step is captured with the floating parameters in
@@ -61,6 +64,16 @@ def compile_to_ir(model: torch.nn.Module, example_inputs, *, kwargs: dict | None
     runs in that precision, op for op, which retyping an fp32 graph would only
     approximate; the ``mixed_precision`` pass gives the parameters fp32 storage.
     """
+    return capture(model, example_inputs, kwargs=kwargs, loss_fn=loss_fn, name=name, param_dtype=param_dtype,
+                   output_dtype=output_dtype, cast_inputs=cast_inputs)[0]
+
+
+def capture(model: torch.nn.Module, example_inputs, *, kwargs: dict | None = None, loss_fn=None,
+            name: str | None = None, param_dtype: torch.dtype | None = None, output_dtype: torch.dtype | None = None,
+            cast_inputs: bool = True, training: bool = True) -> tuple[Module, Outputs]:
+    """``compile_to_ir``'s module and the structure of the model's output (``Outputs``).
+    ``training=False``: the step without a backward (``@eval``: ``torch.no_grad()``),
+    in the model's own mode."""
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     work = copy.deepcopy(model)
     work.train(model.training)
@@ -68,7 +81,6 @@ def compile_to_ir(model: torch.nn.Module, example_inputs, *, kwargs: dict | None
         for p in work.parameters():
             if p.is_floating_point():
                 p.data = p.data.to(param_dtype)
-    captured = _Captured()
 
     def step(*a, **kw):
         if param_dtype is not None and cast_inputs:
@@ -76,16 +88,46 @@ def compile_to_ir(model: torch.nn.Module, example_inputs, *, kwargs: dict | None
         out = work(*a, **kw)
         if output_dtype is not None:
             out = _cast_floats(out, output_dtype)
-        return loss_fn(out) if loss_fn is not None else _loss_of(out)
+        return loss_fn(out) if loss_fn is not None else out
 
-    loss = _trace(step, captured, args, kwargs or {})
-    if not isinstance(loss, torch.Tensor):
-        raise DcirError(Diagnostic(f"cannot find a loss in the model's output ({type(loss).__name__}); pass loss_fn="))
-    if loss.numel() != 1 or not loss.requires_grad:
-        raise DcirError(Diagnostic("the step must produce a scalar loss that requires grad; pass loss_fn= to compute it "
-                                   "from the model's output"))
-    loss.backward()
-    return _Lowering(work, captured, name or type(model).__name__).module()
+    _check_inputs(args, kwargs or {})
+    captured = _Captured()
+    with torch.set_grad_enabled(training):
+        out = _trace(step, captured, args, kwargs or {})
+    if captured.aliased():  # an output that is a view: AOTAutograd rebuilds it outside the graph
+        captured = _Captured()
+        with torch.set_grad_enabled(training):
+            out = _trace(lambda *a, **kw: _clone_tensors(step(*a, **kw)), captured, args, kwargs or {})
+    outputs = Outputs.of(out, captured.produced)
+    if training:
+        _backward(captured)
+    return _Lowering(work, captured, name or type(model).__name__).module(), outputs
+
+
+def _check_inputs(args: tuple, kwargs: dict) -> None:
+    from torch.utils._pytree import tree_leaves
+
+    for t in tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise DcirError(Diagnostic(
+                f"an input of the model requires grad ({t.dtype}, shape {list(t.shape)}); DCIR trains the model's "
+                "parameters and gives inputs no gradient: pass it detached, or make it a parameter of the model"))
+
+
+def _backward(captured: "_Captured") -> None:
+    """Run the captured step's backward once, so AOTAutograd hands over its graph: one
+    gradient per output that needs one (their values do not shape the graph)."""
+    needs = [t for t in captured.produced if t.requires_grad]
+    if not needs:
+        raise DcirError(Diagnostic("no output of the model requires grad: there is nothing to train (are the "
+                                   "parameters frozen, or the step run under torch.no_grad()?)"))
+    torch.autograd.backward(needs, [torch.ones_like(t) for t in needs])
+
+
+def _clone_tensors(tree):
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, torch.clone, tree)
 
 
 def _cast_floats(tree, dtype: torch.dtype):
@@ -173,6 +215,7 @@ class _Captured:
     forward: fx.GraphModule | None = None
     backward: fx.GraphModule | None = None
     meta: object = None
+    produced: list = field(default_factory=list)  # the model's outputs the capture run computed, in graph order
 
     def backend(self, gm: fx.GraphModule, example_inputs):
         from functorch.compile import make_boxed_func
@@ -185,13 +228,32 @@ class _Captured:
         def fw(g, _):
             self.forward = g
             self.meta = TracingContext.get().fw_metadata
-            return make_boxed_func(g.forward)
+            run = make_boxed_func(g.forward)
+
+            def record(args):
+                outs = run(args)
+                first = self.mutated_outputs()
+                self.produced = list(outs[first:first + len(self.meta.output_info)])
+                return outs
+            record._boxed_call = True
+            return record
 
         def bw(g, _):
             self.backward = g
             return make_boxed_func(g.forward)
 
         return aot_module_simplified(gm, example_inputs, fw_compiler=fw, bw_compiler=bw)
+
+    def mutated_outputs(self) -> int:
+        """How many of the forward graph's outputs are mutated inputs (they come first)."""
+        return sum(1 for info in self.meta.input_info if info.mutates_data)
+
+    def aliased(self) -> bool:
+        """Whether an output aliases an input or another value (AOTAutograd regenerates
+        such outputs outside the graph, so the graph's output is not the model's)."""
+        from torch._functorch._aot_autograd.schemas import OutputType
+
+        return any(o.output_type != OutputType.non_alias for o in self.meta.output_info)
 
 
 def _type(val) -> Type:
@@ -312,11 +374,12 @@ class _Lowering(GraphLowering):
         meta = captured.meta
         self.state: dict[int, str] = {}  # forward input index -> symbol
         self.user_inputs: list[int] = []
-        grads = [n for n in captured.backward.graph.nodes if n.op == "output"][0].args[0]
+        bw = captured.backward
+        grads = [n for n in bw.graph.nodes if n.op == "output"][0].args[0] if bw is not None else None
         for i, t in enumerate(captured.inputs):
             if id(t) in params:
                 fqn, p = params[id(t)]
-                has_grad = i < len(grads) and grads[i] is not None
+                has_grad = grads is None or (i < len(grads) and grads[i] is not None)
                 attrs = {"trainable": UNIT} if p.requires_grad and has_grad else {}
                 if p.requires_grad and not has_grad:
                     attrs["capture.unused"] = UNIT  # requires grad but gets none: the optimizer skips it
@@ -332,54 +395,73 @@ class _Lowering(GraphLowering):
         self.n_user_outputs = len(meta.output_info)
 
     def module(self) -> Module:
-        fw, saved = self._forward()
-        self.m.functions["forward"] = fw
-        self.m.functions["backward"] = self._backward(saved)
+        if self.c.backward is None:  # captured under torch.no_grad(): the forward alone
+            self.m.functions[EVAL] = self._forward(EVAL)[0]
+            return self.m
+        fw, saved = self._forward(FORWARD)
+        self.m.functions[FORWARD] = fw
+        self.m.functions[BACKWARD] = self._backward(saved, fw)
         return self.m
 
     # ---- one FX graph -> one function ----
-    def _forward(self) -> tuple[Function, list[str]]:
+    def _forward(self, role: str) -> tuple[Function, list[str]]:
+        """``@forward`` (or ``@eval``): the model's inputs in, its outputs and (for the
+        backward) the saved values out."""
         gm = self.c.forward
         g = gm.graph
-        f = Function("forward")
+        f = Function(role, role=role)
         env: dict[fx.Node, Value] = {}
         placeholders = [n for n in g.nodes if n.op == "placeholder"]
         for i, node in enumerate(placeholders):
+            v = Value(node.name, _type(node.meta["val"]))
             if i in self.state:
-                v = Value(node.name, _type(node.meta["val"]))
                 f.ops.append(Op("param.get", [], [v], symbol=self.state[i]))
             else:
-                v = Value(node.name, _type(node.meta["val"]))
                 f.args.append(v)
+                f.arg_attrs.append(signature.mark(signature.INPUT, _input_name(self.c.sources[i])))
                 v.owner, v.index = f, len(f.args) - 1
             env[node] = v
-        f.attrs["capture.inputs"] = tuple(_input_name(self.c.sources[i]) for i in self.user_inputs)
         self.lower_ops(gm, f, env)
         outputs = [n for n in g.nodes if n.op == "output"][0].args[0]
         for k, i in enumerate(self.mutated):  # mutated inputs come first
             f.ops.append(Op("param.set", [env[outputs[k]]], symbol=self.state[i], parens=True))
         rest = outputs[len(self.mutated):]
-        loss, saved = rest[0], rest[self.n_user_outputs:]
+        model_outputs, saved = rest[:self.n_user_outputs], rest[self.n_user_outputs:]
+        if role == EVAL:
+            saved = []
         state_nodes = {placeholders[i] for i in self.state if i not in self.mutated}
         passed = [n for n in saved if n not in state_nodes]
-        f.returns = [env[loss]] + [env[n] for n in passed]
+        f.returns = [env[n] for n in model_outputs] + [env[n] for n in passed]
         f.result_types = [v.type for v in f.returns]
+        f.result_attrs = ([signature.mark(signature.OUTPUT) for _ in model_outputs]
+                          + [signature.mark(signature.SAVED) for _ in passed])
         self.saved_state = {n.name: self.state[placeholders.index(n)] for n in saved if n in state_nodes}
         return f, [n.name for n in passed]
 
-    def _backward(self, saved: list[str]) -> Function:
+    def _backward(self, saved: list[str], fw: Function) -> Function:
+        """``@backward``: the saved values and the outputs' gradients in; each parameter's
+        gradient handed to the optimizer."""
         gm = self.c.backward
         g = gm.graph
-        f = Function("backward")
+        f = Function(BACKWARD, role=BACKWARD)
         env: dict[fx.Node, Value] = {}
+        # one gradient per output that requires one, in output order (AOTAutograd's tangents)
+        differentiable = [k for k, info in enumerate(self.c.meta.output_info) if info.requires_grad]
+        tangents = iter(differentiable)
         for node in (n for n in g.nodes if n.op == "placeholder"):
             v = Value(node.name, _type(node.meta["val"]))
             if node.name in self.saved_state:
                 f.ops.append(Op("param.get", [], [v], symbol=self.saved_state[node.name]))
             else:
                 f.args.append(v)
+                is_tangent = node.name.startswith("tangents_")
+                f.arg_attrs.append(signature.mark(signature.GRAD, next(tangents)) if is_tangent
+                                   else signature.mark(signature.SAVED))
                 v.owner, v.index = f, len(f.args) - 1
             env[node] = v
+        if next(tangents, None) is not None:
+            raise DcirError(Diagnostic("cannot lower to DCIR: the backward graph takes fewer output gradients than the "
+                                       "model has differentiable outputs"))
         self.lower_ops(gm, f, env)
         grads = [n for n in g.nodes if n.op == "output"][0].args[0]
         for i, grad in enumerate(grads):

@@ -1,10 +1,12 @@
 """Capture: the user's model and one step's inputs -> the DCIR module every rank runs.
 
 Rank 0 captures the step (``dcir.compile_to_ir``), runs the configured ZeRO stage's
-pass, the mixed-precision casts (``mixed_precision``), ``offload`` when configured, and the configured passes, and hands the text to
-the other ranks through the rendezvous store; every rank parses and verifies it, so
-every rank runs the same verified program. If rank 0 cannot compile, every rank
-raises its diagnostic.
+pass, the mixed-precision casts (``mixed_precision``), ``offload`` when configured,
+and the configured passes, and hands the text (and the structure of the model's
+output) to the other ranks through the rendezvous store; every rank parses and
+verifies it, so every rank runs the same verified program. If rank 0 cannot compile,
+every rank raises its diagnostic. A shape only one rank runs is compiled on that rank
+(``local``); the Engine checks that its collectives are the other ranks'.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from dcir.passes.offload import Offload
 from dcir.passes.zero1 import Zero1
 from dcir.passes.zero2 import Zero2
 from dcir.passes.zero3 import Zero3
-from dcir_lowering.frontend import compile_to_ir
+from dcir_lowering.frontend import capture as frontend_capture
+from dcir_lowering.outputs import Outputs
 from dcir_runtime import precision
 from dcir_runtime.config import Config
 from dcir_runtime.group import ProcessGroup
@@ -27,8 +30,9 @@ from dcir_runtime.group import ProcessGroup
 
 @dataclass(frozen=True)
 class Captured:
-    text: str             # the program as rank 0 compiled it (the schedule replanning starts from)
+    text: str             # the program as it was compiled (the schedule replanning starts from)
     module: dcir.Module   # that text, parsed and verified on this rank
+    outputs: Outputs      # the structure of the model's output
 
 
 def source_name(model: torch.nn.Module, world: int) -> str:
@@ -51,20 +55,45 @@ def offload_pass(config: Config, state_keys: Callable[[], list[str]]) -> list:
                     micro_steps=config.gradient_accumulation_steps)]
 
 
-def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, loss_fn: Callable | None, config: Config,
-            group: ProcessGroup, key: str, passes: Callable[[list[str]], list],
-            state_keys: Callable[[], list[str]]) -> Captured:
-    """The step of ``model`` on ``args``/``kwargs``, compiled on rank 0 and handed to
-    every rank under the rendezvous ``key``. ``passes`` turns the config's pass specs
-    into passes; ``state_keys`` names the optimizer's per-element state (``offload``)."""
+def pipeline(config: Config, world: int, training: bool, state_keys: Callable[[], list[str]],
+             passes: Callable[[list[str]], list]) -> list:
+    """The passes a captured program goes through: the stage's, the mixed-precision
+    casts, ``offload`` and the configured passes for a training step; for a forward
+    without a backward (``@eval``), ``zero3``'s gathers and frees and the casts."""
     policy = precision.policy_of(config)
+    if not training:
+        return [Zero3(world_size=world), *precision.passes(policy)]
+    return [stage_pass(config, world), *precision.passes(policy), *offload_pass(config, state_keys),
+            *passes(config.passes)]
 
-    def compile_step() -> str:
-        module = compile_to_ir(model, args, kwargs=kwargs, loss_fn=loss_fn, **precision.capture_options(policy))
-        dcir.run_passes(module, [stage_pass(config, group.world), *precision.passes(policy),
-                                 *offload_pass(config, state_keys), *passes(config.passes)])
-        return dcir.print(module)
 
-    text = group.from_rank0(key, compile_step)
-    module = dcir.parse(text, source_name(model, group.world))
-    return Captured(text, module)
+def compile_step(model: torch.nn.Module, args: tuple, kwargs: dict, *, loss_fn: Callable | None, config: Config,
+                 world: int, training: bool, state_keys: Callable[[], list[str]],
+                 passes: Callable[[list[str]], list]) -> tuple[str, Outputs]:
+    """The step of ``model`` on ``args``/``kwargs`` through the passes, on this rank:
+    its text and the structure of the model's output."""
+    policy = precision.policy_of(config)
+    module, outputs = frontend_capture(model, args, kwargs=kwargs, loss_fn=loss_fn, training=training,
+                                       **precision.capture_options(policy))
+    dcir.run_passes(module, pipeline(config, world, training, state_keys, passes))
+    return dcir.print(module), outputs
+
+
+def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, group: ProcessGroup, key: str,
+            local: bool = False, **options) -> Captured:
+    """The step of ``model`` on ``args``/``kwargs`` (``compile_step``'s ``options``),
+    compiled on rank 0 and handed to every rank under the rendezvous ``key``; or, with
+    ``local``, compiled on this rank alone (a shape only this rank runs)."""
+    name = source_name(model, group.world)
+    if local:
+        text, outputs = compile_step(model, args, kwargs, world=group.world, **options)
+        return Captured(text, dcir.parse(text, name), outputs)
+    made: list = []
+
+    def make() -> str:
+        made.extend(compile_step(model, args, kwargs, world=group.world, **options))
+        return made[0]
+
+    text = group.from_rank0(key, make)
+    packed = group.from_rank0(f"{key}/outputs", lambda: made[1].pack())
+    return Captured(text, dcir.parse(text, name), made[1] if made else Outputs.unpack(packed))

@@ -21,7 +21,8 @@ class Config:
     zero_stage: int = 3
     #: passes run after the stage's own, as pipeline specs (``"dce"``, ``"canonicalize"``)
     passes: list = field(default_factory=list)
-    #: micro-steps per optimizer step; ``backward`` scales the loss by 1/N
+    #: micro-steps per optimizer step (``engine.backward(loss)`` backpropagates ``loss``
+    #: as given: divide it by N, or pass ``scale_wrt_gas=True`` as DeepSpeed does by default)
     gradient_accumulation_steps: int = 1
     #: the most bytes the runtime may hold per rank (``"2GiB"``); None: no limit
     memory_budget: int | None = None
@@ -53,6 +54,9 @@ class Config:
     #: (``loss_scale`` 0: dynamic; ``initial_scale_power``, ``loss_scale_window``,
     #: ``hysteresis``, ``min_loss_scale``, ``consecutive_hysteresis``)
     fp16: dict | None = None
+    #: programs kept at once, one per input shape (and mode: training, evaluation), like
+    #: Dynamo's recompile limit; a new shape beyond it is an error that says so
+    max_programs: int = 8
 
     def __post_init__(self):
         given = [k for k in ("mixed_precision", "bf16", "fp16") if getattr(self, k) is not None]
@@ -175,7 +179,7 @@ _CHECKS = {"zero_stage": _stage, "passes": _passes, "gradient_accumulation_steps
            "memory_budget": _budget, "timeout_s": _seconds, "inductor": _bool,
            "optimize": _optimize, "offload": _offload, "gradient_clipping": _max_norm,
            "mixed_precision": _precision("check_policy"), "bf16": _precision("check_bf16"),
-           "fp16": _precision("check_fp16")}
+           "fp16": _precision("check_fp16"), "max_programs": _positive_int}
 
 
 def _error(message: str) -> DcirError:

@@ -37,7 +37,8 @@ from dcir_runtime import native
 from dcir_runtime.accounting import MemoryStats, fixed_bytes, measure, scheduled_bytes
 from dcir_runtime.capture import capture, source_name
 from dcir_runtime.config import Config
-from dcir_runtime.execution import Execution, RankFailure
+from dcir_runtime import programs
+from dcir_runtime.execution import Execution, Installed, RankFailure
 from dcir_runtime.group import ProcessGroup
 from dcir_runtime.plan import Planner
 from dcir_runtime.shards import ShardedParameters, ShardOptimizer, check_scheduler_factory
@@ -104,6 +105,8 @@ class Engine:
         self._config = config
         self._place_loaded_state = False  # a checkpoint loaded before capture: offloaded state goes home
         self.capture_s = 0.0
+        self.training = model.training
+        self.programs = programs.Programs()
 
     def __del__(self):
         sharded = getattr(self, "sharded", None)
@@ -164,29 +167,66 @@ class Engine:
 
     # ---- capture and planning ------------------------------------------------------------------
 
-    def _capture(self, args: tuple, kwargs: dict) -> None:
+    def _program_for(self, args: tuple, kwargs: dict) -> Installed:
+        """The program for this call: one per mode and input shapes, captured at first use."""
+        grad = torch.is_grad_enabled()
+        key = programs.key(self.training, grad, args, kwargs)
+        installed = self.programs.get(key)
+        if installed is None:
+            installed = self._capture(args, kwargs, key, grad)
+        return installed
+
+    def _capture(self, args: tuple, kwargs: dict, key: tuple, training: bool) -> Installed:
+        """Capture the program of ``key``: through rank 0 the first of its mode (every rank
+        calls it then); on this rank alone a shape this rank meets later, checked to run
+        the collectives the mode's first program runs (docs/runtime.md, "Shapes")."""
         begin = time.perf_counter()
-        captured = capture(self.model, args, kwargs, loss_fn=self.loss_fn, config=self.config,
-                           group=self.process_group, key=f"{self.store_prefix}program", passes=self.planner.passes,
+        self.programs.check_room(key, self.config.max_programs)
+        mode = key[:2]
+        base = self.programs.base(mode)
+        model = self.model if self.program is None else programs.shape_model(self.model, self.shapes)
+        captured = capture(model, args, kwargs, loss_fn=self.loss_fn, config=self.config, group=self.process_group,
+                           key=f"{self.store_prefix}program/{mode[0]:d}{mode[1]:d}", local=base is not None,
+                           training=training, passes=self.planner.passes,
                            state_keys=lambda: self._optim.state_keys(self.device))
-        self.planner.start(captured.text, captured.module)
-        self._install(captured.module)
-        for p in self.model.parameters():  # the engine holds the parameters from here on
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        self.capture_s = time.perf_counter() - begin
+        installed = self._lower(captured)
+        fits = programs.fits(installed.module, args, kwargs)
+        if base is not None:
+            programs.check_collectives(base.module, installed.module)
+            self.programs.add(key, installed)
+        else:
+            self.programs.add(key if fits else (*mode, "rank 0's shapes"), installed, base=True)
+            if training and self.program is None:
+                self.planner.start(captured.text, captured.module)
+                self.execution.install(captured.module, installed.program)
+                for p in self.model.parameters():  # the engine holds the parameters from here on
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.capture_s += time.perf_counter() - begin
+        if not fits:  # rank 0's shapes; this rank's own are compiled here, against them
+            return self._capture(args, kwargs, key, training)
+        return installed
+
+    def _lower(self, captured) -> Installed:
+        """``captured``'s module lowered over this engine's state."""
+        return Installed(captured.module, self._lowered(captured.module), captured.outputs)
 
     def _install(self, module: dcir.Module) -> None:
-        """Lower ``module`` over this engine's state and run it from the next call on."""
+        """Run ``module`` as the training program from the next call on (a replan): the
+        programs of other shapes are captured again, against it."""
+        program = self._lowered(module)
+        self.execution.install(module, program)
+        self.programs.replace_base(module, program)
+
+    def _lowered(self, module: dcir.Module):
         state = dict(self.model.named_buffers())
-        if self.state_store is not None and self._place_loaded_state:
+        if self.state_store is not None and self._place_loaded_state and module.role("step") is not None:
             from dcir_runtime.checkpoint import place_loaded_state
             place_loaded_state(self, module)  # binds the store too
             self._place_loaded_state = False
-        elif self.state_store is not None:
+        elif self.state_store is not None and module.role("step") is not None:
             self.state_store.bind(module)
-        program = lower(module, state, inductor=self.config.inductor, group=self.group,
-                        store_prefix=self.store_prefix, optimizer_state=self.state_store)
-        self.execution.install(module, program)
+        return lower(module, state, inductor=self.config.inductor, group=self.group,
+                     store_prefix=self.store_prefix, optimizer_state=self.state_store)
 
     def _fixed_bytes(self, m: MemoryStats) -> int:
         """What a rank holds whatever the schedule (``accounting.fixed_bytes``)."""
@@ -209,24 +249,44 @@ class Engine:
 
     # ---- the training step -----------------------------------------------------------------------
 
-    def __call__(self, *args, **kwargs) -> torch.Tensor:
-        """Runs ``@forward`` on this rank's micro-batch; returns the loss."""
-        if self.program is None:
-            self._capture(args, kwargs)
-        return self.execution.forward(args, kwargs, self.planner.profile)
+    def __call__(self, *args, **kwargs):
+        """Runs this rank's micro-batch through the model; returns what the model returns
+        (a tensor, a tuple, a ``ModelOutput``...). With gradients enabled it is a training
+        forward (``@forward``, after ``@unshard`` on the first micro-step): compute any
+        loss from the outputs and call ``engine.backward(loss)`` (or ``loss.backward()``).
+        Under ``torch.no_grad()`` it runs ``@eval``, a forward that saves nothing."""
+        installed = self._program_for(args, kwargs)
+        self.execution.profile = self.planner.profile
+        if not torch.is_grad_enabled():
+            return self.execution.evaluate(installed, args, kwargs)
+        return self.execution.forward(installed, args, kwargs)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Runs ``@backward`` for the last forward; accumulates this rank's gradient
-        shards (scaled by 1/gradient_accumulation_steps) into the shards' ``.grad``."""
-        self.execution.backward(loss, self.planner.profile)
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = False) -> None:
+        """Backpropagates ``loss`` (computed from the last forward's outputs) through the
+        sharded backward and adds this rank's gradient shards to the shards' ``.grad``.
+        ``loss`` is taken as given: under gradient accumulation divide it by the micro-steps,
+        or pass ``scale_wrt_gas=True`` (DeepSpeed's default) to have it divided here."""
+        self.execution.profile = self.planner.profile
+        self.execution.backward(loss, scale_wrt_gas)
 
     def step(self) -> bool:
         """Ends a micro-step; at the accumulation boundary runs the optimizer on the
         shards and clears their gradients. Returns whether the optimizer ran."""
-        if not self.execution.step(self.planner.profile):
+        self.execution.profile = self.planner.profile
+        if not self.execution.step():
             return False
         self._after_step()
         return True
+
+    def train(self, mode: bool = True) -> "Engine":
+        """Training mode (dropout on, BatchNorm updating its statistics), as ``nn.Module.train``;
+        each mode has its own programs."""
+        self.training = bool(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        """Evaluation mode: ``engine.eval()`` and ``torch.no_grad()`` run a forward-only program."""
+        return self.train(False)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale this optimizer step's gradients so that their norm, taken over every

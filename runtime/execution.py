@@ -1,27 +1,34 @@
-"""Execution: the micro-step protocol of an Engine, over the lowered program.
+"""Execution: the micro-step protocol of an Engine, over the lowered programs.
 
-Per micro-step ``engine(...)`` runs ``@forward`` (after ``@unshard`` on the first
-micro-step of an optimizer step), ``engine.backward(loss)`` runs ``@backward`` (or
-``@backward_last`` on the last micro-step) and accumulates the gradient shards it hands
-over into the shards' ``.grad``, and ``engine.step()`` ends the micro-step: at the
-accumulation boundary it clips, runs ``@step`` (``offload``) or the optimizer, clears
-the gradients and advances the schedule.
+``out = engine(...)`` runs ``@forward`` (after ``@unshard`` on the first micro-step of
+an optimizer step) inside an ``autograd.Function`` (``_Step``) and returns the model's
+outputs; the backward of whatever loss the user computes from them runs ``@backward``
+(or ``@backward_last`` on the last micro-step) with the outputs' gradients, and adds
+the gradient shards it hands over to the shards' ``.grad``: through
+``engine.backward(loss)`` or a plain ``loss.backward()``. ``engine.step()`` ends the
+micro-step: at the accumulation boundary it clips, runs ``@step`` (``offload``) or the
+optimizer, clears the gradients and advances the schedule. Under ``torch.no_grad()``
+``engine(...)`` runs ``@eval``: a forward that saves nothing.
 
-State handed between functions (``offload``): the last backward's results are
-``@step``'s arguments, and ``@step``'s results the next forward's last arguments.
+State handed between functions (``offload``) follows their signatures: the last
+backward's ``{state}`` results are ``@step``'s arguments, and ``@step``'s results the
+next forward's ``{state}`` arguments.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import dcir
+from dcir import signature
 from dcir.diagnostics import DcirError, Diagnostic
-from dcir.ir import TensorType
+from dcir.roles import EVAL, FORWARD
 from dcir_lowering.backend import Program
+from dcir_lowering.outputs import Outputs
 from dcir_runtime.config import Config
 from dcir_runtime.group import ProcessGroup
 from dcir_runtime.offload import ABSENT
@@ -29,40 +36,67 @@ from dcir_runtime.precision import Precision
 from dcir_runtime.profiler import Profile
 
 
-#: why a loss computed outside the engine is refused, and what to do instead
-_OUTSIDE_LOSS = ("a loss computed outside the engine is not supported yet; compute it in the model (labels=) or with "
-                 "initialize(..., loss_fn=), and scale it with gradient_accumulation_steps")
-
-
 class RankFailure(RuntimeError):
     """A collective failed: another rank crashed, diverged or timed out."""
 
 
+@dataclass
+class Installed:
+    """One program the engine runs: its module, lowered, and its output's structure."""
+
+    module: dcir.Module
+    program: Program
+    outputs: Outputs
+
+
+class _Step(torch.autograd.Function):
+    """``@forward`` as one autograd node: its backward runs the backward program with
+    the gradients of the outputs. ``anchor`` requires grad, so the node exists even when
+    no input does (token ids); it gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, execution: "Execution", installed: Installed, anchor, *inputs):
+        outputs, saved = execution.run_forward(installed, inputs)
+        ctx.execution, ctx.installed, ctx.saved, ctx.n_inputs = execution, installed, saved, len(inputs)
+        ctx.set_materialize_grads(False)
+        differentiable = {k for _, k in signature.grads(installed.program.function(
+            installed.program.backward_for(False)[0]))}
+        ctx.mark_non_differentiable(*[o for k, o in enumerate(outputs) if k not in differentiable])
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.execution.run_backward(ctx, grads)
+        return (None, None, None) + (None,) * ctx.n_inputs
+
+
 class Execution:
-    """The running program, the position in the step (micro-steps, optimizer steps)
-    and what passes between its functions."""
+    """The running programs, the position in the step (micro-steps, optimizer steps)
+    and what passes between their functions."""
 
     def __init__(self, config: Config, group: ProcessGroup, shards: dict[str, torch.nn.Parameter],
                  optimizer: torch.optim.Optimizer, lr_scheduler):
         self.config, self.group, self.shards = config, group, shards
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
-        self.program: Program | None = None
+        self.program: Program | None = None  # the training program the planner plans (the first captured)
         self.module: dcir.Module | None = None
         self.micro_steps = 0
         self.steps = 0
         self.last_grad_norm: torch.Tensor | None = None  # what the last clipping measured
-        self._saved = None  # the last forward's saved values, for its backward
-        self._loss = None  # the loss the last forward returned: what backward differentiates
+        self._pending = None  # the autograd node of the last training forward, until its backward runs
+        self._backward_done = False  # this micro-step has had its backward
         self._step_args: tuple = ()
         self._forward_args: tuple = ()
         self._gather_next = False  # after a checkpoint load: gather replicas at the next call
+        self._anchor = torch.zeros((), requires_grad=True)
         self.precision = Precision(config)  # the policy, and fp16's loss scaling
         self.tracer = None  # dcir_runtime.trace.Tracer of the next step, when one is asked for
+        self.profile: Profile | None = None  # set by the engine while the optimization cycle profiles
 
     def install(self, module: dcir.Module, program: Program) -> None:
-        """Run ``program`` (lowered from ``module``) from the next call on."""
+        """Plan from and trace ``program`` (lowered from ``module``), the training program."""
         self.program, self.module = program, module
-        step = module.functions.get("step")
+        step = module.role("step")
         carried = len(step.returns) if step is not None else 0
         if len(self._forward_args) != carried:  # before the first step: no state exists yet
             self._forward_args = (ABSENT,) * carried
@@ -71,83 +105,127 @@ class Execution:
         """A checkpoint was loaded: its counts; a forward without its backward (an
         evaluation) is over; replicas (zero1/2, unshard) come from the loaded shards."""
         self.steps, self.micro_steps = steps, micro_steps
-        self._saved = None
+        self._pending, self._backward_done = None, False
         self._gather_next = True
 
     def boundary_next(self) -> bool:
         """Whether the next ``step()`` ends an optimizer step (the accumulation boundary)."""
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
-    def _timed(self, which: str, gm, fn, profile: Profile | None, first: bool = False):
-        """``fn``, or ``gm`` run by the profiler (the optimization cycle) or by the tracer
-        (from the first forward of the step it traces on)."""
-        if profile is not None:
-            return functools.partial(profile.run, which, gm)
+    def _timed(self, which: str, installed: Installed, first: bool = False):
+        """What runs the function of role ``which``: its lowered graph, run by the profiler
+        (the optimization cycle) or by the tracer (from the first forward of the step it
+        traces on) when the training program is running."""
+        gm, fn = installed.program.graphs[which], installed.program.runs[which]
+        if installed.program is not self.program:
+            return fn
+        if self.profile is not None:
+            return functools.partial(self.profile.run, which, gm)
         if self.tracer is not None and (self.tracer.recorded or first):
             return functools.partial(self.tracer.run, which, gm)
         return fn
 
-    def forward(self, args: tuple, kwargs: dict, profile: Profile | None) -> torch.Tensor:
-        inputs = self.program._inputs(args, kwargs)
-        self._check_inputs(inputs)
+    # ---- forward ---------------------------------------------------------------------------------
+
+    def forward(self, installed: Installed, args: tuple, kwargs: dict):
+        """The model's outputs, as the model returns them; their backward is the program's."""
+        if self._pending is not None:
+            raise DcirError(Diagnostic(
+                "engine(...) was called again before engine.backward(loss) of the previous forward: run each "
+                "micro-step's backward before the next forward (or evaluate under torch.no_grad())"))
+        if self._backward_done:
+            raise DcirError(Diagnostic(
+                "engine(...) was called after engine.backward(loss) without engine.step(): end each micro-step "
+                "with engine.step()"))
+        inputs = installed.program.inputs(FORWARD, args, kwargs)
+        outputs = _Step.apply(self, installed, self._anchor, *inputs)
+        self._pending = next((o.grad_fn for o in outputs if o.grad_fn is not None), None)
+        return installed.outputs.rebuild(list(outputs))
+
+    def run_forward(self, installed: Installed, inputs) -> tuple[list, tuple]:
         first = self.micro_steps % self.config.gradient_accumulation_steps == 0  # of an optimizer step
         if first or self._gather_next:
             with torch.no_grad():  # the first micro-step of a step: gathered copies, if any
-                self._run("unshard", self.program.unshard)
+                self._run("unshard", installed.program.unshard)
             self._gather_next = False
-        fn = self._timed("forward", self.program.forward_gm, self.program.forward_fn, profile, first)
+        fn = self._timed(FORWARD, installed, first)
         with torch.no_grad():
-            loss, self._saved = self._run("forward", fn, self.program.state, {}, *inputs, *self._forward_args)
+            out = self._run(FORWARD, fn, installed.program.state, {}, *inputs, *self._forward_args)
         self._forward_args = (ABSENT,) * len(self._forward_args)  # the copies home are done
-        self._loss = loss
-        return loss
+        return installed.program.split(FORWARD, out)
 
-    def _check_inputs(self, inputs: list) -> None:
-        fw = self.module.functions["forward"]
-        names = fw.attrs.get("capture.inputs") or [f"%{a.name}" for a in fw.args]
-        for arg, name, x in zip(fw.args, names, inputs):
-            if isinstance(arg.type, TensorType) and tuple(x.shape) != tuple(arg.type.shape):
-                raise DcirError(Diagnostic(
-                    f"input {name} has shape {list(x.shape)}; the program was captured for {arg.type} "
-                    "(shapes are static: give every micro-batch the captured shape)"))
+    @torch.no_grad()
+    def evaluate(self, installed: Installed, args: tuple, kwargs: dict):
+        """``@eval``: the outputs of a forward that saves nothing (``torch.no_grad()``)."""
+        inputs = installed.program.inputs(EVAL, args, kwargs)
+        out = self._run(EVAL, installed.program.runs[EVAL], installed.program.state, {}, *inputs)
+        return installed.outputs.rebuild(installed.program.split(EVAL, out)[0])
 
     def _run(self, which: str, fn, *args):
         try:
-            out = fn(*args)
+            return fn(*args)
         except RuntimeError as e:
             if "dcir runtime" not in str(e) and "Connection closed" not in str(e) and "Gloo" not in str(e):
                 raise
             raise RankFailure(f"rank {self.group.rank} of {self.group.world}: step {self.steps + 1} failed in "
                               f"@{which}: {e}") from None
-        return (out[0], tuple(out[1:])) if which == "forward" else out
 
-    def backward(self, loss: torch.Tensor, profile: Profile | None) -> None:
-        if self._saved is None:
-            raise RuntimeError("engine.backward(loss) needs a forward first (loss = engine(...))")
-        if loss is not self._loss:  # the captured backward seeds the captured loss: another would be ignored
+    # ---- backward --------------------------------------------------------------------------------
+
+    def backward(self, loss, scale_wrt_gas: bool) -> None:
+        """``loss.backward()`` after checking that it reaches the last forward's outputs."""
+        if self._pending is None:
             raise DcirError(Diagnostic(
-                f"engine.backward(loss) takes the loss the last engine(...) call returned; this tensor is not it: "
-                f"{_OUTSIDE_LOSS}"))
-        scale = 1.0 / self.config.gradient_accumulation_steps
-        tangent = torch.full_like(loss, scale * self.precision.loss_scale())
-        grads: dict = {}
+                "engine.backward(loss) ran twice for one forward: its backward has run already"
+                if self._backward_done else "engine.backward(loss) needs a forward first: out = engine(...)"))
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"a tensor of shape {list(loss.shape)}"
+            raise DcirError(Diagnostic(f"engine.backward(loss) takes a scalar loss tensor, not {what} (the engine "
+                                       "returns the model's outputs: compute the loss from them, e.g. out.loss)"))
+        if not _reaches(loss.grad_fn, self._pending):
+            raise DcirError(Diagnostic(
+                "engine.backward(loss): this loss was not computed from the outputs of the engine's last forward; "
+                "nothing was changed"))
+        if scale_wrt_gas:
+            loss = loss / self.config.gradient_accumulation_steps
+        loss.backward()
+
+    def run_backward(self, ctx, grads) -> None:
+        """The backward of ``ctx``'s forward, with ``grads`` (None: that output got none)."""
+        if ctx.saved is None:
+            raise DcirError(Diagnostic("the engine's backward ran twice for one forward: its saved values are gone "
+                                       "(call backward once per engine(...) call)"))
+        program, saved = ctx.installed.program, ctx.saved
+        ctx.saved = None
+        self._pending, self._backward_done = None, True
+        scale = self.precision.loss_scale()
+        given = {k: (g * scale if scale != 1 else g) for k, g in enumerate(grads) if g is not None}
         last = self.boundary_next()
-        name, gm, fn = self.program.backward_for(last)
-        fn = self._timed(name, gm, fn, profile)
+        name, _, _ = program.backward_for(last)
+        fn = self._timed(name, ctx.installed)
+        out_grads: dict = {}
         with torch.no_grad():
-            out = self._run(name, fn, self.program.state, grads, *self._saved, tangent)
-            self._saved = None
+            out = self._run(name, fn, program.state, out_grads, *saved, *program.tangents(given, last))
             if last:  # what the last backward hands to @step: optimizer state reloaded early
                 self._step_args = tuple(out or ())
-            self.precision.unscale(grads)
-            for name, g in grads.items():
-                shard = self.shards[name]
+            self.precision.unscale(out_grads)
+            for fqn, g in out_grads.items():
+                shard = self.shards[fqn]
                 shard.grad = g.detach() if shard.grad is None else shard.grad.add_(g)
 
-    def step(self, profile: Profile | None) -> bool:
+    # ---- step ------------------------------------------------------------------------------------
+
+    def step(self) -> bool:
         """Ends a micro-step; at the accumulation boundary clips, runs the optimizer (or
         ``@step``), clears the gradients and advances the schedule. Returns whether the
         optimizer ran."""
+        if self._pending is not None:
+            raise DcirError(Diagnostic("engine.step() before engine.backward(loss) of the last forward: nothing was "
+                                       "changed"))
+        if not self._backward_done:
+            raise DcirError(Diagnostic("engine.step() without a forward and backward since the last step: nothing "
+                                       "was changed"))
+        self._backward_done = False
         self.micro_steps += 1
         if self.micro_steps % self.config.gradient_accumulation_steps:
             return False
@@ -157,7 +235,7 @@ class Execution:
             self.clip(self.config.gradient_clipping, 2.0)
         if self.program.step_gm is not None:  # the program's own step: state moves as it says
             with torch.no_grad():
-                fn = self._timed("step", self.program.step_gm, self.program.step_gm, profile)
+                fn = self._timed("step", Installed(self.module, self.program, None))
                 out = self._run("step", fn, self.program.state, {}, *self._step_args)
             self._step_args = ()
             self._forward_args = tuple(out or ())  # state still on the device, copied home next forward
@@ -197,3 +275,17 @@ class Execution:
             g.mul_(coef.to(g.dtype))
         self.last_grad_norm = norm
         return norm
+
+
+def _reaches(node, target) -> bool:
+    """Whether the autograd graph from ``node`` reaches ``target``."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n is None or id(n) in seen:
+            continue
+        if n is target:
+            return True
+        seen.add(id(n))
+        todo.extend(f for f, _ in n.next_functions)
+    return False

@@ -81,7 +81,7 @@ import re
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from dcir import analysis, roles
+from dcir import analysis, roles, signature
 from dcir import ops as registry
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Decl, Function, HostType, Module, Op, PendingType, SymbolRef, Value
@@ -211,7 +211,7 @@ def _hand_over(module: Module, step: Function, micro_steps: int, stats: Counter)
     arrives as early as memory allows at no cost in peak memory."""
     first = next((i for i, op in enumerate(step.ops) if registry.has_trait(op, registry.OPTIMIZES)), 0)
     reloads = [op for op in step.ops[:first] if _is_reload(op)]
-    bw = module.functions.get(roles.last_micro_step(module.functions, roles.BACKWARD))
+    bw = roles.last_micro_step(module.functions.values(), roles.BACKWARD)
     if not reloads or bw is None or bw.returns:
         return
     line = timeline(bw, saved_storage(module))
@@ -227,8 +227,8 @@ def _hand_over(module: Module, step: Function, micro_steps: int, stats: Counter)
         placed.append((reload, at))
     if not placed:
         return
-    if micro_steps > 1 and bw.name == roles.BACKWARD:  # the other micro-steps move nothing
-        bw = module.functions[roles.BACKWARD_LAST] = bw.clone(roles.BACKWARD_LAST)
+    if micro_steps > 1 and bw.role == roles.BACKWARD:  # the other micro-steps move nothing
+        bw = module.functions[roles.BACKWARD_LAST] = bw.clone(roles.BACKWARD_LAST, roles.BACKWARD_LAST)
     anchors, fresh = list(bw.ops), bw.name_maker()
     backward, arrived = Rewriter(bw), []
     for reload, at in placed:
@@ -241,7 +241,7 @@ def _hand_over(module: Module, step: Function, micro_steps: int, stats: Counter)
                                                                          pending.type.inner)]))
         stats["offload: reloads started in the last backward"] += 1
     backward.append(arrived)
-    backward.set_returns([op.results[0] for op in arrived])
+    backward.set_returns([op.results[0] for op in arrived], attrs=[signature.mark(signature.STATE)] * len(arrived))
     _take_as_arguments(step, [reload for reload, _ in placed])
 
 
@@ -262,7 +262,7 @@ def _take_as_arguments(step: Function, reloads: list[Op]) -> None:
     for reload in reloads:
         device = _waited(step, reload)
         arg = Value(device.name, device.type)
-        rewriter.insert_arg(arg)
+        rewriter.insert_arg(arg, attrs=signature.mark(signature.STATE))
         rewriter.replace_all_uses(device, arg)
     moved = {reload.results[0] for reload in reloads}
     for wait in {waits[pending]: None for pending in moved}:
@@ -291,7 +291,7 @@ def _hand_to_forward(module: Module, step: Function, tail: list[tuple[list[Op], 
     its bytes from the forward's entry does not raise the forward's peak (the memory
     model's), so the peak stays what it was; a copy that would have to finish at the
     entry gains nothing there and stays in ``@step``."""
-    fw = module.functions.get(roles.FORWARD)
+    fw = module.role(roles.FORWARD)
     if fw is None or not tail:
         return set()
     line = timeline(fw)
@@ -324,11 +324,12 @@ def _move_copies(step: Function, fw: Function, copies: list[tuple[list[Op], list
     stepping, starts_all = Rewriter(step), []
     for k, (starts, _, finish) in enumerate(copies):
         args, new_starts, finishing = built[k]
-        stepping.set_returns([*step.returns, *(op.operands[0] for op in starts)])
+        stepping.set_returns([*step.returns, *(op.operands[0] for op in starts)],
+                             attrs=[*step.result_attrs, *[signature.mark(signature.STATE)] * len(starts)])
         for op in starts:
             stepping.erase(op)
         for a in args:
-            forward.insert_arg(a)
+            forward.insert_arg(a, attrs=signature.mark(signature.STATE))
         starts_all.extend(new_starts)
         forward.insert_before(anchors[finish] if finish < len(anchors) else None, finishing)
     forward.insert_at(0, starts_all)
@@ -355,7 +356,7 @@ def _write_step(module: Module, params: list[Decl], state: dict[str, list[str]],
                 room: float, stats: Counter) -> _StepBuilder:
     """Write ``@step``'s updates, reloading offloaded state ahead as far as ``room``
     allows; the copies home still in flight are left in the builder for the caller."""
-    build = _StepBuilder(module, Function(roles.STEP), state, room)
+    build = _StepBuilder(module, Function(roles.STEP, role=roles.STEP), state, room)
     order = [d.name for d in params if d.name in offloaded]
     ahead = 0  # next reload to issue
 
@@ -410,7 +411,7 @@ class Offload(Pass):
                              f"{bad[0]!r} is not a name")
 
     def run(self, module: Module, stats: Counter) -> None:
-        if roles.STEP in module.functions:
+        if module.role(roles.STEP) is not None:
             stats["offload: @step exists already"] += 1
             return
         keys = self.state.split("+")

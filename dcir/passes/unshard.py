@@ -55,7 +55,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from dcir import analysis, roles
+from dcir import analysis, roles, signature
 from dcir import ops as registry
 from dcir.cost import Machine, calibrate, note_source, op_seconds
 from dcir.ir import Decl, Function, Module, Op, PendingType, SymbolRef, Value
@@ -149,13 +149,13 @@ def _drop_gather(rewriter: Rewriter, g: _Gather) -> None:
 
 def _keep(module: Module, name: str, fw: _Gather, bw: _Gather) -> None:
     """Hand ``fw.full`` from @forward to @backward in place of @backward's gather."""
-    f, b = module.functions[roles.FORWARD], module.functions[roles.BACKWARD]
+    f, b = module.role(roles.FORWARD), module.role(roles.BACKWARD)
     forward = Rewriter(f)
     _drop_from_free(forward, fw.free, fw.full)
-    forward.set_returns([*f.returns, fw.full])
+    forward.set_returns([*f.returns, fw.full], attrs=[*f.result_attrs, signature.mark(signature.SAVED)])
     backward = Rewriter(b)
     arg = Value(bw.full.name, bw.full.type)  # the gathered value becomes an argument, under its own name
-    backward.insert_arg(arg, len(b.args) - 1)
+    backward.insert_arg(arg, signature.first_grad(b), signature.mark(signature.SAVED))
     backward.replace_all_uses(bw.full, arg)
     _drop_gather(backward, bw)
 
@@ -183,7 +183,7 @@ def _resident(module: Module, name: str, gathers: list[_Gather]) -> str:
 def _unshard_function(module: Module, copies: list[tuple[str, str]]) -> None:
     """``@unshard``: gathers each kept parameter into its copy; the Engine runs it
     before the first micro-step of every optimizer step."""
-    func = Function(roles.UNSHARD)
+    func = Function(roles.UNSHARD, role=roles.UNSHARD)
     rewriter = Rewriter(func)
     for name, copy in copies:
         decl = module.decls[name]
@@ -212,10 +212,10 @@ class Unshard(Pass):
             raise ValueError("micro_steps must be at least 1")
 
     def run(self, module: Module, stats: Counter) -> None:
-        f, b = module.functions.get(roles.FORWARD), module.functions.get(roles.BACKWARD)
-        if f is None or b is None or len(b.args) != len(f.returns) or roles.UNSHARD in module.functions:
+        f, b = module.role(roles.FORWARD), module.role(roles.BACKWARD)
+        if f is None or b is None or module.role(roles.UNSHARD) is not None:
             return
-        funcs = [module.functions[n] for n in roles.in_order(module.functions) if roles.runs_per_micro_step(n)]
+        funcs = [func for func in roles.in_order(module.functions.values()) if roles.runs_per_micro_step(func)]
         split = [(func, _split_coalesced(func)) for func in funcs]
         self._choose(module, f, b, stats)
         for func, groups in split:
@@ -225,7 +225,7 @@ class Unshard(Pass):
         machine = calibrate(module)
         note_source(module, stats, "unshard")
         fws, bws = _gathers(f), _gathers(b)
-        last = module.functions.get(roles.BACKWARD_LAST)
+        last = module.role(roles.BACKWARD_LAST)
         if last is not None:  # the last micro-step's backward gathers the same parameters
             for name, gs in _gathers(last).items():
                 bws.setdefault(name, []).extend(gs)
@@ -245,10 +245,10 @@ class Unshard(Pass):
             ranked.append((saved / max(nbytes, 1), name, fw[0], bw[0]))
         ranked.sort(key=lambda c: (-c[0], c[1]))
         lines = timelines(module)
-        fwd, bwd = list(lines[roles.FORWARD].during), list(lines[roles.BACKWARD].during)
+        fwd, bwd = list(lines[f.name].during), list(lines[b.name].during)
         fpos = {op: i for i, op in enumerate(f.ops)}
         bpos = {op: i for i, op in enumerate(b.ops)}
-        entry = lines[roles.BACKWARD].entry
+        entry = lines[b.name].entry
         kept = []
         for _, name, fw, bw in ranked:
             # forward: held from its free to the end; backward: from entry to where it was gathered

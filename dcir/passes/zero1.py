@@ -110,7 +110,7 @@ class Zero1(Pass):
     def run(self, module: Module, stats: Counter) -> None:
         Zero3(world_size=self.world_size).run(module, stats)
         replicate_parameters(module, stats, self.name)
-        bw = module.functions.get(roles.BACKWARD)
+        bw = module.role(roles.BACKWARD)
         if self.micro_steps == 1 or bw is None:
             return
         accumulators = {}
@@ -122,7 +122,7 @@ class Zero1(Pass):
             module.decls[acc] = Decl("buffer", acc, decl.full_type, {GRAD_ACC_OF: SymbolRef(hand.symbol)})
             accumulators[hand.symbol] = acc
             stats["zero1: gradients reduced once per optimizer step"] += 1
-        last = bw.clone(roles.BACKWARD_LAST)
+        last = bw.clone(roles.BACKWARD_LAST, roles.BACKWARD_LAST)
         _accumulate(bw, accumulators, last=False)
         _accumulate(last, accumulators, last=True)
         module.functions[roles.BACKWARD_LAST] = last

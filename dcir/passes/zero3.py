@@ -44,7 +44,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from dcir import ops as registry
-from dcir import roles
+from dcir import roles, signature
 from dcir.analysis import last_uses, view_bases
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Function, Module, Op, PendingType, ShardType, TensorType, Value
@@ -71,22 +71,28 @@ def _param_view_chain(v: Value, module: Module) -> list[Op] | None:
 
 
 def rematerialize_param_views(module: Module, stats: Counter) -> None:
-    """Saved views of parameters are recomputed in @backward instead of passed to it.
+    """Saved views of parameters are recomputed in each backward instead of passed to it
+    (the saved values are the ones the signatures declare ``{saved}``)."""
+    fw = roles.saver(module.functions.values())
+    backs = [f for f in module.functions.values() if roles.takes_saved(f)]
+    if fw is None or not backs:
+        return
+    saved = signature.result_indices(fw, signature.SAVED)
+    chains = {i: _param_view_chain(fw.returns[i], module) for i in saved}
+    dropped = {i for i, chain in chains.items() if chain is not None}
+    if not dropped or any(len(signature.args(bw, signature.SAVED)) != len(saved) for bw in backs):
+        return
+    for bw in backs:
+        args = signature.args(bw, signature.SAVED)
+        _recompute(bw, [(args[k], fw.returns[i], chains[i]) for k, i in enumerate(saved) if i in dropped])
+    stats["saved parameter views recomputed in backward"] += len(dropped)
+    keep = [i for i in range(len(fw.returns)) if i not in dropped]
+    Rewriter(fw).set_returns([fw.returns[i] for i in keep], attrs=[fw.result_attrs[i] for i in keep])
 
-    Relies on the capture convention: @forward returns (loss, *saved) and @backward
-    takes (*saved, tangent)."""
-    fw, bw = module.functions.get(roles.FORWARD), module.functions.get(roles.BACKWARD)
-    if fw is None or bw is None or len(bw.args) != len(fw.returns):
-        return
-    keep_returns, recompute = [fw.returns[0]], []
-    for value, arg in zip(fw.returns[1:], bw.args[:-1]):
-        chain = _param_view_chain(value, module)
-        if chain is None:
-            keep_returns.append(value)
-        else:
-            recompute.append((arg, value, chain))
-    if not recompute:
-        return
+
+def _recompute(bw: Function, recompute: list) -> None:
+    """Each (argument, saved value, view chain): the chain replayed from the parameter
+    in ``bw`` just before the argument's first use, and the argument dropped."""
     fresh, rewriter = bw.name_maker(), Rewriter(bw)
     pos = {op: i for i, op in enumerate(bw.ops)}
     for arg, value, chain in recompute:
@@ -105,8 +111,6 @@ def rematerialize_param_views(module: Module, stats: Counter) -> None:
             rewriter.insert_before(first, ops)
         rewriter.replace_all_uses(arg, cur)
         rewriter.remove_arg(arg)
-        stats["saved parameter views recomputed in backward"] += 1
-    Rewriter(fw).set_returns(keep_returns)
 
 
 # ---- the rewrites ----------------------------------------------------------------------

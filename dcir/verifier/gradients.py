@@ -60,8 +60,9 @@ class Gradients(Checker):
         """Each trainable parameter gets one gradient per optimizer step: the final
         backward hands it over exactly once. The backwards are alternatives (each runs
         alone in its micro-step), so the count is per function."""
-        final = roles.last_micro_step(self.m.functions, roles.BACKWARD)
-        training = final in self.m.functions
+        last = roles.last_micro_step(self.m.functions.values(), roles.BACKWARD)
+        final = last.name if last is not None else None
+        training = last is not None
         for decl in self.m.decls.values():
             if not decl.trainable:
                 continue
@@ -74,12 +75,13 @@ class Gradients(Checker):
     def _handed_once(self, name: str) -> None:
         for func, per in self.handed.items():  # within one backward: once
             sets = per.get(name, [])
-            for extra in sets[1:] if roles.hands_gradients(func) else ():
+            for extra in sets[1:] if roles.hands_gradients(self.m.functions[func]) else ():
                 self._twice(extra, name, sets[0])
         # in any other function: a second hand-over (or, without a backward, a second one)
         first = next((per[name][0] for func, per in self.handed.items()
-                      if roles.hands_gradients(func) and per.get(name)), None)
-        others = [op for func, per in self.handed.items() if not roles.hands_gradients(func) for op in per.get(name, [])]
+                      if roles.hands_gradients(self.m.functions[func]) and per.get(name)), None)
+        others = [op for func, per in self.handed.items() if not roles.hands_gradients(self.m.functions[func])
+                  for op in per.get(name, [])]
         for extra in others if first is not None else others[1:]:
             self._twice(extra, name, first or others[0])
 

@@ -17,6 +17,7 @@ from dcir.verifier.report import Reporter
 from dcir.verifier.returns import Returns
 from dcir.verifier.shapes import Shapes
 from dcir.verifier.sharding import Sharding
+from dcir.verifier.signatures import Signatures
 from dcir.verifier.ssa import Ssa
 
 
@@ -31,7 +32,7 @@ def checkers(report: Reporter, module: Module, shapes: bool) -> tuple[Ssa, list[
     return ssa, [ssa, Declarations(report, module), Ranks(report, module), Ops(report, module),
                  Shapes(report, module, meta=shapes), Sharding(report, module), pending,
                  Memory(report, module, pending), Gradients(report, module), Returns(report, module),
-                 Dtypes(report, module)]
+                 Dtypes(report, module), Signatures(report, module)]
 
 
 def walk(module: Module, shapes: bool = False) -> list[Diagnostic]:

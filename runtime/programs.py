@@ -1,0 +1,126 @@
+"""The programs an Engine keeps: one per mode and input shapes.
+
+A call whose mode (training or evaluation; with gradients or under ``torch.no_grad()``)
+or input shapes no program has seen is captured once and kept, as Dynamo recompiles on
+a failed guard, up to ``max_programs`` (an error beyond, which says so). The first
+program of a mode comes from rank 0 to every rank (``capture``); a shape met later is
+compiled by the rank that meets it, from a copy of the model whose parameters are
+zeros of their full shapes (capture reads shapes, not values), and must run the
+collectives of its mode's first program in the same order: ZeRO's collectives move
+parameters and gradients, not batches, so ranks may run different shapes. When they do
+not match (a pass planned them from the shapes), the call fails with an error that
+says so, instead of a hang.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+import dcir
+from dcir import ops as registry
+from dcir import signature
+from dcir.diagnostics import DcirError, Diagnostic
+from dcir.ir import TensorType
+
+
+def key(training: bool, grad: bool, args: tuple, kwargs: dict) -> tuple:
+    """What tells programs apart: the mode, and each input's shape and dtype (other
+    arguments by value, as Dynamo guards on them)."""
+    leaves, spec = tree_flatten((args, kwargs))
+    shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else _constant(t) for t in leaves)
+    return (bool(training), bool(grad), str(spec), shapes)
+
+
+def _constant(v):
+    try:
+        hash(v)
+        return v
+    except TypeError:
+        return repr(v)
+
+
+class Programs:
+    def __init__(self):
+        self._by_key: dict[tuple, object] = {}
+        self._base: dict[tuple, tuple] = {}  # mode -> the key of its first program
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def get(self, k: tuple):
+        return self._by_key.get(k)
+
+    def base(self, mode: tuple):
+        k = self._base.get(mode)
+        return self._by_key[k] if k is not None else None
+
+    def check_room(self, k: tuple, limit: int) -> None:
+        if len(self._by_key) >= limit:
+            shapes = [list(s[0]) for s in k[3] if isinstance(s, tuple) and len(s) == 2]
+            raise DcirError(Diagnostic(
+                f"a new input shape ({shapes}) needs a program of its own and the engine keeps {limit} already "
+                "(config 'max_programs'); pad or bucket the inputs to fewer shapes, or raise the limit"))
+
+    def add(self, k: tuple, installed, base: bool = False) -> None:
+        self._by_key[k] = installed
+        if base:
+            self._base[k[:2]] = k
+
+    def replace_base(self, module, program) -> None:
+        """A replan of the training program: it replaces its mode's first program, and the
+        training programs of other shapes go (they are compiled again, against it)."""
+        for mode, k in list(self._base.items()):
+            installed = self._by_key[k]
+            if installed.module.role("backward") is None:
+                continue
+            self._by_key = {other: v for other, v in self._by_key.items() if other[:2] != mode}
+            self._by_key[k] = type(installed)(module, program, installed.outputs)
+
+
+def shape_model(model: torch.nn.Module, shapes: dict[str, tuple]) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters (which the engine holds as shards) are zeros
+    of their full shapes: what capture needs of them is their shapes."""
+    work = copy.deepcopy(model)
+    for name, p in work.named_parameters(remove_duplicate=False):
+        if p.numel() == 0 and name in shapes:
+            p.data = torch.zeros(shapes[name], dtype=p.dtype, device=p.device)
+    return work
+
+
+def fits(module: dcir.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether ``module``'s inputs have the shapes of this call's."""
+    from dcir_lowering.backend import Program
+
+    func = module.role("forward") or module.role("eval")
+    try:
+        given = Program(module, {}, {}, {}).inputs(func.role, args, kwargs)
+    except TypeError:
+        return False
+    declared = signature.args(func, signature.INPUT)
+    return all(not isinstance(a.type, TensorType) or (isinstance(x, torch.Tensor) and tuple(x.shape) == a.type.shape)
+               for a, x in zip(declared, given))
+
+
+def collectives(module: dcir.Module) -> list[tuple]:
+    """The collectives each function runs, in order: what ranks must agree on."""
+    out = []
+    for f in module.functions.values():
+        for op in f.ops:
+            if registry.has_trait(op, registry.COLLECTIVE):
+                out.append((f.role, op.name, tuple(str(v.type) for v in op.operands), tuple(sorted(op.attrs))))
+    return out
+
+
+def check_collectives(base: dcir.Module, new: dcir.Module) -> None:
+    """``new`` (a shape this rank compiled alone) runs ``base``'s collectives, in order."""
+    a, b = collectives(base), collectives(new)
+    if a == b:
+        return
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    raise DcirError(Diagnostic(
+        f"the program for this rank's input shapes runs other collectives than the other ranks' ({len(b)} against "
+        f"{len(a)}, first difference at collective {at}); running it would deadlock: give every rank the same "
+        "shapes, or drop the shape-dependent passes (prefetch, bucket) from the config"))
