@@ -6,7 +6,8 @@ dict (``dcir/roles.py`` says which kinds each role takes, in which order):
 ===============  ======================================================================
 kind             meaning
 ===============  ======================================================================
-``{input = N}``  an argument of the model's call: ``"args[0]"`` or a keyword (``labels``)
+``{input = N}``  an argument of the model's call: ``"args[0]"`` or a keyword (``labels``);
+                 a bare ``{input}`` is the next positional argument
 ``{output}``     a value the model returns (``forward``, ``eval``), in the order of the
                  flattened output (``torch.utils._pytree``)
 ``{saved}``      a value ``forward`` keeps for the backward: its k-th saved result is
@@ -50,9 +51,15 @@ def result_indices(func: Function, k: str) -> list[int]:
 
 
 def input_names(func: Function) -> list[str]:
-    """What each ``input`` argument is in the model's call: ``args[0]``, ``labels``."""
-    return [d[INPUT] if isinstance(d[INPUT], str) else f"%{a.name}"
-            for a, d in zip(func.args, func.arg_attrs) if INPUT in d]
+    """What each ``input`` argument is in the model's call: ``args[0]``, ``labels``; a
+    bare ``{input}`` is the next positional argument."""
+    out, k = [], 0
+    for d in func.arg_attrs:
+        if INPUT in d:
+            named = isinstance(d[INPUT], str)
+            out.append(d[INPUT] if named else f"args[{k}]")
+            k += not named
+    return out
 
 
 def grads(func: Function) -> list[tuple[Value, int]]:

@@ -460,8 +460,7 @@ class _Lowering(GraphLowering):
                 v.owner, v.index = f, len(f.args) - 1
             env[node] = v
         if next(tangents, None) is not None:
-            raise DcirError(Diagnostic("cannot lower to DCIR: the backward graph takes fewer output gradients than the "
-                                       "model has differentiable outputs"))
+            raise RuntimeError("internal: AOTAutograd's backward takes fewer tangents than there are differentiable outputs")
         self.lower_ops(gm, f, env)
         grads = [n for n in g.nodes if n.op == "output"][0].args[0]
         for i, grad in enumerate(grads):

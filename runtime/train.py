@@ -95,7 +95,7 @@ def _model_and_engine(ns):
         num_attention_heads=max(1, ns.hidden // 32), num_key_value_heads=max(1, ns.hidden // 64),
         max_position_embeddings=ns.seq, attn_implementation="eager"))
     return dcir.initialize(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=ns.lr, weight_decay=0.01),
-                           config=_config(ns.config, ns.precision), loss_fn=lambda out: out.loss)
+                           config=_config(ns.config, ns.precision))
 
 
 class _Batches:
@@ -112,22 +112,37 @@ class _Batches:
         self.train, self.held_out = data[:split], data[split:]
         self.generator = torch.Generator().manual_seed(ns.seed)
 
-    def __call__(self, source) -> dict:
+    def __call__(self, source):
         import torch
 
         ns = self.ns
         starts = torch.randint(0, len(source) - ns.seq, (ns.batch * self.world,), generator=self.generator)
         mine = starts[self.rank * ns.batch:(self.rank + 1) * ns.batch]
-        ids = torch.stack([source[s:s + ns.seq] for s in mine])
-        return {"input_ids": ids, "labels": ids}
+        return torch.stack([source[s:s + ns.seq] for s in mine])
+
+
+def next_token_loss(logits, ids):
+    """The language-modelling loss, computed outside the engine as a DeepSpeed or FSDP
+    user writes it: cross-entropy of each position's logits against the next byte."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
 
 
 def _evaluate(engine, batches: _Batches) -> float:
-    """The mean loss over 4 held-out batches of every rank."""
+    """The mean loss over 4 held-out batches of every rank: ``engine.eval()`` under
+    ``torch.no_grad()`` runs the forward-only program."""
     import torch
     import torch.distributed as dist
 
-    losses = torch.stack([engine(**batches(batches.held_out)).detach() for _ in range(4)])
+    engine.eval()
+    with torch.no_grad():
+        losses = []
+        for _ in range(4):
+            ids = batches(batches.held_out)
+            losses.append(next_token_loss(engine(input_ids=ids).logits, ids))
+    engine.train()
+    losses = torch.stack(losses)
     dist.all_reduce(losses)
     return (losses / engine.world).mean().item()
 
@@ -167,8 +182,10 @@ def _train(engine, ns, batches: _Batches):
         if ns.trace and engine.steps == ns.steps - 1:
             engine.trace(os.path.join(ns.trace, f"rank{engine.rank}.json"))
         for _ in range(accumulate):
-            loss = engine(**batches(batches.train))
-            engine.backward(loss)
+            ids = batches(batches.train)
+            out = engine(input_ids=ids)  # the model's output: logits (and its KV cache)
+            loss = next_token_loss(out.logits, ids)
+            engine.backward(loss / accumulate)
             memory = memory or engine.memory()  # with gradients, before the optimizer frees them
             engine.step()
             losses.append(loss.item())

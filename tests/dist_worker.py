@@ -373,9 +373,11 @@ def user_errors() -> None:
 
     engine = dcir.initialize(Breaks(), config={"timeout_s": 30})
     attempt(lambda: engine(torch.randn(2, 4)))  # rank 0 cannot capture; everyone hears of it
-    engine = dcir.initialize(mlp(), config={"timeout_s": 30}, loss_fn=_squared)
-    engine(torch.randn(2, 8))
-    attempt(lambda: engine(torch.randn(3, 8)))
+    engine = dcir.initialize(mlp(), config={"timeout_s": 30, "max_programs": 1}, loss_fn=_squared)
+    engine.backward(engine(torch.randn(2, 8)))
+    engine.step()
+    attempt(lambda: engine(torch.randn(3, 8)))  # a second shape, beyond max_programs
+    misuse()
     engine = dcir.initialize(mlp(), config={"timeout_s": 30, "memory_budget": "1KiB"}, loss_fn=_squared)
 
     def step():
@@ -388,7 +390,10 @@ def user_errors() -> None:
     attempt(lambda: engine.clip_grad_norm_(1.0))  # the first of two micro-steps: half a step's gradients
     engine.step()
     loss = engine(torch.randn(2, 8))
-    attempt(lambda: engine.backward(loss / 2))  # not the engine's loss: refused, not silently replaced by it
+    attempt(lambda: engine.backward(torch.ones((), requires_grad=True)))  # not from the engine's output
+    attempt(lambda: engine.backward(loss.expand(2)))  # not a scalar
+    engine.backward(loss / 2)  # computed from the output: backpropagated as given
+    engine.step()
     model = mlp()
     built = torch.optim.lr_scheduler.StepLR(torch.optim.AdamW(model.parameters()), 1)
     attempt(lambda: dcir.initialize(model, config={"timeout_s": 30}, lr_scheduler=built))
@@ -405,6 +410,35 @@ def user_errors() -> None:
     # in flight; leaving the group at interpreter exit then can abort gloo's threads
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def misuse() -> None:
+    """Misusing the step protocol is an error that changes nothing: the engine trains on
+    afterwards as if the mistake had not been made."""
+    def attempt(fn):
+        try:
+            fn()
+        except dcir.DcirError as e:
+            print("ERROR:", e.render().replace("\n", " "), flush=True)
+        else:
+            print("NO ERROR", flush=True)
+
+    torch.manual_seed(0)
+    engine = dcir.initialize(mlp(), config={"timeout_s": 30})
+    attempt(engine.step)  # step without backward
+    attempt(lambda: engine.backward(torch.ones((), requires_grad=True)))  # backward before any forward
+    x = torch.randn(2, 8)
+    out = engine(x)
+    attempt(lambda: engine(x))  # a second forward before the first one's backward
+    attempt(engine.step)  # step before backward
+    loss = out.pow(2).mean()
+    loss.backward(retain_graph=True)  # a plain backward runs the engine's too
+    attempt(loss.backward)  # the same graph again
+    attempt(lambda: engine.backward(out.pow(2).mean()))  # backward twice
+    attempt(lambda: engine(x))  # a forward before the step
+    engine.step()
+    print("MISUSE TRAINED ON:", all(torch.isfinite(p).all().item() for p in engine.full_parameters().values()),
+          flush=True)
 
 
 def initialize_fails() -> None:

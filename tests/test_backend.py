@@ -111,7 +111,7 @@ def test_an_edited_module_runs_as_edited():
     text = dcir.print(dcir.compile_to_ir(model, (x,), loss_fn=squared))
     assert "aten.mean.default(%pow_1)" in text
     edited = text.replace("aten.mean.default(%pow_1)", "aten.sum.default(%pow_1)")
-    loss, _ = dcir.lower(dcir.parse(edited), state_of(model)).forward(x)
+    (loss,), _ = dcir.lower(dcir.parse(edited), state_of(model)).forward(x)
     assert torch.allclose(loss, model(x).pow(2).sum())
 
 
@@ -125,7 +125,7 @@ def test_collectives_need_the_runtime():
 
 
 HOST_ROUND_TRIP = """module @m {
-  func @forward(%x: f32[4]) -> (f32[]) {
+  func @forward(%x: f32[4] {input}) -> (f32[] {output}) role forward {
     %p = mem.offload(%x) : pending<host<f32[4]>>
     %h = mem.wait(%p) : host<f32[4]>
     %q = mem.reload(%h) : pending<f32[4]>
@@ -135,7 +135,7 @@ HOST_ROUND_TRIP = """module @m {
     return %s
   }
 
-  func @backward(%tangent: f32[]) {
+  func @backward(%tangent: f32[] {grad = 0}) role backward {
     return
   }
 }
@@ -159,7 +159,7 @@ def test_host_copies_run_on_the_store():
     try:
         program = dcir.lower(dcir.parse(HOST_ROUND_TRIP, "m.dcir"), {}, optimizer_state=store)
         x = torch.arange(4.0)
-        loss, _ = program.forward(x)
+        (loss,), _ = program.forward(x)
         assert loss.item() == 6.0
         assert store.device_bytes() == 0 and store.peak == 16  # the reloaded copy, freed after the sum
     finally:

@@ -64,26 +64,68 @@ def test_a_graph_break_is_a_located_error():
     assert "models.py:" in message  # where the break is, in the model's source
 
 
-def test_a_step_without_a_loss_is_an_error():
-    with pytest.raises(dcir.DcirError) as e:
-        dcir.compile_to_ir(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
-    message = "the step must produce a scalar loss that requires grad; pass loss_fn= to compute it from the model's output"
-    assert e.value.render() == "error: " + message
-
-
 class Named(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = torch.nn.Linear(4, 4)
 
     def forward(self, x):
-        return {"logits": self.fc(x)}
+        y = self.fc(x)
+        return {"logits": y, "argmax": y.argmax(-1), "pair": (y.sum(), 3)}
 
 
-def test_an_output_without_a_loss_is_an_error():
+def test_the_outputs_are_the_models_and_each_differentiable_one_gets_a_gradient():
+    from dcir import signature
+    from dcir_lowering.frontend import capture
+
+    model, x = Named(), torch.randn(2, 4)
+    module, outputs = capture(model, (x,))
+    fw, bw = module.role("forward"), module.role("backward")
+    assert [str(t) for t, d in zip(fw.result_types, fw.result_attrs) if "output" in d] == ["f32[2, 4]", "i64[2]", "f32[]"]
+    assert sorted(k for _, k in signature.grads(bw)) == [0, 2]  # argmax has no gradient
+    values = [torch.ones(2, 4), torch.zeros(2, dtype=torch.long), torch.tensor(5.0)]
+    out = outputs.rebuild(values)
+    assert set(out) == {"logits", "argmax", "pair"} and out["logits"] is values[0] and out["pair"] == (values[2], 3)
+    assert "role forward" in dcir.print(module) and '{input = "args[0]"}' in dcir.print(module)
+
+
+def test_a_model_whose_outputs_need_no_gradient_is_an_error():
+    model = torch.nn.Linear(4, 4).requires_grad_(False)
     with pytest.raises(dcir.DcirError) as e:
-        dcir.compile_to_ir(Named(), (torch.randn(2, 4),))
-    assert "cannot find a loss in the model's output (dict); pass loss_fn=" in e.value.render()
+        dcir.compile_to_ir(model, (torch.randn(2, 4),))
+    message = "no output of the model requires grad: there is nothing to train (are the parameters frozen, or the step run under torch.no_grad()?)"  # noqa: E501
+    assert e.value.render() == "error: " + message
+
+
+def test_an_input_that_requires_grad_is_an_error():
+    with pytest.raises(dcir.DcirError) as e:
+        dcir.compile_to_ir(torch.nn.Linear(4, 4), (torch.randn(2, 4, requires_grad=True),))
+    assert "an input of the model requires grad (torch.float32, shape [2, 4]); " in e.value.render()
+    assert "); DCIR trains the model's parameters and gives inputs no gradient: pass it detached, or make it a parameter of the model" in e.value.render()  # noqa: E501
+
+
+def test_a_returned_parameter_is_an_error():
+    class Returns(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return (x * self.w).sum(), self.w
+
+    with pytest.raises(dcir.DcirError) as e:
+        dcir.compile_to_ir(Returns(), (torch.randn(4),))
+    assert "that its forward does not compute (an input or a parameter returned as it is); return a computed " \
+        "value instead" in e.value.render()
+
+
+def test_eval_capture_is_a_forward_alone():
+    from dcir_lowering.frontend import capture
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)).eval()
+    module, _ = capture(model, (torch.randn(2, 4),), training=False)
+    assert list(module.functions) == ["eval"] and module.role("eval").role == "eval"
+    assert "aten.native_dropout" not in dcir.print(module)
 
 
 def test_only_tensors_are_values():

@@ -163,13 +163,21 @@ def test_user_errors_are_messages_on_every_rank(capfd):
     expected = [
         "error: rank 0 could not compile the step: error: cannot capture the model as one graph: "
         "Data-dependent branching (at ",
-        "error: input args[0] has shape [3, 8]; the program was captured for f32[2, 8] "
-        "(shapes are static: give every micro-batch the captured shape)",
+        "error: a new input shape ([[3, 8]]) needs a program of its own and the engine keeps 1 already (config "
+        "'max_programs'); pad or bucket the inputs to fewer shapes, or raise the limit",
+        "error: engine.step() without a forward and backward since the last step: nothing was changed",
+        "error: engine.backward(loss) needs a forward first: out = engine(...)",
+        "error: engine(...) was called again before engine.backward(loss) of the previous forward: run each micro-step's backward before the next forward (or evaluate under torch.no_grad())",
+        "error: engine.step() before engine.backward(loss) of the last forward: nothing was changed",
+        "error: the engine's backward ran twice for one forward: its saved values are gone (call backward once per engine(...) call)",
+        "error: engine.backward(loss) ran twice for one forward: its backward has run already",
+        "error: engine(...) was called after engine.backward(loss) without engine.step(): end each micro-step with engine.step()",
+        "MISUSE TRAINED ON: True",
         " (parameters, gradients, optimizer state, buffers, replicas, accumulators and the peak of gathered parameters), over the memory budget of ",
         "error: /nonexistent/dcir.json: cannot read the config: No such file or directory",
         "error: clip_grad_norm_ clips a whole step's gradients: call it after its last micro-step's backward (every 2)",
-        "error: engine.backward(loss) takes the loss the last engine(...) call returned; this tensor is not it: ",
-        "a loss computed outside the engine is not supported yet; compute it in the model (labels=) or with",
+        "error: engine.backward(loss): this loss was not computed from the outputs of the engine's last forward; nothing was changed",
+        "error: engine.backward(loss) takes a scalar loss tensor, not a tensor of shape [2] (the engine returns the model's outputs: compute the loss from them, e.g. out.loss)",
         "error: lr_scheduler takes a function of the engine's optimizer, not a StepLR: ",
         "the engine updates the shards, so give lambda opt: LambdaLR(opt, ...)",
         "error: lr_scheduler(optimizer) must return a scheduler of that optimizer",

@@ -18,7 +18,7 @@ from models import tiny_llama
 TWO_GATHERS = """
 module @m attributes {world_size = 2} {
   param @w : shard<f32[64, 64], 2> {trainable}
-  func @forward(%x: f32[64, 64]) -> (f32[]) {
+  func @forward(%x: f32[64, 64] {input}) -> (f32[] {output}) role forward {
     %w_shard = param.get @w : shard<f32[64, 64], 2>
     %p = comm.all_gather(%w_shard) {prof.time_us = 100.0} : pending<f32[64, 64]>
     %a = aten.relu.default(%x) {prof.time_us = 60.0} : f32[64, 64]
@@ -58,7 +58,7 @@ def test_cost_model_overlaps_the_transfer_with_compute():
 GATHER_AND_COPY = """
 module @m attributes {world_size = 2} {
   param @w : shard<f32[64, 64], 2> {trainable}
-  func @forward(%x: f32[64, 64], %m: shard<f32[64, 64], 2>) -> (f32[]) {
+  func @forward(%x: f32[64, 64] {input}, %m: shard<f32[64, 64], 2> {state}) -> (f32[] {output}) role forward {
     %off = mem.offload(%m) {prof.time_us = 80.0} : pending<host<shard<f32[64, 64], 2>>>
     %w_shard = param.get @w : shard<f32[64, 64], 2>
     %p = comm.all_gather(%w_shard) {prof.time_us = 100.0} : pending<f32[64, 64]>

@@ -20,7 +20,7 @@ GOLDENS = ROOT / "tests" / "golden" / "verifier"
 
 _BAD = """module @m attributes {world_size = 2} {
   param @w : shard<f32[8], 2> {trainable}
-  func @backward(%x: f32[8]) -> (f32[8]) {
+  func @backward(%x: f32[8] {grad = 0}) -> (f32[8] {state}) role backward {
     %w = param.get @w : shard<f32[8], 2>
     %p = comm.all_gather(%w) : pending<f32[8]>
     %y = aten.relu.default(%p) : f32[8]
