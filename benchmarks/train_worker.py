@@ -103,7 +103,7 @@ class Dcir:
 
     def micro_step(self, batch):
         loss = self.engine(**batch)
-        self.engine.backward(loss)
+        self.engine.backward(loss, scale_wrt_gas=True)  # DeepSpeed's default: divided by the accumulation
         self.engine.step()
 
     def wait_s(self) -> float:

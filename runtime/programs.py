@@ -50,6 +50,10 @@ class Programs:
     def __len__(self) -> int:
         return len(self._by_key)
 
+    def modules(self) -> list:
+        """The module of each program kept."""
+        return [installed.module for installed in self._by_key.values()]
+
     def get(self, k: tuple):
         return self._by_key.get(k)
 

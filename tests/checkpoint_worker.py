@@ -102,7 +102,7 @@ def train(spec: dict) -> None:
         args = tuple(a[rank * rows:(rank + 1) * rows] for a in args)
         kwargs = {k: v[rank * rows:(rank + 1) * rows] for k, v in kwargs.items()}
         loss = engine(*args, **kwargs)
-        engine.backward(loss)
+        engine.backward(loss, scale_wrt_gas=True)
         engine.step()  # and the schedule, at each optimizer step
         if spec.get("save") and engine.micro_steps in spec.get("save_at", []):
             if spec.get("kill_in_save") and engine.micro_steps == spec["save_at"][-1]:

@@ -294,7 +294,7 @@ def run_case(name: str, rank: int, world: int) -> dict:
             _eager_micro_step(ref, loss_fn, whole, world, accumulate, local)
             args, kwargs = _slice(whole, rank * ROWS, (rank + 1) * ROWS)
             loss = engine(*args, **kwargs)
-            engine.backward(loss)
+            engine.backward(loss, scale_wrt_gas=True)  # DeepSpeed: divided by the accumulation
             if name in CALL_CLIP and micro == accumulate - 1:
                 norms.append(engine.clip_grad_norm_(CALL_CLIP[name]).item())
             engine.step()

@@ -112,7 +112,7 @@ def reference(rank: int, world: int) -> dict:
             micro = batches[step * accumulate:(step + 1) * accumulate]
             for whole in micro:
                 loss = engine(*_mine(whole, rank))
-                engine.backward(loss)
+                engine.backward(loss, scale_wrt_gas=True)
                 engine.step()
             _reference_step(ref, opt, loss_fn, micro, world)
             _reference_step(ref32, opt32, loss_fn, micro, world, torch.float32)

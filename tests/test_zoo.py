@@ -54,18 +54,10 @@ PATHS = ("compile",) + tuple(f"engine-{f}" for f in ENGINE_FORMS)
 
 # ---- what fails today, and why (the map issue 14's later work starts from) -------------
 
-_OUTPUTS = ("Engine.__call__ (runtime/engine.py) returns only @forward's first result, the loss, and "
-            "compile_to_ir (dcir_lowering/frontend.py) needs the step itself to produce a scalar loss: ")
 #: gap -> (what its error says, the root cause); docs/models.md's "Known gaps" says more
 #: under the same names. A case expected to fail for one gap but failing otherwise is a
 #: real failure (WrongReason), not an xfail: the map stays true.
 GAPS = {
-    "no-outputs": ("cannot find a loss in the model's output", _OUTPUTS + (
-        "without labels= capture fails with \"cannot find a loss in the model's output (...Output...); "
-        "pass loss_fn=\"")),
-    "loss-only": ("'Tensor' object has no attribute 'loss'", _OUTPUTS + (
-        "out.loss on the returned tensor raises \"AttributeError: 'Tensor' object has no attribute 'loss'\" "
-        "(and Engine.backward refuses any tensor but that loss)")),
     "custom-op": ("transformers.grouped_mm_fallback.default is not an aten op", (
         "transformers' MoE experts call torch.ops.transformers.grouped_mm_fallback (a torch.library op with a "
         "fake kernel, integrations/moe.py); GraphLowering.lower_ops (dcir_lowering/frontend.py) raises "
@@ -77,9 +69,6 @@ GAPS = {
         "manager\" (behind it: the custom-op gap)")),
 }
 XFAIL: dict[tuple[str, str], str] = {}  # (model, path) -> gap
-for _name in ZOO:
-    XFAIL[_name, "engine-criterion"] = XFAIL[_name, "engine-accumulate"] = "no-outputs"
-    XFAIL[_name, "engine-aux"] = "loss-only"
 for _name in ("mixtral", "qwen2_moe"):
     XFAIL[_name, "compile"] = "custom-op"
     for _form in ENGINE_FORMS:

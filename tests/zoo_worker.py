@@ -35,7 +35,8 @@ def train(z, form: str, rank: int) -> dict:
     loss_of, accumulate = FORMS[form]
     model = z.model()
     config = {"gradient_accumulation_steps": accumulate, "timeout_s": 60}
-    # ``labels`` is the form that works today: the model's own loss, found by loss_fn
+    # ``labels``: the model's own loss, picked by loss_fn (the engine then returns it);
+    # the other forms compute the loss outside, from the outputs the engine returns
     engine = dcir.initialize(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR), config=config,
                              loss_fn=(lambda out: out.loss) if form == "labels" else None)
     losses = []
@@ -44,7 +45,7 @@ def train(z, form: str, rank: int) -> dict:
         if form == "labels":
             loss = engine(**inputs, labels=y)
         else:
-            loss = loss_of(engine, inputs, y)  # the target API: engine(...) returns the model's outputs
+            loss = loss_of(engine, inputs, y)  # engine(...) returns the model's outputs
         engine.backward(loss)
         engine.step()
         losses.append(float(loss))
