@@ -302,7 +302,8 @@ def breaks_table(found) -> str:
     lines = [f"{'file:line':<{width[0]}}  {'reason':<{width[1]}}  source"]
     lines += [f"{w:<{width[0]}}  {r:<{width[1]}}  {src}" for w, r, src in rows]
     plural = "" if len(found) == 1 else "s"
-    lines.append(f"{len(found)} graph break{plural}: the forward runs as {found.graphs} graph(s) and Python between them")
+    lines.append(f"{len(found)} graph break{plural}: the forward runs as {found.graphs} graph(s) "
+                 "and Python between them")
     return "\n".join(lines)
 
 
