@@ -7,6 +7,8 @@ The public API is small:
 * ``dcir.run_passes(module, "dce,canonicalize")`` runs a pass pipeline in place;
 * ``dcir.compile_to_ir(model, example_inputs)`` captures a PyTorch model's training
   step (forward and backward) as a module (``dcir_lowering.frontend``);
+* ``dcir.graph_breaks(model, *args, **kwargs)`` lists where Dynamo splits the model's
+  forward, and why, as ``GraphBreak``s (``dcir_lowering.breaks``);
 * ``dcir.initialize(model, optimizer=..., config=...)`` -> the training ``Engine``
   that runs the sharded program across processes (``dcir_runtime``);
 * ``dcir.lower(module, state)`` makes a module runnable again, over the model's own
@@ -22,7 +24,8 @@ from dcir.passes import run_passes
 from dcir.printer import print_module as print  # noqa: A001  (dcir.print(module), like MLIR's print)
 from dcir.verifier import verify
 
-__all__ = ["DcirError", "Diagnostic", "Module", "compile_to_ir", "initialize", "lower", "parse", "print", "run_passes", "verify"]
+__all__ = ["DcirError", "Diagnostic", "GraphBreak", "Module", "compile_to_ir", "graph_breaks", "initialize", "lower",
+           "parse", "print", "run_passes", "verify"]
 
 
 def __getattr__(name: str):
@@ -30,6 +33,9 @@ def __getattr__(name: str):
     if name == "compile_to_ir":
         from dcir_lowering.frontend import compile_to_ir
         return compile_to_ir
+    if name in ("graph_breaks", "GraphBreak"):
+        from dcir_lowering import breaks
+        return getattr(breaks, name)
     if name == "initialize":
         from dcir_runtime import initialize
         return initialize

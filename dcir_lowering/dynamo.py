@@ -19,26 +19,62 @@ from __future__ import annotations
 
 import functools
 
+import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Function, Module, Value
 from dcir.verifier import verify
 from dcir_lowering.backend import constants, lower_function
-from dcir_lowering.frontend import GraphLowering, _type, benign_breaks  # noqa: F401  (re-exported)
+from dcir_lowering.frontend import GraphLowering, _type, _where, benign_breaks  # noqa: F401  (re-exported)
 
 
 def dcir_backend(gm: fx.GraphModule, example_inputs, **_options):
     """The ``"dcir"`` backend for ``torch.compile``."""
     from torch._functorch.aot_autograd import aot_module_simplified
 
+    _refuse_dynamic_shapes(gm)
     return aot_module_simplified(gm, example_inputs, fw_compiler=functools.partial(_through_dcir, "forward"),
                                  bw_compiler=functools.partial(_through_dcir, "backward"))
+
+
+def _refuse_dynamic_shapes(gm: fx.GraphModule) -> None:
+    """DCIR's shapes are static. Dynamo makes a size symbolic when it changed between
+    calls (a smaller last batch: "automatic dynamic") or under ``dynamic=True``; that is
+    an error naming the input, with the fix: ``dynamic=False`` gives one graph per shape."""
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("example_value")
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else (val,)
+        if not any(isinstance(d, torch.SymInt) for d in shape):
+            continue
+        grapharg = node.meta.get("grapharg")
+        source = grapharg.source.name if grapharg is not None else node.name
+        what = f"the size {val}" if isinstance(val, torch.SymInt) else f"the shape [{', '.join(map(str, shape))}]"
+        traces = [u.meta["stack_trace"] for u in node.users if u.meta.get("stack_trace")]
+        where = _where(traces[0]) if traces else ""
+        raise DcirError(Diagnostic(
+            f"cannot lower to DCIR: input {source} has a dynamic shape ({what}){where}; "
+            "DCIR's shapes are static: pass dynamic=False to torch.compile for one graph per input shape"))
+
+
+def _refuse_higher_order(gm: fx.GraphModule) -> None:
+    """A higher-order op (``torch.cond``, ``torch.while_loop``...) calls subgraphs, which
+    DCIR's functions cannot hold yet: an error at the user's line, not a crash on the
+    subgraph read as a constant."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+            raise DcirError(Diagnostic(
+                f"cannot lower to DCIR: torch.{node.target.name()} is a higher-order op (it calls subgraphs), which "
+                f"DCIR cannot express{_where(node.meta.get('stack_trace', ''))}; rewrite it with torch.where"))
 
 
 def graph_to_module(gm: fx.GraphModule, name: str) -> tuple[Module, list[int]]:
     """One AOT graph as a module with one function; also where its outputs are None
     (gradients of inputs that need none), which DCIR does not return."""
+    _refuse_higher_order(gm)
     module = Module(name)
     env: dict = {}
     for node in gm.graph.nodes:

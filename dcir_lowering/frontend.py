@@ -146,7 +146,9 @@ def _trace(step, captured: "_Captured", args: tuple, kwargs: dict):
             return torch.compile(step, backend=captured.backend, fullgraph=True, dynamic=False)(*args, **kwargs)
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:  # UserError: data-dependent shapes
         where = _where(str(e))
-        raise DcirError(Diagnostic(f"cannot capture the model as one graph: {_first_line(e)}{where}")) from None
+        from dcir_lowering.breaks import notes  # every break, not just the first: the step runs again to list them
+        raise DcirError(Diagnostic(f"cannot capture the model as one graph: {_first_line(e)}{where}",
+                                   notes=notes(step, args, kwargs))) from None
     finally:
         torch._dynamo.reset()
 

@@ -57,6 +57,9 @@ def _args(argv):
                     help="continue from the latest complete checkpoint in DIR, if there is one (else start fresh); "
                          "under torchrun --max-restarts a restarted job finds its last save this way")
     ap.add_argument("--timeout", type=float, default=900, help="end the local run after this many seconds (900)")
+    ap.add_argument("--list-breaks", action="store_true",
+                    help="list where Dynamo splits the model's forward (graph breaks: file:line, reason, source) "
+                         "on one batch, in this process, and exit; trains nothing")
     return ap.parse_args(argv)
 
 
@@ -80,20 +83,27 @@ def _config(text: str | None, precision: str = "fp32"):
     return dataclasses.replace(config, **{precision: getattr(section, precision)})
 
 
-def _model_and_engine(ns):
-    """A byte-level Llama from a ``LlamaConfig`` (no download), in an Engine."""
+def _model(ns):
+    """A byte-level Llama from a ``LlamaConfig`` (no download)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
-    import dcir
-
     hf_logging.set_verbosity_error()
     torch.manual_seed(ns.seed)
-    model = LlamaForCausalLM(LlamaConfig(
+    return LlamaForCausalLM(LlamaConfig(
         vocab_size=256, hidden_size=ns.hidden, intermediate_size=ns.hidden * 3, num_hidden_layers=ns.layers,
         num_attention_heads=max(1, ns.hidden // 32), num_key_value_heads=max(1, ns.hidden // 64),
         max_position_embeddings=ns.seq, attn_implementation="eager"))
+
+
+def _model_and_engine(ns):
+    """The model (``_model``) in an Engine."""
+    import torch
+
+    import dcir
+
+    model = _model(ns)
     return dcir.initialize(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=ns.lr, weight_decay=0.01),
                            config=_config(ns.config, ns.precision))
 
@@ -288,6 +298,32 @@ def rank_main(ns) -> None:
     dist.destroy_process_group()
 
 
+def list_breaks(ns) -> int:
+    """``--list-breaks``: the graph breaks of the model's forward on one training batch
+    (``dcir.graph_breaks``), as a table; exit code 0 with breaks or without."""
+    import dcir
+
+    batches = _Batches(ns, 0, 1)
+    batch = batches(batches.train)
+    found = dcir.graph_breaks(_model(ns), **batch)
+    print(breaks_table(found))
+    return 0
+
+
+def breaks_table(found) -> str:
+    """``dcir.graph_breaks``'s list as a table: location, reason, source line."""
+    if not found:
+        return "no graph breaks: the step is one graph"
+    rows = [(b.where, b.reason, b.source) for b in found]
+    width = [max(len(r[k]) for r in rows + [("file:line", "reason", "source")]) for k in range(2)]
+    lines = [f"{'file:line':<{width[0]}}  {'reason':<{width[1]}}  source"]
+    lines += [f"{w:<{width[0]}}  {r:<{width[1]}}  {src}" for w, r, src in rows]
+    plural = "" if len(found) == 1 else "s"
+    lines.append(f"{len(found)} graph break{plural}: the forward runs as {found.graphs} graph(s) "
+                 "and Python between them")
+    return "\n".join(lines)
+
+
 def _test_kill(rank: int) -> None:
     """Test-only (tests/test_checkpoint.py, the elastic test): with
     ``DCIR_TEST_KILL_AT_STEP=K`` and ``DCIR_TEST_KILL_MARKER=FILE``, rank 1 SIGKILLs itself
@@ -308,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     except DcirError as e:
         print(e.render(), file=sys.stderr)
         return 1
+    if ns.list_breaks:  # one process, no ranks
+        return list_breaks(ns)
     if "RANK" not in os.environ:  # the launcher: start the ranks, each runs this again
         from dcir_runtime.launch import launch
 

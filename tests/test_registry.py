@@ -55,8 +55,9 @@ _REPORTERS = {"error", "op_error", "operand_error", "result_error", "return_erro
               "_SemanticError", "Diagnostic", "_fail", "_error", "RankFailure"}
 _SOURCES = [*(str(p.relative_to(ROOT)) for p in sorted((ROOT / "dcir" / "verifier").glob("*.py"))),
             "dcir/ops.py", "dcir/aten.py", "dcir/parser.py", "dcir/passes/__init__.py",
-            "dcir_lowering/frontend.py", "dcir_lowering/backend.py", "runtime/config.py", "runtime/engine.py",
-            "runtime/group.py", "runtime/shards.py", "runtime/plan.py", "runtime/execution.py", "runtime/precision.py"]
+            "dcir_lowering/frontend.py", "dcir_lowering/backend.py", "dcir_lowering/dynamo.py", "runtime/config.py",
+            "runtime/engine.py", "runtime/group.py", "runtime/shards.py", "runtime/plan.py", "runtime/execution.py",
+            "runtime/precision.py"]
 
 
 def _message_fragments() -> list[tuple[str, int, str]]:

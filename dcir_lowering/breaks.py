@@ -1,0 +1,208 @@
+"""Graph breaks: where Dynamo splits a model's forward, and why.
+
+``dcir.graph_breaks(model, *args, **kwargs)`` runs the forward of a deep copy of the
+model once under Dynamo, graph breaks allowed, and returns every break it met: the
+reason in one line, the user's file and line (the innermost frame outside torch and
+outside DCIR) and that line's source text. The returned list's ``graphs`` is how many
+graphs the forward splits into. Logging, ``warnings.warn`` and ``print`` are not breaks
+(``benign_breaks``), as under ``compile_to_ir``::
+
+    >>> for b in dcir.graph_breaks(model, x):
+    ...     print(b)
+    model.py:42: data-dependent branching on a tensor (if x.sum() > 0:)
+
+The caller's model is left as it was (no gradients, no BatchNorm statistics updated):
+the copy runs the forward only, never a backward.
+
+The breaks come from Dynamo's own record of each one, made as it decides to break
+(``InstructionTranslatorBase.log_graph_break``, which also feeds ``TORCH_LOGS=
+graph_breaks``), so a break that makes Dynamo give up on a whole function (a break
+inside a loop or a ``with`` block) is listed too; ``torch._dynamo.explain`` reports only
+breaks that end a compiled graph. Each graph's own compile reason is read as well, so the
+list stays whole where that record is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import logging
+import os
+import tokenize
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+#: Dynamo's break types, said in the user's terms; others are shown as Dynamo names them
+_PLAIN = {
+    "Data-dependent branching": "data-dependent branching on a tensor",
+    "Unsupported Tensor.item() call with capture_scalar_outputs=False":
+        "Tensor.item() reads a tensor's value into Python",
+    "Dynamic shape operator": "an operator whose output shape depends on the data",
+    "graph break in loop": "a graph break inside a loop: Dynamo runs the whole function eagerly",
+    "Unsupported context manager": "a context manager Dynamo cannot trace",
+    "Attempted to call function marked as skipped": "a call Dynamo does not trace",
+}
+
+
+@dataclass(frozen=True)
+class GraphBreak:
+    """One place where Dynamo splits the graph."""
+
+    reason: str   # one line
+    file: str     # the user's file: the innermost frame outside torch and DCIR
+    line: int
+    source: str   # that line's text, without its comment
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+    def __str__(self) -> str:
+        source = f" ({self.source})" if self.source else ""
+        return f"{os.path.basename(self.file)}:{self.line}: {self.reason}{source}"
+
+
+class GraphBreaks(list):
+    """The breaks of one forward, in the order Dynamo met them; ``graphs``: how many
+    graphs the forward splits into (0 when it runs no tensor op under Dynamo)."""
+
+    def __init__(self, breaks=(), graphs: int = 0):
+        super().__init__(breaks)
+        self.graphs = graphs
+
+
+def graph_breaks(model: torch.nn.Module, *args, **kwargs) -> GraphBreaks:
+    """Every graph break of ``model(*args, **kwargs)``: see the module docstring."""
+    work = copy.deepcopy(model)
+    work.train(model.training)
+    return breaks_of(work, args, kwargs)
+
+
+def breaks_of(fn, args: tuple, kwargs: dict) -> GraphBreaks:
+    """Run ``fn(*args, **kwargs)`` once under Dynamo, breaks allowed, and list them."""
+    from dcir_lowering.frontend import benign_breaks
+
+    found: dict[tuple[str, int], GraphBreak] = {}
+    graphs = []
+
+    def count(gm, _example_inputs):
+        graphs.append(gm)
+        reason = getattr(gm, "compile_subgraph_reason", None)
+        if reason is not None and getattr(reason, "graph_break", False):
+            _add(found, reason.reason, list(reason.user_stack or []))
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        with benign_breaks(), _recording(found), _quiet():
+            torch.compile(fn, backend=count, dynamic=False)(*args, **kwargs)
+    finally:
+        torch._dynamo.reset()
+    return GraphBreaks(found.values(), len(graphs))
+
+
+@contextlib.contextmanager
+def _recording(found: dict):
+    """Dynamo's record of each break as it decides to break, added to ``found``."""
+    from torch._dynamo.symbolic_convert import InstructionTranslatorBase
+
+    original = getattr(InstructionTranslatorBase, "log_graph_break", None)
+    if original is None:  # a torch without it: the graphs' compile reasons alone
+        yield
+        return
+
+    def log_graph_break(self, code_options, reason, exc, *rest, **kw):
+        if not getattr(exc, "logged", False):
+            stack = getattr(exc, "real_stack", None) or torch._guards.TracingContext.extract_stack()
+            _add(found, getattr(exc, "gb_type", None) or reason, list(stack or []))
+        return original(self, code_options, reason, exc, *rest, **kw)
+
+    InstructionTranslatorBase.log_graph_break = log_graph_break
+    try:
+        yield
+    finally:
+        InstructionTranslatorBase.log_graph_break = original
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Dynamo's own warnings about each break (the list says it all) kept off the console."""
+    dynamo_log = logging.getLogger("torch._dynamo")
+    level = dynamo_log.level
+    dynamo_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        dynamo_log.setLevel(level)
+
+
+def _add(found: dict, reason: str, stack: list) -> None:
+    """One break at the innermost user frame of ``stack``; the first reason met at a line wins."""
+    frame = _user_frame(stack)
+    if frame is None:
+        return
+    key = (frame.filename, frame.lineno)
+    if key not in found:
+        found[key] = GraphBreak(_one_line(reason), frame.filename, frame.lineno, _code(frame.line or ""))
+
+
+def _internal_dirs() -> tuple[str, ...]:
+    import dcir
+    import dcir_lowering
+    import dcir_runtime
+
+    return tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, dcir, dcir_lowering, dcir_runtime))
+
+
+def _user_frame(stack: list):
+    """The innermost frame outside torch and DCIR; the innermost frame when all are inside."""
+    if not stack:
+        return None
+    internal = _internal_dirs()
+    outside = [f for f in stack if not os.path.abspath(f.filename).startswith(internal)]
+    return (outside or stack)[-1]
+
+
+def _one_line(reason: str) -> str:
+    first = str(reason).strip().split("\n", 1)[0].strip()
+    return _PLAIN.get(first, first)
+
+
+def _code(line: str) -> str:
+    """A source line without its trailing comment (a ``#`` inside a string stays)."""
+    line = line.strip()
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(line).readline):
+            if tok.type == tokenize.COMMENT:
+                return line[:tok.start[1]].rstrip()
+    except (tokenize.TokenError, SyntaxError):  # an unclosed bracket: the statement goes on below
+        pass
+    return line
+
+
+def notes(step, args: tuple, kwargs: dict, limit: int = 10) -> tuple:
+    """The breaks of ``step`` as diagnostic notes for capture's whole-graph error: at most
+    ``limit``, then how many more. Listing runs the step again; when that fails too, the
+    error stands without the list."""
+    from dcir.diagnostics import Note
+
+    try:
+        found = breaks_of(step, args, kwargs)
+    except Exception:  # noqa: BLE001  (the error being raised says what matters; the list only adds to it)
+        return ()
+    if not found:
+        return ()
+    head = Note(None, f"{_count(len(found), 'graph break')} in the step, which runs as {_count(found.graphs, 'graph')} "
+                      "and Python between them (dcir.graph_breaks lists the breaks):")
+    lines = [Note(None, f"{b.where}: {b.reason}" + (f" ({b.source})" if b.source else "")) for b in found[:limit]]
+    more = [Note(None, f"and {len(found) - limit} more")] if len(found) > limit else []
+    return (head, *lines, *more)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
