@@ -305,7 +305,7 @@ def list_breaks(ns) -> int:
 
     batches = _Batches(ns, 0, 1)
     batch = batches(batches.train)
-    found = dcir.graph_breaks(_model(ns), **batch)
+    found = dcir.graph_breaks(_model(ns), input_ids=batch)
     print(breaks_table(found))
     return 0
 
