@@ -35,7 +35,7 @@ from dcir.diagnostics import DcirError, Diagnostic
 from dcir_lowering.backend import lower
 from dcir_runtime import native
 from dcir_runtime.accounting import MemoryStats, fixed_bytes, measure, scheduled_bytes
-from dcir_runtime.capture import capture, source_name
+from dcir_runtime.capture import source_name
 from dcir_runtime.config import Config
 from dcir_runtime import programs
 from dcir_runtime.execution import Execution, Installed, RankFailure
@@ -177,38 +177,11 @@ class Engine:
         return installed
 
     def _capture(self, args: tuple, kwargs: dict, key: tuple, training: bool) -> Installed:
-        """Capture the program of ``key``: through rank 0 the first of its mode (every rank
-        calls it then); on this rank alone a shape this rank meets later, checked to run
-        the collectives the mode's first program runs (docs/runtime.md, "Shapes")."""
+        """Capture the program of ``key`` (``programs.capture_program``)."""
         begin = time.perf_counter()
-        self.programs.check_room(key, self.config.max_programs)
-        mode = key[:2]
-        base = self.programs.base(mode)
-        model = self.model if self.program is None else programs.shape_model(self.model, self.shapes)
-        captured = capture(model, args, kwargs, loss_fn=self.loss_fn, config=self.config, group=self.process_group,
-                           key=f"{self.store_prefix}program/{mode[0]:d}{mode[1]:d}", local=base is not None,
-                           training=training, passes=self.planner.passes,
-                           state_keys=lambda: self._optim.state_keys(self.device))
-        installed = self._lower(captured)
-        fits = programs.fits(installed.module, args, kwargs)
-        if base is not None:
-            programs.check_collectives(base.module, installed.module)
-            self.programs.add(key, installed)
-        else:
-            self.programs.add(key if fits else (*mode, "rank 0's shapes"), installed, base=True)
-            if training and self.program is None:
-                self.planner.start(captured.text, captured.module)
-                self.execution.install(captured.module, installed.program)
-                for p in self.model.parameters():  # the engine holds the parameters from here on
-                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        installed = programs.capture_program(self, args, kwargs, key, training)
         self.capture_s += time.perf_counter() - begin
-        if not fits:  # rank 0's shapes; this rank's own are compiled here, against them
-            return self._capture(args, kwargs, key, training)
         return installed
-
-    def _lower(self, captured) -> Installed:
-        """``captured``'s module lowered over this engine's state."""
-        return Installed(captured.module, self._lowered(captured.module), captured.outputs)
 
     def _install(self, module: dcir.Module) -> None:
         """Run ``module`` as the training program from the next call on (a replan): the
@@ -218,6 +191,7 @@ class Engine:
         self.programs.replace_base(module, program)
 
     def _lowered(self, module: dcir.Module):
+        """``module`` lowered over this engine's state."""
         state = dict(self.model.named_buffers())
         if self.state_store is not None and self._place_loaded_state and module.role("step") is not None:
             from dcir_runtime.checkpoint import place_loaded_state

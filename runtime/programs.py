@@ -128,3 +128,35 @@ def check_collectives(base: dcir.Module, new: dcir.Module) -> None:
         f"the program for this rank's input shapes runs other collectives than the other ranks' ({len(b)} against "
         f"{len(a)}, first difference at collective {at}); running it would deadlock: give every rank the same "
         "shapes, or drop the shape-dependent passes (prefetch, bucket) from the config"))
+
+
+def capture_program(engine, args: tuple, kwargs: dict, k: tuple, training: bool):
+    """Capture ``engine``'s program of key ``k``: through rank 0 the first of its mode
+    (every rank calls it then); on this rank alone a shape this rank meets later, checked
+    to run the collectives the mode's first program runs."""
+    from dcir_runtime.capture import capture
+    from dcir_runtime.execution import Installed
+
+    engine.programs.check_room(k, engine.config.max_programs)
+    mode = k[:2]
+    base = engine.programs.base(mode)
+    model = engine.model if engine.program is None else shape_model(engine.model, engine.shapes)
+    captured = capture(model, args, kwargs, loss_fn=engine.loss_fn, config=engine.config,
+                       group=engine.process_group, key=f"{engine.store_prefix}program/{mode[0]:d}{mode[1]:d}",
+                       local=base is not None, training=training, passes=engine.planner.passes,
+                       state_keys=lambda: engine._optim.state_keys(engine.device))
+    installed = Installed(captured.module, engine._lowered(captured.module), captured.outputs)
+    matches = fits(installed.module, args, kwargs)
+    if base is not None:
+        check_collectives(base.module, installed.module)
+        engine.programs.add(k, installed)
+        return installed
+    engine.programs.add(k if matches else (*mode, "rank 0's shapes"), installed, base=True)
+    if training and engine.program is None:
+        engine.planner.start(captured.text, captured.module)
+        engine.execution.install(captured.module, installed.program)
+        for p in engine.model.parameters():  # the engine holds the parameters from here on
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    if not matches:  # rank 0's shapes; this rank's own are compiled here, against them
+        return capture_program(engine, args, kwargs, k, training)
+    return installed
