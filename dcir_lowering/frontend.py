@@ -7,16 +7,19 @@ backward graphs at aten level, and lowers them one op per FX node:
 * parameters and buffers become module-level symbols named by their fully-qualified
   names (``param @fc1.weight : f32[16, 8] {trainable}``), read with ``param.get``; a
   tied weight is one symbol; a frozen parameter has no ``trainable``;
-* ``@forward`` takes the model's tensor inputs (its ``capture.inputs`` attribute says
-  which argument each is: ``args[0]`` or a keyword such as ``labels``) and returns the
-  loss followed by the activations ``@backward`` needs (parameters it needs are read again there, not
-  passed, so a sharding pass can gather them where they are used);
+* ``@forward`` (``role forward``) takes the model's tensor inputs (``{input =
+  "args[0]"}`` or a keyword such as ``{input = "labels"}``) and returns the model's
+  outputs (``{output}``, its output flattened; ``Outputs`` keeps the structure) followed
+  by the activations ``@backward`` needs (``{saved}``; parameters it needs are read
+  again there, not passed, so a sharding pass can gather them where they are used);
 * a buffer the forward mutates (BatchNorm's running statistics) is written with
   ``param.set``;
 * a small constant tensor in the graph becomes a buffer with its elements in a
   ``value`` attribute;
-* ``@backward`` takes those activations and the loss's tangent and hands each
-  parameter's gradient to the optimizer with ``grad.set``.
+* ``@backward`` takes those activations and the gradient of each differentiable output
+  (``{grad = K}``) and hands each parameter's gradient to the optimizer with
+  ``grad.set``; captured under ``torch.no_grad()`` (``training=False``) there is only
+  ``@eval``, the forward that saves nothing.
 
 The copy keeps the caller's model untouched (its gradients, its running statistics).
 A graph break or an op DCIR cannot express is an error that names it and the model's
