@@ -7,6 +7,11 @@ registered with torch through the ``torch_dynamo_backends`` entry point, so the 
 works as soon as DCIR is installed. The DCIR module behind each compiled graph is kept
 on the callable as ``.dcir_module`` for inspection.
 
+A graph whose sizes Dynamo made symbolic (a batch of another size under the default
+``dynamic=None``, or ``dynamic=True``) is specialized at run time: one static DCIR
+program per concrete shape, compiled on first use, at most Dynamo's ``recompile_limit``
+of them kept (``PerShape``).
+
 Logging, ``warnings.warn`` and ``print`` in a model's forward split Dynamo's graph before
 any backend sees it; run the compiled model under ``benign_breaks()`` to have them
 ignored while Dynamo traces, as ``compile_to_ir`` does (docs/frontend.md).
