@@ -206,6 +206,25 @@ def test_changing_shapes_train_through_dcir_like_aot_eager(name, dynamic, per_sh
     assert max(p.compiles for p in per_shape) >= 2
 
 
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+def test_changing_shapes_infer_through_dcir_like_aot_eager(dynamic, per_shape):
+    """``model.eval()`` under ``torch.no_grad()``: AOTAutograd's inference graph, one per shape."""
+    ids = [torch.randint(0, 128, (rows, seq), generator=torch.Generator().manual_seed(k))
+           for k, (rows, seq) in enumerate(_SHAPES)]
+    outs = []
+    for backend in ("aot_eager", "dcir"):
+        torch.manual_seed(0)
+        model = tiny_llama().eval()
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=backend, dynamic=dynamic)
+        with torch.no_grad():
+            outs.append([compiled(input_ids=i).logits for i in ids])
+        torch._dynamo.reset()
+    expected, got = outs
+    assert all(torch.equal(e, g) for e, g in zip(expected, got))
+    assert per_shape and max(p.compiles for p in per_shape) >= 2
+
+
 def test_shapes_beyond_the_recompile_limit_replace_the_least_recently_used_program(per_shape):
     """At most ``torch._dynamo.config.recompile_limit`` programs per graph; a new shape
     beyond them drops the least recently used one (a warning, once), and the results stay
