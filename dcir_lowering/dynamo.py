@@ -39,6 +39,7 @@ from dcir_lowering.frontend import GraphLowering, _type, _where, benign_breaks  
 def dcir_backend(gm: fx.GraphModule, example_inputs, **_options):
     """The ``"dcir"`` backend for ``torch.compile``."""
     if _symbolic_inputs(gm):
+        _refuse_higher_order(gm)  # now, as for a static graph, not at the first call
         return PerShape(gm, torch._dynamo.config.recompile_limit)
     return _aot(gm, example_inputs)
 

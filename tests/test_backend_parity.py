@@ -257,13 +257,15 @@ class Cond(torch.nn.Module):
         return torch.cond(h.sum() > 0, lambda t: t * 2, lambda t: t * 3, (h,))
 
 
-def test_a_higher_order_op_is_an_error_at_the_users_line():
+@pytest.mark.parametrize("dynamic", [None, True], ids=["static", "dynamic"])
+def test_a_higher_order_op_is_an_error_at_the_users_line(dynamic):
     """``torch.cond`` reached the lowering as a subgraph read as a constant tensor
-    ("AttributeError: 'GraphModule' object has no attribute 'numel'")."""
+    ("AttributeError: 'GraphModule' object has no attribute 'numel'"); with symbolic
+    sizes too, the error comes when Dynamo compiles, not at the first call."""
     x = torch.randn(2, 4)
-    _train(Cond(), "aot_eager", [(x,)], lambda c, x: c(x).pow(2).mean())
+    _train(Cond(), "aot_eager", [(x,)], lambda c, x: c(x).pow(2).mean(), dynamic=dynamic)
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as e:
-        _train(Cond(), "dcir", [(x,)], lambda c, x: c(x).pow(2).mean())
+        _train(Cond(), "dcir", [(x,)], lambda c, x: c(x).pow(2).mean(), dynamic=dynamic)
     message = _dcir_error(e)
     assert "cannot lower to DCIR: torch.cond is a higher-order op (it calls subgraphs), which DCIR cannot express" \
         in message
