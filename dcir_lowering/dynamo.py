@@ -73,10 +73,10 @@ def _as_scalar(node: fx.Node) -> bool:
 class PerShape:
     """A Dynamo graph with symbolic sizes, run as one static DCIR program per concrete shape.
 
-    DCIR's IR is statically shaped. At each call the concrete sizes (and the values of the
-    graph's symbolic ints) pick a program; the first call with new ones specializes the
-    graph to them (its symbolic-int inputs become constants, its size computations then
-    trace to concrete ints) and compiles it exactly like a static graph: AOTAutograd
+    DCIR's IR is statically shaped. At each call the concrete sizes and strides (and the values
+    of the graph's symbolic ints and floats) pick a program; the first call with new ones
+    specializes the graph to them (those ints and floats become constants, its size
+    computations then trace to concrete ints) and compiles it exactly like a static graph: AOTAutograd
     traces it on the call's inputs, the forward and the backward go through DCIR. At most
     ``limit`` programs are kept (Dynamo's ``recompile_limit``, 8 by default); a shape
     beyond them replaces the least recently used one, with a warning the first time,
