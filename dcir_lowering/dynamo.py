@@ -7,6 +7,11 @@ registered with torch through the ``torch_dynamo_backends`` entry point, so the 
 works as soon as DCIR is installed. The DCIR module behind each compiled graph is kept
 on the callable as ``.dcir_module`` for inspection.
 
+A graph whose sizes Dynamo made symbolic (a batch of another size under the default
+``dynamic=None``, or ``dynamic=True``) is specialized at run time: one static DCIR
+program per concrete shape, compiled on first use, at most Dynamo's ``recompile_limit``
+of them kept (``PerShape``).
+
 Logging, ``warnings.warn`` and ``print`` in a model's forward split Dynamo's graph before
 any backend sees it; run the compiled model under ``benign_breaks()`` to have them
 ignored while Dynamo traces, as ``compile_to_ir`` does (docs/frontend.md).
@@ -18,6 +23,7 @@ For the whole-step view (parameters as symbols, one module with ``@forward`` and
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.fx as fx
@@ -32,32 +38,107 @@ from dcir_lowering.frontend import GraphLowering, _type, _where, benign_breaks  
 
 def dcir_backend(gm: fx.GraphModule, example_inputs, **_options):
     """The ``"dcir"`` backend for ``torch.compile``."""
+    if _symbolic_inputs(gm):
+        _refuse_higher_order(gm)  # now, as for a static graph, not at the first call
+        return PerShape(gm, torch._dynamo.config.recompile_limit)
+    return _aot(gm, example_inputs)
+
+
+def _aot(gm: fx.GraphModule, example_inputs):
     from torch._functorch.aot_autograd import aot_module_simplified
 
-    _refuse_dynamic_shapes(gm)
     return aot_module_simplified(gm, example_inputs, fw_compiler=functools.partial(_through_dcir, "forward"),
                                  bw_compiler=functools.partial(_through_dcir, "backward"))
 
 
-def _refuse_dynamic_shapes(gm: fx.GraphModule) -> None:
-    """DCIR's shapes are static. Dynamo makes a size symbolic when it changed between
-    calls (a smaller last batch: "automatic dynamic") or under ``dynamic=True``; that is
-    an error naming the input, with the fix: ``dynamic=False`` gives one graph per shape."""
+def _symbolic_inputs(gm: fx.GraphModule) -> bool:
+    """Whether Dynamo made a size or a scalar symbolic: a size that changed between calls
+    ("automatic dynamic"), or under ``dynamic=True`` every size, int and float attribute
+    (a float arrives as a 0-d tensor read with ``.item()``)."""
     for node in gm.graph.nodes:
-        if node.op != "placeholder":
+        if node.op == "placeholder":
+            val = node.meta.get("example_value")
+            dims = (*val.shape, *val.stride()) if isinstance(val, torch.Tensor) else (val,)
+            if _as_scalar(node) or any(isinstance(d, torch.SymInt) for d in dims):
+                return True
+    return False
+
+
+def _as_scalar(node: fx.Node) -> bool:
+    """A Python float Dynamo passes as a 0-d tensor (its ``pass_arg_as_tensor``)."""
+    grapharg = node.meta.get("grapharg")
+    return bool(getattr(grapharg, "pass_arg_as_tensor", False))
+
+
+class PerShape:
+    """A Dynamo graph with symbolic sizes, run as one static DCIR program per concrete shape.
+
+    DCIR's IR is statically shaped. At each call the concrete sizes and strides (and the values
+    of the graph's symbolic ints and floats) pick a program; the first call with new ones
+    specializes the graph to them (those ints and floats become constants, its size
+    computations then trace to concrete ints) and compiles it exactly like a static graph: AOTAutograd
+    traces it on the call's inputs, the forward and the backward go through DCIR. At most
+    ``limit`` programs are kept (Dynamo's ``recompile_limit``, 8 by default); a shape
+    beyond them replaces the least recently used one, with a warning the first time,
+    so training goes on but may recompile."""
+
+    def __init__(self, gm: fx.GraphModule, limit: int):
+        self.gm = gm
+        self.limit = limit
+        self.scalar_at = [_as_scalar(n) for n in gm.graph.nodes if n.op == "placeholder"]
+        self.programs: dict = {}  # key -> AOTAutograd's callable; insertion order = least recently used first
+        self.compiles = 0
+        self._warned = False
+
+    def key(self, args) -> tuple:
+        return tuple(a.item() if scalar else (tuple(a.shape), a.stride()) if isinstance(a, torch.Tensor) else a
+                     for a, scalar in zip(args, self.scalar_at))
+
+    def __call__(self, *args):
+        key = self.key(args)
+        program = self.programs.pop(key, None)
+        if program is None:
+            program = self._compile(args)
+        self.programs[key] = program  # most recently used last
+        return program(*(a for a in args if not isinstance(a, (int, torch.SymInt))))
+
+    def _compile(self, args):
+        if len(self.programs) >= self.limit:
+            self.programs.pop(next(iter(self.programs)))
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"DCIR: a graph met more than {self.limit} input shapes (torch._dynamo.config.recompile_limit); "
+                    "the least recently used program is dropped and a shape seen again recompiles: pad or bucket "
+                    "the inputs to fewer shapes, or raise the limit", stacklevel=2)
+        self.compiles += 1
+        tensors = [a for a in args if not isinstance(a, (int, torch.SymInt))]
+        return _aot(specialize(self.gm, args, self.scalar_at), tensors)
+
+
+def specialize(gm: fx.GraphModule, args, scalar_at: list[bool]) -> fx.GraphModule:
+    """``gm`` with its int placeholders replaced by the call's values, and the ``.item()``
+    of its float ones too: a graph of tensor inputs only, whose size computations trace
+    to concrete ints."""
+    graph = fx.Graph()
+    env: dict = {}
+    scalars: dict = {}
+    placeholders = iter(zip(args, scalar_at))
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            value, scalar = next(placeholders)
+            if isinstance(value, (int, torch.SymInt)):
+                env[node] = int(value)
+                continue
+            if scalar:
+                scalars[node] = value.item()
+        elif node.op == "call_method" and node.target == "item" and node.args[0] in scalars:
+            env[node] = scalars[node.args[0]]
             continue
-        val = node.meta.get("example_value")
-        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else (val,)
-        if not any(isinstance(d, torch.SymInt) for d in shape):
-            continue
-        grapharg = node.meta.get("grapharg")
-        source = grapharg.source.name if grapharg is not None else node.name
-        what = f"the size {val}" if isinstance(val, torch.SymInt) else f"the shape [{', '.join(map(str, shape))}]"
-        traces = [u.meta["stack_trace"] for u in node.users if u.meta.get("stack_trace")]
-        where = _where(traces[0]) if traces else ""
-        raise DcirError(Diagnostic(
-            f"cannot lower to DCIR: input {source} has a dynamic shape ({what}){where}; "
-            "DCIR's shapes are static: pass dynamic=False to torch.compile for one graph per input shape"))
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    specialized = fx.GraphModule(gm, graph)
+    specialized.meta.update(gm.meta)
+    return specialized
 
 
 def _refuse_higher_order(gm: fx.GraphModule) -> None:

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import dcir
+import dcir_lowering.dynamo as dcir_dynamo
 from models import Breaks, ConvBN, Tied, mlp, squared, tiny_llama
 from zoo import LR, ZOO, criterion, worst_relative
 
@@ -157,18 +158,93 @@ def test_a_changed_batch_size_trains_with_static_shapes():
     _same_training(ZOO["gpt2"].model, batches, _outside, dynamic=False)
 
 
-def test_a_dynamic_shape_is_an_error_naming_the_input_and_the_fix():
-    """Without ``dynamic=False`` Dynamo makes the changed size symbolic ("automatic
-    dynamic"); aot_eager runs it, DCIR's shapes are static: a clear error, with the fix."""
-    batches = _zoo_batches("gpt2", rows=2, steps=1) + _zoo_batches("gpt2", rows=3, steps=1)
-    _train(ZOO["gpt2"].model(), "aot_eager", batches, _outside)
-    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as e:
-        _train(ZOO["gpt2"].model(), "dcir", batches, _outside)
-    message = _dcir_error(e)
-    assert "cannot lower to DCIR: input L['kwargs']['input_ids']" in message
-    assert "has a dynamic shape (the size s" in message
-    assert "site-packages/transformers/" in message  # where the size is first used
-    assert "DCIR's shapes are static: pass dynamic=False to torch.compile for one graph per input shape" in message
+# (batch rows, sequence length) of each step: the batch shrinks, grows, and the sequence changes
+_SHAPES = ((4, 8), (2, 8), (3, 5), (2, 6), (3, 5))
+
+
+def _zoo_llama_batches() -> list:
+    batches = []
+    for k, (rows, seq) in enumerate(_SHAPES):
+        inputs, y = ZOO["llama"].batch(torch.Generator().manual_seed(2000 + k), rows)
+        batches.append(({"input_ids": inputs["input_ids"][:, :seq]}, y[:, :seq]))
+    return batches
+
+
+_CHANGING = {
+    "mlp": (mlp, _squared, [(torch.randn(rows, 8, generator=torch.Generator().manual_seed(rows)),)
+                            for rows, _ in _SHAPES]),
+    "tiny_llama": (tiny_llama, _llama_outside, [(torch.randint(0, 128, (rows, seq), generator=torch.Generator()
+                                                               .manual_seed(rows * seq)),) for rows, seq in _SHAPES]),
+    "zoo_llama": (ZOO["llama"].model, _outside, _zoo_llama_batches()),
+}
+
+
+@pytest.fixture
+def per_shape(monkeypatch):
+    """Every ``PerShape`` the dcir backend makes (a graph whose sizes Dynamo made symbolic)."""
+    made = []
+    init = dcir_dynamo.PerShape.__init__
+
+    def spy(self, *args):
+        init(self, *args)
+        made.append(self)
+    monkeypatch.setattr(dcir_dynamo.PerShape, "__init__", spy)
+    return made
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+@pytest.mark.parametrize("name", list(_CHANGING))
+def test_changing_shapes_train_through_dcir_like_aot_eager(name, dynamic, per_shape):
+    """Batches of 4, 2, 3 rows and sequences of 8, 5, 6: with the default ``dynamic=None``
+    Dynamo makes the changed sizes symbolic ("automatic dynamic"), with ``dynamic=True``
+    all of them from the first call. DCIR compiles one static program per concrete shape
+    (forward and backward through DCIR) and trains like aot_eager."""
+    make, loss_of, batches = _CHANGING[name]
+    _same_training(make, batches, loss_of, dynamic=dynamic)
+    assert per_shape, "no graph with symbolic sizes reached the backend"
+    assert all(p.compiles == len(p.programs) for p in per_shape)  # a shape seen again is not recompiled
+    assert max(p.compiles for p in per_shape) >= 2
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+def test_changing_shapes_infer_through_dcir_like_aot_eager(dynamic, per_shape):
+    """``model.eval()`` under ``torch.no_grad()``: AOTAutograd's inference graph, one per shape."""
+    ids = [torch.randint(0, 128, (rows, seq), generator=torch.Generator().manual_seed(k))
+           for k, (rows, seq) in enumerate(_SHAPES)]
+    outs = []
+    for backend in ("aot_eager", "dcir"):
+        torch.manual_seed(0)
+        model = tiny_llama().eval()
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=backend, dynamic=dynamic)
+        with torch.no_grad():
+            outs.append([compiled(input_ids=i).logits for i in ids])
+        torch._dynamo.reset()
+    expected, got = outs
+    assert all(torch.equal(e, g) for e, g in zip(expected, got))
+    assert per_shape and max(p.compiles for p in per_shape) >= 2
+
+
+def test_shapes_beyond_the_recompile_limit_replace_the_least_recently_used_program(per_shape):
+    """At most ``torch._dynamo.config.recompile_limit`` programs per graph; a new shape
+    beyond them drops the least recently used one (a warning, once), and the results stay
+    those of eager."""
+    torch.manual_seed(0)
+    model = mlp()
+    xs = [torch.randn(rows, 8) for rows in (2, 3, 4, 3, 2, 5)]
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=2):
+        compiled = torch.compile(model, backend="dcir", dynamic=True)
+        with pytest.warns(UserWarning, match="DCIR: a graph met more than 2 input shapes") as warned:
+            outs = [compiled(x) for x in xs]
+    torch._dynamo.reset()
+    assert len([w for w in warned if "DCIR:" in str(w.message)]) == 1
+    (graph,) = per_shape
+    # 2, 3; 4 drops 2; 3 is kept; 2 drops 4; 5 drops 3
+    assert graph.compiles == 5
+    assert [[e for e in k if isinstance(e, int)] for k in graph.programs] == [[2], [5]]  # the batch size
+    for x, out in zip(xs, outs):
+        assert torch.equal(out, model(x))
 
 
 class Cond(torch.nn.Module):
@@ -181,13 +257,15 @@ class Cond(torch.nn.Module):
         return torch.cond(h.sum() > 0, lambda t: t * 2, lambda t: t * 3, (h,))
 
 
-def test_a_higher_order_op_is_an_error_at_the_users_line():
+@pytest.mark.parametrize("dynamic", [None, True], ids=["static", "dynamic"])
+def test_a_higher_order_op_is_an_error_at_the_users_line(dynamic):
     """``torch.cond`` reached the lowering as a subgraph read as a constant tensor
-    ("AttributeError: 'GraphModule' object has no attribute 'numel'")."""
+    ("AttributeError: 'GraphModule' object has no attribute 'numel'"); with symbolic
+    sizes too, the error comes when Dynamo compiles, not at the first call."""
     x = torch.randn(2, 4)
-    _train(Cond(), "aot_eager", [(x,)], lambda c, x: c(x).pow(2).mean())
+    _train(Cond(), "aot_eager", [(x,)], lambda c, x: c(x).pow(2).mean(), dynamic=dynamic)
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as e:
-        _train(Cond(), "dcir", [(x,)], lambda c, x: c(x).pow(2).mean())
+        _train(Cond(), "dcir", [(x,)], lambda c, x: c(x).pow(2).mean(), dynamic=dynamic)
     message = _dcir_error(e)
     assert "cannot lower to DCIR: torch.cond is a higher-order op (it calls subgraphs), which DCIR cannot express" \
         in message
