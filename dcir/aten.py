@@ -128,9 +128,17 @@ def _table() -> dict[str, list]:
     return table
 
 
-@lru_cache(maxsize=None)
 def schema(op_name: str) -> Schema | None:
-    """The schema of ``aten.<name>.<overload>``; ``aten.<name>`` means the default overload."""
+    """The schema of ``aten.<name>.<overload>``; ``aten.<name>`` means the default overload.
+    An op of another namespace is a custom op, whose schema torch holds (``dcir.custom_ops``)."""
+    if not op_name.startswith("aten."):
+        from dcir import custom_ops
+        return custom_ops.schema(op_name)
+    return _aten_schema(op_name)
+
+
+@lru_cache(maxsize=None)
+def _aten_schema(op_name: str) -> Schema | None:
     parts = op_name.split(".")
     if len(parts) == 2:
         op_name += ".default"

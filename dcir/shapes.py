@@ -1,4 +1,4 @@
-"""Shape inference for ``aten.*`` ops by running torch's meta kernels.
+"""Shape inference for schema ops (aten and custom) by running torch's meta kernels.
 
 The verifier's structural checks trust the result types recorded at capture. With
 ``verify(module, shapes=True)`` (``dcir-opt --verify-shapes``) each aten op is also run
@@ -74,9 +74,8 @@ def call_arguments(op_name: str, operands: list, attrs: dict, *, device=None) ->
 
 
 def _resolve(op_name: str):
-    import torch
-    _, name, overload = op_name.split(".", 2) if op_name.count(".") >= 2 else (*op_name.split("."), "default")
-    return getattr(getattr(torch.ops.aten, name), overload)
+    from dcir.custom_ops import resolve
+    return resolve(op_name)
 
 
 @lru_cache(maxsize=None)

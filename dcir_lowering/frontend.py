@@ -78,7 +78,7 @@ def compile_to_ir(model: torch.nn.Module, example_inputs, *, kwargs: dict | None
             out = _cast_floats(out, output_dtype)
         return loss_fn(out) if loss_fn is not None else _loss_of(out)
 
-    loss = _trace(step, captured, args, kwargs or {})
+    loss = _trace(step, captured, args, kwargs or {}, work)
     if not isinstance(loss, torch.Tensor):
         raise DcirError(Diagnostic(f"cannot find a loss in the model's output ({type(loss).__name__}); pass loss_fn="))
     if loss.numel() != 1 or not loss.requires_grad:
@@ -95,18 +95,59 @@ def _cast_floats(tree, dtype: torch.dtype):
     return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
-def _trace(step, captured: "_Captured", args: tuple, kwargs: dict):
+def _trace(step, captured: "_Captured", args: tuple, kwargs: dict, model: torch.nn.Module | None = None):
     """One run of ``step`` under Dynamo as one graph, logging, warnings and prints
-    ignored (``benign_breaks``)."""
+    ignored (``benign_breaks``). If Dynamo refuses something and ``model`` (the private
+    copy ``step`` calls) is given, the step runs once eagerly first (``_warm_up``) and is
+    traced again: what a model does only on its first call happens outside the trace."""
+    compiled = lambda: torch.compile(step, backend=captured.backend, fullgraph=True, dynamic=False)  # noqa: E731
     torch._dynamo.reset()
     try:
         with benign_breaks():
-            return torch.compile(step, backend=captured.backend, fullgraph=True, dynamic=False)(*args, **kwargs)
+            try:
+                return compiled()(*args, **kwargs)
+            except torch._dynamo.exc.Unsupported:
+                if model is None:
+                    raise
+                _warm_up(step, model, args, kwargs)  # a fullgraph trace that fails has run nothing
+                torch._dynamo.reset()
+                return compiled()(*args, **kwargs)
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:  # UserError: data-dependent shapes
         where = _where(str(e))
-        raise DcirError(Diagnostic(f"cannot capture the model as one graph: {_first_line(e)}{where}")) from None
+        raise DcirError(Diagnostic(f"cannot capture the model as one graph: {_why(e)}{where}")) from None
     finally:
         torch._dynamo.reset()
+
+
+_UNSUPPORTED_OP = re.compile(r"unsupported operator: ([\w.]+)")
+
+
+def _why(e: Exception) -> str:
+    """Dynamo's reason, or for a custom op it cannot run on fake tensors, DCIR's
+    (``dcir.custom_ops.problem``: which op, and to register a fake kernel)."""
+    from dcir import custom_ops
+
+    m = _UNSUPPORTED_OP.search(str(e))
+    if m and not m.group(1).startswith("aten."):
+        return custom_ops.problem(m.group(1)) or _first_line(e)
+    return _first_line(e)
+
+
+def _warm_up(step, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """One eager call of ``step`` on ``model`` (capture's private copy), so that what a
+    model does only on its first call runs outside Dynamo: ``transformers`` installs its
+    output-capturing hooks under a ``threading.Lock`` (``maybe_install_capturing_hooks``),
+    lazy modules size their parameters, caches fill. The call leaves no other trace: no
+    autograd graph (``no_grad``), the random generators as they were (``fork_rng``: a
+    dropout mask drawn here is not drawn in the trace), every parameter and buffer
+    (BatchNorm's running statistics) restored to its value before."""
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    before = {name: t.detach().clone() for name, t in state.items()}
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        step(*args, **kwargs)
+        for name, t in state.items():
+            t.copy_(before[name])
 
 
 #: ``logging.Logger`` methods a model may call in forward; transformers adds ``warning_once``,
@@ -231,9 +272,24 @@ class GraphLowering:
                 continue
             if node.target is operator.getitem:
                 continue  # a result of the op before it, named after the getitem
-            if not isinstance(node.target, torch._ops.OpOverload) or node.target.namespace != "aten":
-                raise self._unsupported(node, f"{node.target} is not an aten op")
+            self._check_target(node)
             f.ops.append(self._op(node, env, used))
+
+    def _check_target(self, node: fx.Node) -> None:
+        """An aten op, or a custom op DCIR can carry (``dcir.custom_ops``); else a located error."""
+        from dcir import custom_ops
+
+        target = node.target
+        if isinstance(target, torch._ops.HigherOrderOperator) and target.name().startswith("auto_functionalized"):
+            inner = node.args[0] if node.args else None  # a mutating custom op, functionalized by AOTAutograd
+            name = _op_name(inner) if isinstance(inner, torch._ops.OpOverload) else str(inner)
+            raise self._unsupported(node, custom_ops.problem(name) or f"{name} mutates its arguments")
+        if not isinstance(target, torch._ops.OpOverload):
+            raise self._unsupported(node, f"{target} is not a torch operator (an aten op or a torch.library op)")
+        if target.namespace != "aten":
+            why = custom_ops.problem(_op_name(target))
+            if why is not None:
+                raise self._unsupported(node, why)
 
     def _constant(self, gm: fx.GraphModule, node: fx.Node, f: Function) -> Value:
         """A tensor the graph holds (``torch.tensor([...])`` in model code) as a buffer
@@ -250,7 +306,7 @@ class GraphLowering:
 
     def _op(self, node: fx.Node, env: dict, used: set) -> Op:
         schema = node.target._schema
-        name = f"aten.{schema.name.split('::', 1)[1]}.{schema.overload_name or 'default'}"
+        name = _op_name(node.target)
         given = dict(zip((a.name for a in schema.arguments), node.args))
         given.update(node.kwargs)
         tensor_args = [a for a in schema.arguments if _is_tensor(a.type)]
@@ -401,6 +457,12 @@ def _input_name(source: str) -> str:
         return f"args[{m.group(1)}]"
     m = _KEYWORD.fullmatch(source)
     return m.group(1) if m else source
+
+
+def _op_name(overload: torch._ops.OpOverload) -> str:
+    """The DCIR name of a torch operator: ``aten.addmm.default``, ``transformers.grouped_mm_fallback.default``."""
+    schema = overload._schema
+    return f"{schema.name.replace('::', '.', 1)}.{schema.overload_name or 'default'}"
 
 
 def _is_tensor(t) -> bool:

@@ -66,24 +66,11 @@ GAPS = {
     "loss-only": ("'Tensor' object has no attribute 'loss'", _OUTPUTS + (
         "out.loss on the returned tensor raises \"AttributeError: 'Tensor' object has no attribute 'loss'\" "
         "(and Engine.backward refuses any tensor but that loss)")),
-    "custom-op": ("transformers.grouped_mm_fallback.default is not an aten op", (
-        "transformers' MoE experts call torch.ops.transformers.grouped_mm_fallback (a torch.library op with a "
-        "fake kernel, integrations/moe.py); GraphLowering.lower_ops (dcir_lowering/frontend.py) raises "
-        "\"cannot lower to DCIR: transformers.grouped_mm_fallback.default is not an aten op\"")),
-    "hook-lock": ("Unsupported context manager", (
-        "a fresh MoE model's first forward installs transformers' output-capturing hooks (for "
-        "output_router_logits) under `with threading.Lock()` (utils/output_capturing.py:239); compile_to_ir's "
-        "fullgraph Dynamo trace stops there: \"cannot capture the model as one graph: Unsupported context "
-        "manager\" (behind it: the custom-op gap)")),
 }
 XFAIL: dict[tuple[str, str], str] = {}  # (model, path) -> gap
 for _name in ZOO:
     XFAIL[_name, "engine-criterion"] = XFAIL[_name, "engine-accumulate"] = "no-outputs"
     XFAIL[_name, "engine-aux"] = "loss-only"
-for _name in ("mixtral", "qwen2_moe"):
-    XFAIL[_name, "compile"] = "custom-op"
-    for _form in ENGINE_FORMS:
-        XFAIL[_name, f"engine-{_form}"] = "hook-lock"
 
 
 class WrongReason(Exception):
