@@ -530,8 +530,8 @@ def constants(module: Module, device: torch.device | str = "cpu") -> dict:
     for name, decl in module.decls.items():
         if "value" in decl.attrs:
             t = decl.type
-            out[name] = torch.tensor(list(decl.attrs["value"]), dtype=torch_dtype(t.dtype),
-                                     device=device).reshape(t.shape)
+            values = [complex(v) if isinstance(v, str) else v for v in decl.attrs["value"]]  # complex: "(1+2j)"
+            out[name] = torch.tensor(values, dtype=torch_dtype(t.dtype), device=device).reshape(t.shape)
     return out
 
 

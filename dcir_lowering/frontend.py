@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import NONE, UNIT, Decl, DType, Function, Module, Op, TensorType, Type, Value
-from dcir.shapes import dcir_dtype
+from dcir.shapes import _DTYPES, dcir_dtype
 
 #: Largest constant tensor written into the text (elements); larger ones must be buffers.
 MAX_CONSTANT = 4096
@@ -240,20 +240,43 @@ def _type(val) -> Type:
         return NONE
     if not isinstance(val, torch.Tensor):
         raise DcirError(Diagnostic(f"DCIR values are tensors; the graph has a {type(val).__name__} value"))
-    return TensorType(dcir_dtype(val.dtype), tuple(int(d) for d in val.shape))
+    if val.layout != torch.strided:
+        raise DcirError(Diagnostic(f"DCIR values are dense tensors; the graph has a {val.layout} tensor"))
+    return TensorType(_element_type(val.dtype), tuple(int(d) for d in val.shape))
+
+
+def _element_type(dtype: torch.dtype) -> str:
+    try:
+        return dcir_dtype(dtype)
+    except ValueError:
+        raise DcirError(Diagnostic(f"DCIR has no element type for {dtype}; its element types are: "
+                                   f"{', '.join(_DTYPES)}")) from None
+
+
+class _NoForm(TypeError):
+    """An FX argument with no DCIR attribute form; the message says what it is and why."""
 
 
 def _attr(value):
-    """An FX argument that is not a tensor, as a DCIR attribute value."""
+    """An FX argument that is not a tensor, as a DCIR attribute value. A complex number
+    is a string in Python's complex syntax (``"(1+2j)"``; the schema says it is a number)."""
     if isinstance(value, torch.dtype):
-        return DType(dcir_dtype(value))
+        try:
+            return DType(dcir_dtype(value))
+        except ValueError:
+            raise _NoForm(f"{value}, an element type DCIR does not have") from None
     if isinstance(value, (torch.device, torch.memory_format, torch.layout)):
         return str(value).removeprefix("torch.")
     if isinstance(value, (list, tuple)):
         return tuple(_attr(v) for v in value)
+    if isinstance(value, complex):
+        return repr(value)
+    if isinstance(value, torch.Generator):
+        raise _NoForm("torch.Generator: a generator is state that DCIR does not carry (programs draw from the "
+                      "default generator); drop generator=")
     if isinstance(value, (bool, int, float, str)) or value is None:
         return value
-    raise TypeError(type(value).__name__)
+    raise _NoForm(type(value).__name__)
 
 
 class GraphLowering:
@@ -299,7 +322,8 @@ class GraphLowering:
             raise self._unsupported(node, f"a constant tensor of {tensor.numel()} elements (more than {MAX_CONSTANT}); "
                                           "register it as a buffer of the model")
         name = f"{f.name}.{node.target}"
-        self.m.decls[name] = Decl("buffer", name, _type(tensor), {"value": tuple(tensor.flatten().tolist())})
+        elements = tuple(_attr(v) for v in tensor.flatten().tolist())  # complex elements: strings
+        self.m.decls[name] = Decl("buffer", name, _type(tensor), {"value": elements})
         v = Value(node.name, _type(tensor))
         f.ops.append(Op("param.get", [], [v], symbol=name))
         return v
@@ -310,6 +334,9 @@ class GraphLowering:
         given = dict(zip((a.name for a in schema.arguments), node.args))
         given.update(node.kwargs)
         tensor_args = [a for a in schema.arguments if _is_tensor(a.type)]
+        for a in tensor_args:  # an optional tensor left out is absent: none, if a later tensor is given
+            if str(a.type) == "Optional[Tensor]":
+                given.setdefault(a.name, None)
         operands, attrs = [], {}
         last_tensor = max((k for k, a in enumerate(tensor_args) if isinstance(given.get(a.name), (fx.Node, list, tuple))),
                           default=-1)
@@ -329,13 +356,19 @@ class GraphLowering:
                 elif isinstance(value, fx.Node):
                     operands.append(env[value])
                 else:
-                    attrs[a.name] = _attr(value)  # a number torch wraps into a tensor
+                    attrs[a.name] = _attr(value)  # a number torch wraps into a tensor (complex: a string)
                 continue
             try:
                 attrs[a.name] = _attr(value)
-            except TypeError as e:
+            except _NoForm as e:
                 raise self._unsupported(node, f"argument '{a.name}' of {name} is a {e}") from None
-        return Op(name, operands, self._results(node, env, used), attrs, parens=True)
+        if not schema.returns:  # aten._linalg_check_errors: called for its checks, returns nothing
+            return Op(name, operands, [], attrs, parens=True)
+        try:
+            results = self._results(node, env, used)
+        except DcirError as e:
+            raise self._unsupported(node, f"{name} returns what DCIR cannot hold: {e.diagnostics[0].message}") from None
+        return Op(name, operands, results, attrs, parens=True)
 
     def _results(self, node: fx.Node, env: dict, used: set) -> list[Value]:
         val = node.meta.get("val")
