@@ -38,8 +38,8 @@ import torch
 import torch.fx as fx
 
 from dcir.diagnostics import DcirError, Diagnostic
-from dcir.ir import NONE, UNIT, Decl, DType, Function, Module, Op, TensorType, Type, Value
-from dcir.shapes import _DTYPES, dcir_dtype
+from dcir.ir import DTYPE_BYTES, NONE, UNIT, Decl, DType, Function, Module, Op, TensorType, Type, Value
+from dcir.shapes import dcir_dtype
 
 #: Largest constant tensor written into the text (elements); larger ones must be buffers.
 MAX_CONSTANT = 4096
@@ -107,9 +107,8 @@ def _trace(step, captured: "_Captured", args: tuple, kwargs: dict, model: torch.
             try:
                 return compiled()(*args, **kwargs)
             except torch._dynamo.exc.Unsupported:
-                if model is None:
+                if model is None or not _warm_up(step, model, args, kwargs):  # a failed trace has run nothing
                     raise
-                _warm_up(step, model, args, kwargs)  # a fullgraph trace that fails has run nothing
                 torch._dynamo.reset()
                 return compiled()(*args, **kwargs)
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:  # UserError: data-dependent shapes
@@ -133,21 +132,27 @@ def _why(e: Exception) -> str:
     return _first_line(e)
 
 
-def _warm_up(step, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+def _warm_up(step, model: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
     """One eager call of ``step`` on ``model`` (capture's private copy), so that what a
     model does only on its first call runs outside Dynamo: ``transformers`` installs its
     output-capturing hooks under a ``threading.Lock`` (``maybe_install_capturing_hooks``),
     lazy modules size their parameters, caches fill. The call leaves no other trace: no
     autograd graph (``no_grad``), the random generators as they were (``fork_rng``: a
     dropout mask drawn here is not drawn in the trace), every parameter and buffer
-    (BatchNorm's running statistics) restored to its value before."""
+    (BatchNorm's running statistics) restored to its value before. False if the eager
+    call raised: then the trace's own error is the one to report."""
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     before = {name: t.detach().clone() for name, t in state.items()}
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
-        step(*args, **kwargs)
-        for name, t in state.items():
-            t.copy_(before[name])
+        try:
+            step(*args, **kwargs)
+        except Exception:  # the model's own failure; Dynamo's message names the construct
+            return False
+        finally:
+            for name, t in state.items():
+                t.copy_(before[name])
+    return True
 
 
 #: ``logging.Logger`` methods a model may call in forward; transformers adds ``warning_once``,
@@ -250,7 +255,7 @@ def _element_type(dtype: torch.dtype) -> str:
         return dcir_dtype(dtype)
     except ValueError:
         raise DcirError(Diagnostic(f"DCIR has no element type for {dtype}; its element types are: "
-                                   f"{', '.join(_DTYPES)}")) from None
+                                   f"{', '.join(DTYPE_BYTES)}")) from None
 
 
 class _NoForm(TypeError):
