@@ -11,7 +11,8 @@ Argument mapping (the convention the whole project uses, see docs/language.md):
 * every other argument is an attribute named like the schema argument (``{dim = 1}``);
   an optional tensor that is absent is written as an attribute with value ``none``,
   and a number given for a tensor (``aten.add.Tensor(%x) {other = 1}``, which torch
-  wraps into a tensor) is an attribute too;
+  wraps into a tensor) is an attribute too; a complex number is a string in Python's
+  complex syntax (``{other = "(1+2j)"}``: the language has no complex literal);
 * arguments that keep their schema default may be left out;
 * a single ``Tensor[]`` argument takes all operands not taken by the plain tensor
   arguments (``aten.cat.default(%a, %b) {dim = 1}``).
@@ -128,9 +129,17 @@ def _table() -> dict[str, list]:
     return table
 
 
-@lru_cache(maxsize=None)
 def schema(op_name: str) -> Schema | None:
-    """The schema of ``aten.<name>.<overload>``; ``aten.<name>`` means the default overload."""
+    """The schema of ``aten.<name>.<overload>``; ``aten.<name>`` means the default overload.
+    An op of another namespace is a custom op, whose schema torch holds (``dcir.custom_ops``)."""
+    if not op_name.startswith("aten."):
+        from dcir import custom_ops
+        return custom_ops.schema(op_name)
+    return _aten_schema(op_name)
+
+
+@lru_cache(maxsize=None)
+def _aten_schema(op_name: str) -> Schema | None:
     parts = op_name.split(".")
     if len(parts) == 2:
         op_name += ".default"
@@ -179,7 +188,7 @@ def bind(sch: Schema, n_operands: int, attrs: dict, *, check_values: bool = True
                 continue
             if a.is_tensor_list:
                 raise MappingError(f"tensor list argument '{a.name}' of {sch.name} is given as operands, not as an attribute")
-            if a.is_tensor and isinstance(value, (bool, int, float)):
+            if a.is_tensor and (isinstance(value, (bool, int, float)) or is_complex_text(value)):
                 bound.append((a, ("attr", a.name)))  # a number where torch takes a tensor: torch wraps it
                 continue
             if a.is_tensor and value is not None:
@@ -231,6 +240,22 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def is_complex_text(v) -> bool:
+    """A complex number as the language writes it: a string in Python's complex syntax,
+    ``"(1+2j)"`` (there is no complex literal; the schema says the argument is a number)."""
+    if not isinstance(v, str) or "j" not in v:
+        return False
+    try:
+        complex(v)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) or is_complex_text(v)
+
+
 # What an attribute value may be for a schema type; unlisted types are not checked.
 # int-typed arguments also take an element type (dtype = f32: ScalarType is an int in
 # the schema) and a name (memory_format = "contiguous_format": enums are ints too).
@@ -239,14 +264,15 @@ _KINDS = {
     "SymInt": ("an integer", _is_int),
     "bool": ("true or false", lambda v: isinstance(v, bool)),
     "float": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
-    "number": ("a number", lambda v: isinstance(v, (int, float))),
+    "number": ("a number", _is_number),
+    "complex": ("a number", _is_number),
     "str": ("a string", lambda v: isinstance(v, str)),
     "Device": ("a device string", lambda v: isinstance(v, str)),
 }
 
 
 _LIST_ITEMS = {"int": _is_int, "SymInt": _is_int, "bool": lambda v: isinstance(v, bool),
-               "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}
+               "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "number": _is_number}
 
 
 def _value_fits(typ: str, value) -> str | None:

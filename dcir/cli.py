@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draw live bytes over the ops of every function to OUT (PNG; needs matplotlib)")
     p.add_argument("--budget", metavar="SIZE", help="the memory budget line of --memory-plot, e.g. 2GiB")
     p.add_argument("--help-pass", metavar="NAME", help="describe one pass and its options, then exit")
+    p.add_argument("--load", action="append", default=[], metavar="MODULE",
+                   help="import the Python module MODULE first, which registers the custom ops (torch.library) the "
+                        "input uses, e.g. --load transformers.integrations.moe (repeatable)")
     return p
 
 
@@ -88,6 +91,7 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None, stdout: Tex
         stderr.write(e.render() + "\n")
         return 2
     try:
+        _load(args.load)
         name, text = _read(args.input, stdin)
         args.machine = _machine(args)
     except _Usage as e:
@@ -122,6 +126,17 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None, stdout: Tex
         else:
             Path(args.output).write_text(result)
     return 1 if failed else 0
+
+
+def _load(modules: list[str]) -> None:
+    """Import the modules of ``--load`` (libraries that register custom ops)."""
+    from dcir.custom_ops import load
+
+    for module in modules:
+        try:
+            load(module)
+        except ImportError as e:
+            raise _Usage(f"--load {module}: {e}") from None
 
 
 def _machine(args):

@@ -5,7 +5,9 @@ Costs per op come from the profile when the op carries one (``prof.time_us``, se
 
 * compute: the larger of its arithmetic (matmuls and convolutions: 2 flops per
   multiply-add) over ``Machine.flops`` and the bytes it reads and writes over
-  ``Machine.mem_bw``, plus a per-op dispatch cost;
+  ``Machine.mem_bw``, plus a per-op dispatch cost. A custom op (``dcir.custom_ops``) is
+  opaque: its arithmetic is unknown, so it is priced by its bytes and dispatch only, a
+  lower bound; profile the module (``prof.time_us``) to price it as measured;
 * a collective: the ring model NCCL's tuner uses (``docs/simulator.md``). Over ``n``
   ranks, an all-gather or a reduce-scatter takes ``n - 1`` steps and moves
   ``(n - 1) / n`` of the full tensor over each rank's link, an all-reduce twice both;
@@ -110,6 +112,8 @@ _MATMULS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear"}
 
 
 def _flops(op: Op) -> float:
+    if op.family != "aten":
+        return 0.0  # a custom op's arithmetic is unknown: priced by the bytes it touches (module docstring)
     base = op.name.split(".")[1] if op.name.count(".") >= 1 else op.name
     if base in _MATMULS and op.results and isinstance(op.results[0].type, TensorType):
         # result elements times the contracted length (the last dim of the first matrix operand)

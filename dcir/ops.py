@@ -231,6 +231,17 @@ def _rule_aten(op, types, module):
     return [r.type for r in op.results]
 
 
+def _rule_custom(op, types, module):
+    """A custom op's result types are what its fake kernel computes on meta tensors (cached
+    per operand types and attributes); arity and kind are checked as for aten."""
+    _rule_aten(op, types, module)
+    from dcir import shapes  # imports torch, which a custom op's schema needed already
+    try:
+        return shapes.infer(op.name, types, op.attrs)
+    except shapes.ShapeError as e:
+        raise TypeRuleError(f"the fake kernel of {op.name} rejects these operands: {e}") from None
+
+
 # ---- the registry --------------------------------------------------------------------
 
 _GROUP = {"group": AttrSpec("str")}
@@ -302,16 +313,29 @@ ATEN = OpDef("aten.*", "Compute: one-to-one with a torch.ops.aten overload (oper
 _MUTATING_ATEN = OpDef("aten.*", ATEN.summary, (0, None), (0, None),
                        frozenset({COMPUTE, SIDE_EFFECT, ALLOCATES, SCHEMA}), _rule_aten, example=ATEN.example)
 
+CUSTOM = OpDef("<namespace>.*", "Compute: an operator registered with torch.library outside aten, with a fake "
+               "kernel (opaque: DCIR knows its schema and result shapes, not what it computes).", (0, None), (0, None),
+               frozenset({PURE, COMPUTE, ALLOCATES, SCHEMA}), _rule_custom,
+               example="%y = transformers.grouped_mm_fallback.default(%x, %w, %offs) : f32[16, 64]")
+
 FAMILIES = ("aten", "comm", "grad", "mem", "optim", "param")
 
 #: Attributes every op may carry. Keys with a dot (``prof.time_us``) are free-form too.
 COMMON_ATTRS = {"ranks": AttrSpec("int_list")}
 
 
-@lru_cache(maxsize=None)
 def lookup(name: str) -> OpDef | None:
     """The definition of op ``name``, or None if DCIR does not know it (cached: the cost
-    model asks for every op of every candidate schedule a pass prices)."""
+    model asks for every op of every candidate schedule a pass prices). A name outside
+    DCIR's families is a custom op, known once torch holds a usable one (``dcir.custom_ops``)."""
+    d = _lookup_known(name)
+    if d is not None or name.split(".", 1)[0] in FAMILIES:
+        return d
+    return CUSTOM if aten.schema(name) is not None else None
+
+
+@lru_cache(maxsize=None)
+def _lookup_known(name: str) -> OpDef | None:
     d = OPS.get(name)
     if d is not None:
         return d
@@ -362,7 +386,7 @@ def views(op: Op) -> dict[int, int]:
     Which schema arguments an op gives decides it, never their values."""
     if op.name == "optim.step":  # updates its operands in place
         return {i: i for i in range(min(len(op.operands), len(op.results)))}
-    if not op.name.startswith("aten."):
+    if not has_trait(op, SCHEMA):
         return {}
     if op.name.startswith(STORAGE_SHARING):
         return {0: 0}

@@ -1,4 +1,4 @@
-"""Shape inference for ``aten.*`` ops by running torch's meta kernels.
+"""Shape inference for schema ops (aten and custom) by running torch's meta kernels.
 
 The verifier's structural checks trust the result types recorded at capture. With
 ``verify(module, shapes=True)`` (``dcir-opt --verify-shapes``) each aten op is also run
@@ -35,12 +35,19 @@ def dcir_dtype(dtype) -> str:
     raise ValueError(f"DCIR has no element type for {dtype}")
 
 
+#: schema types whose attribute may be a complex number (a Scalar, a complex, a tensor torch wraps from one)
+_NUMBER_TYPES = ("number", "Optional[number]", "complex", "Optional[complex]", "List[number]", "Tensor",
+                 "Optional[Tensor]")
+
+
 def _attr_to_torch(arg: aten.Arg, value, device=None):
     """An attribute value as the torch object schema argument ``arg`` wants."""
     if isinstance(value, DType):
         return torch_dtype(value.name)
     if isinstance(value, tuple):
         return [_attr_to_torch(arg, v, device) for v in value]
+    if aten.is_complex_text(value) and arg.type in _NUMBER_TYPES:
+        return complex(value)  # "(1+2j)": a complex number, as the language writes it
     if isinstance(value, str) and arg.type in ("Device", "Optional[Device]"):
         import torch
         return torch.device(device or value)
@@ -57,7 +64,13 @@ def call_arguments(op_name: str, operands: list, attrs: dict, *, device=None) ->
     sch = aten.schema(op_name)
     plain = {k: v for k, v in attrs.items() if "." not in k and k != "ranks"}
     args, kwargs = [], {}
-    for arg, src in aten.bind(sch, len(operands), plain):
+    bound = aten.bind(sch, len(operands), plain)
+    given = {arg.name for arg, _ in bound}
+    # an argument left at its default shifts every later one: those go by keyword
+    # (binary_cross_entropy(self, target, weight=None, reduction=1) without weight)
+    skipped = next((k for k, a in enumerate(sch.args) if a.name not in given), len(sch.args))
+    by_keyword = {a.name for a in sch.args[skipped:]}
+    for arg, src in bound:
         if src[0] == "operand":
             value = operands[src[1]]
         elif src[0] == "operands":
@@ -66,7 +79,7 @@ def call_arguments(op_name: str, operands: list, attrs: dict, *, device=None) ->
                 value.insert(k, None)
         else:
             value = _attr_to_torch(arg, plain[src[1]], device)
-        if arg.kwarg_only:
+        if arg.kwarg_only or arg.name in by_keyword:
             kwargs[arg.name] = value
         else:
             args.append(value)
@@ -74,9 +87,8 @@ def call_arguments(op_name: str, operands: list, attrs: dict, *, device=None) ->
 
 
 def _resolve(op_name: str):
-    import torch
-    _, name, overload = op_name.split(".", 2) if op_name.count(".") >= 2 else (*op_name.split("."), "default")
-    return getattr(getattr(torch.ops.aten, name), overload)
+    from dcir.custom_ops import resolve
+    return resolve(op_name)
 
 
 @lru_cache(maxsize=None)

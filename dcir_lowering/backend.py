@@ -2,7 +2,8 @@
 handed to Inductor.
 
 The graph calls exactly what the IR says, op by op: ``aten.*`` ops through
-``torch.ops.aten`` (operands and attributes mapped onto the schema as in
+``torch.ops.aten``, custom ops (``transformers.grouped_mm_fallback.default``) through
+``torch.ops.<namespace>`` (operands and attributes mapped onto the schema as in
 ``dcir.aten``), ``param.get`` / ``param.set`` read and write the program's state (the
 model's own parameter and buffer tensors), ``grad.set`` hands a gradient over, and
 ``mem.free`` needs nothing in one process (a value's memory goes with its last use).
@@ -36,10 +37,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from dcir import aten, signature
+from dcir import aten, custom_ops, signature
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.analysis import view_bases
 from dcir.ir import Function, Module, Op, ShardType
+from dcir.ops import SCHEMA, has_trait
 from dcir.printer import locate
 from dcir.roles import BACKWARD, BACKWARD_LAST, EVAL, FORWARD, STEP, UNSHARD
 from dcir.shapes import call_arguments, torch_dtype
@@ -307,7 +309,7 @@ def _lower_op(module: Module, func: Function, op: Op, g: fx.Graph, env: dict, st
     elif op.name == "mem.cast":
         env[op.results[0]] = g.call_function(torch.ops.aten._to_copy.default, (env[op.operands[0]],),
                                              {"dtype": torch_dtype(op.attrs["dtype"].name)})
-    elif op.name.startswith("aten."):
+    elif has_trait(op, SCHEMA):  # aten and custom ops: torch.ops.<namespace>.<name>.<overload>
         _lower_aten(op, g, env)
     else:
         raise _unsupported(module, op, f"{op.name} is not lowered in @{func.name}")
@@ -329,9 +331,7 @@ def _item(values, i):
 
 
 def _target(name: str):
-    parts = name.split(".")
-    overload = parts[2] if len(parts) > 2 else "default"
-    return getattr(getattr(torch.ops.aten, parts[1]), overload)
+    return custom_ops.resolve(name)
 
 
 def _unsupported(module: Module, op: Op, message: str) -> DcirError:
@@ -552,8 +552,8 @@ def constants(module: Module, device: torch.device | str = "cpu") -> dict:
     for name, decl in module.decls.items():
         if "value" in decl.attrs:
             t = decl.type
-            out[name] = torch.tensor(list(decl.attrs["value"]), dtype=torch_dtype(t.dtype),
-                                     device=device).reshape(t.shape)
+            values = [complex(v) if isinstance(v, str) else v for v in decl.attrs["value"]]  # complex: "(1+2j)"
+            out[name] = torch.tensor(values, dtype=torch_dtype(t.dtype), device=device).reshape(t.shape)
     return out
 
 

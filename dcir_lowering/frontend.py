@@ -41,7 +41,7 @@ import torch
 import torch.fx as fx
 
 from dcir.diagnostics import DcirError, Diagnostic
-from dcir.ir import NONE, UNIT, Decl, DType, Function, Module, Op, TensorType, Type, Value
+from dcir.ir import DTYPE_BYTES, NONE, UNIT, Decl, DType, Function, Module, Op, TensorType, Type, Value
 from dcir.shapes import dcir_dtype
 from dcir import signature
 from dcir.roles import BACKWARD, EVAL, FORWARD
@@ -96,11 +96,11 @@ def capture(model: torch.nn.Module, example_inputs, *, kwargs: dict | None = Non
     _check_inputs(args, kwargs or {})
     captured = _Captured()
     with torch.set_grad_enabled(training):
-        out = _trace(step, captured, args, kwargs or {})
+        out = _trace(step, captured, args, kwargs or {}, work)
     if captured.aliased():  # an output that is a view: AOTAutograd rebuilds it outside the graph
         captured = _Captured()
         with torch.set_grad_enabled(training):
-            out = _trace(lambda *a, **kw: _clone_tensors(step(*a, **kw)), captured, args, kwargs or {})
+            out = _trace(lambda *a, **kw: _clone_tensors(step(*a, **kw)), captured, args, kwargs or {}, work)
     outputs = Outputs.of(out, captured.produced)
     if training:
         _backward(captured)
@@ -140,20 +140,66 @@ def _cast_floats(tree, dtype: torch.dtype):
     return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
-def _trace(step, captured: "_Captured", args: tuple, kwargs: dict):
+def _trace(step, captured: "_Captured", args: tuple, kwargs: dict, model: torch.nn.Module | None = None):
     """One run of ``step`` under Dynamo as one graph, logging, warnings and prints
-    ignored (``benign_breaks``)."""
+    ignored (``benign_breaks``). If Dynamo refuses something and ``model`` (the private
+    copy ``step`` calls) is given, the step runs once eagerly first (``_warm_up``) and is
+    traced again: what a model does only on its first call happens outside the trace."""
+    compiled = lambda: torch.compile(step, backend=captured.backend, fullgraph=True, dynamic=False)  # noqa: E731
     torch._dynamo.reset()
     try:
         with benign_breaks():
-            return torch.compile(step, backend=captured.backend, fullgraph=True, dynamic=False)(*args, **kwargs)
+            try:
+                return compiled()(*args, **kwargs)
+            except torch._dynamo.exc.Unsupported:
+                if model is None or not _warm_up(step, model, args, kwargs):  # a failed trace has run nothing
+                    raise
+                torch._dynamo.reset()
+                return compiled()(*args, **kwargs)
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:  # UserError: data-dependent shapes
         where = _where(str(e))
         from dcir_lowering.breaks import notes  # every break, not just the first: the step runs again to list them
-        raise DcirError(Diagnostic(f"cannot capture the model as one graph: {_first_line(e)}{where}",
+        raise DcirError(Diagnostic(f"cannot capture the model as one graph: {_why(e)}{where}",
                                    notes=notes(step, args, kwargs))) from None
     finally:
         torch._dynamo.reset()
+
+
+_UNSUPPORTED_OP = re.compile(r"unsupported operator: ([\w.]+)")
+
+
+def _why(e: Exception) -> str:
+    """Dynamo's reason, or for a custom op it cannot run on fake tensors, DCIR's
+    (``dcir.custom_ops.problem``: which op, and to register a fake kernel)."""
+    from dcir import custom_ops
+
+    m = _UNSUPPORTED_OP.search(str(e))
+    if m and not m.group(1).startswith("aten."):
+        return custom_ops.problem(m.group(1)) or _first_line(e)
+    return _first_line(e)
+
+
+def _warm_up(step, model: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    """One eager call of ``step`` on ``model`` (capture's private copy), so that what a
+    model does only on its first call runs outside Dynamo: ``transformers`` installs its
+    output-capturing hooks under a ``threading.Lock`` (``maybe_install_capturing_hooks``),
+    lazy modules size their parameters, caches fill. The call leaves no other trace: no
+    autograd graph (``no_grad``), the random generators as they were (``fork_rng``: a
+    dropout mask drawn here is not drawn in the trace), every parameter and buffer
+    (BatchNorm's running statistics) restored to its value before. False if the eager
+    call raised: then the trace's own error is the one to report."""
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    before = {name: t.detach().clone() for name, t in state.items()}
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        try:
+            step(*args, **kwargs)
+        except Exception:  # the model's own failure; Dynamo's message names the construct
+            return False
+        finally:
+            for name, t in state.items():
+                t.copy_(before[name])
+    return True
 
 
 #: ``logging.Logger`` methods a model may call in forward; transformers adds ``warning_once``,
@@ -266,20 +312,43 @@ def _type(val) -> Type:
         return NONE
     if not isinstance(val, torch.Tensor):
         raise DcirError(Diagnostic(f"DCIR values are tensors; the graph has a {type(val).__name__} value"))
-    return TensorType(dcir_dtype(val.dtype), tuple(int(d) for d in val.shape))
+    if val.layout != torch.strided:
+        raise DcirError(Diagnostic(f"DCIR values are dense tensors; the graph has a {val.layout} tensor"))
+    return TensorType(_element_type(val.dtype), tuple(int(d) for d in val.shape))
+
+
+def _element_type(dtype: torch.dtype) -> str:
+    try:
+        return dcir_dtype(dtype)
+    except ValueError:
+        raise DcirError(Diagnostic(f"DCIR has no element type for {dtype}; its element types are: "
+                                   f"{', '.join(DTYPE_BYTES)}")) from None
+
+
+class _NoForm(TypeError):
+    """An FX argument with no DCIR attribute form; the message says what it is and why."""
 
 
 def _attr(value):
-    """An FX argument that is not a tensor, as a DCIR attribute value."""
+    """An FX argument that is not a tensor, as a DCIR attribute value. A complex number
+    is a string in Python's complex syntax (``"(1+2j)"``; the schema says it is a number)."""
     if isinstance(value, torch.dtype):
-        return DType(dcir_dtype(value))
+        try:
+            return DType(dcir_dtype(value))
+        except ValueError:
+            raise _NoForm(f"{value}, an element type DCIR does not have") from None
     if isinstance(value, (torch.device, torch.memory_format, torch.layout)):
         return str(value).removeprefix("torch.")
     if isinstance(value, (list, tuple)):
         return tuple(_attr(v) for v in value)
+    if isinstance(value, complex):
+        return repr(value)
+    if isinstance(value, torch.Generator):
+        raise _NoForm("torch.Generator: a generator is state that DCIR does not carry (programs draw from the "
+                      "default generator); drop generator=")
     if isinstance(value, (bool, int, float, str)) or value is None:
         return value
-    raise TypeError(type(value).__name__)
+    raise _NoForm(type(value).__name__)
 
 
 class GraphLowering:
@@ -298,9 +367,24 @@ class GraphLowering:
                 continue
             if node.target is operator.getitem:
                 continue  # a result of the op before it, named after the getitem
-            if not isinstance(node.target, torch._ops.OpOverload) or node.target.namespace != "aten":
-                raise self._unsupported(node, f"{node.target} is not an aten op")
+            self._check_target(node)
             f.ops.append(self._op(node, env, used))
+
+    def _check_target(self, node: fx.Node) -> None:
+        """An aten op, or a custom op DCIR can carry (``dcir.custom_ops``); else a located error."""
+        from dcir import custom_ops
+
+        target = node.target
+        if isinstance(target, torch._ops.HigherOrderOperator) and target.name().startswith("auto_functionalized"):
+            inner = node.args[0] if node.args else None  # a mutating custom op, functionalized by AOTAutograd
+            name = _op_name(inner) if isinstance(inner, torch._ops.OpOverload) else str(inner)
+            raise self._unsupported(node, custom_ops.problem(name) or f"{name} mutates its arguments")
+        if not isinstance(target, torch._ops.OpOverload):
+            raise self._unsupported(node, f"{target} is not a torch operator (an aten op or a torch.library op)")
+        if target.namespace != "aten":
+            why = custom_ops.problem(_op_name(target))
+            if why is not None:
+                raise self._unsupported(node, why)
 
     def _constant(self, gm: fx.GraphModule, node: fx.Node, f: Function) -> Value:
         """A tensor the graph holds (``torch.tensor([...])`` in model code) as a buffer
@@ -310,17 +394,21 @@ class GraphLowering:
             raise self._unsupported(node, f"a constant tensor of {tensor.numel()} elements (more than {MAX_CONSTANT}); "
                                           "register it as a buffer of the model")
         name = f"{f.name}.{node.target}"
-        self.m.decls[name] = Decl("buffer", name, _type(tensor), {"value": tuple(tensor.flatten().tolist())})
+        elements = tuple(_attr(v) for v in tensor.flatten().tolist())  # complex elements: strings
+        self.m.decls[name] = Decl("buffer", name, _type(tensor), {"value": elements})
         v = Value(node.name, _type(tensor))
         f.ops.append(Op("param.get", [], [v], symbol=name))
         return v
 
     def _op(self, node: fx.Node, env: dict, used: set) -> Op:
         schema = node.target._schema
-        name = f"aten.{schema.name.split('::', 1)[1]}.{schema.overload_name or 'default'}"
+        name = _op_name(node.target)
         given = dict(zip((a.name for a in schema.arguments), node.args))
         given.update(node.kwargs)
         tensor_args = [a for a in schema.arguments if _is_tensor(a.type)]
+        for a in tensor_args:  # an optional tensor left out is absent: none, if a later tensor is given
+            if str(a.type) == "Optional[Tensor]":
+                given.setdefault(a.name, None)
         operands, attrs = [], {}
         last_tensor = max((k for k, a in enumerate(tensor_args) if isinstance(given.get(a.name), (fx.Node, list, tuple))),
                           default=-1)
@@ -340,13 +428,19 @@ class GraphLowering:
                 elif isinstance(value, fx.Node):
                     operands.append(env[value])
                 else:
-                    attrs[a.name] = _attr(value)  # a number torch wraps into a tensor
+                    attrs[a.name] = _attr(value)  # a number torch wraps into a tensor (complex: a string)
                 continue
             try:
                 attrs[a.name] = _attr(value)
-            except TypeError as e:
+            except _NoForm as e:
                 raise self._unsupported(node, f"argument '{a.name}' of {name} is a {e}") from None
-        return Op(name, operands, self._results(node, env, used), attrs, parens=True)
+        if not schema.returns:  # aten._linalg_check_errors: called for its checks, returns nothing
+            return Op(name, operands, [], attrs, parens=True)
+        try:
+            results = self._results(node, env, used)
+        except DcirError as e:
+            raise self._unsupported(node, f"{name} returns what DCIR cannot hold: {e.diagnostics[0].message}") from None
+        return Op(name, operands, results, attrs, parens=True)
 
     def _results(self, node: fx.Node, env: dict, used: set) -> list[Value]:
         val = node.meta.get("val")
@@ -487,6 +581,12 @@ def _input_name(source: str) -> str:
         return f"args[{m.group(1)}]"
     m = _KEYWORD.fullmatch(source)
     return m.group(1) if m else source
+
+
+def _op_name(overload: torch._ops.OpOverload) -> str:
+    """The DCIR name of a torch operator: ``aten.addmm.default``, ``transformers.grouped_mm_fallback.default``."""
+    schema = overload._schema
+    return f"{schema.name.replace('::', '.', 1)}.{schema.overload_name or 'default'}"
 
 
 def _is_tensor(t) -> bool:

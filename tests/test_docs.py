@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import custom_op_lib  # noqa: F401  (registers the custom ops of language.md §7.8's example)
 import dcir
 from dcir.cli import main
 

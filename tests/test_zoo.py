@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import re
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -56,23 +57,9 @@ PATHS = ("compile",) + tuple(f"engine-{f}" for f in ENGINE_FORMS)
 
 #: gap -> (what its error says, the root cause); docs/models.md's "Known gaps" says more
 #: under the same names. A case expected to fail for one gap but failing otherwise is a
-#: real failure (WrongReason), not an xfail: the map stays true.
-GAPS = {
-    "custom-op": ("transformers.grouped_mm_fallback.default is not an aten op", (
-        "transformers' MoE experts call torch.ops.transformers.grouped_mm_fallback (a torch.library op with a "
-        "fake kernel, integrations/moe.py); GraphLowering.lower_ops (dcir_lowering/frontend.py) raises "
-        "\"cannot lower to DCIR: transformers.grouped_mm_fallback.default is not an aten op\"")),
-    "hook-lock": ("Unsupported context manager", (
-        "a fresh MoE model's first forward installs transformers' output-capturing hooks (for "
-        "output_router_logits) under `with threading.Lock()` (utils/output_capturing.py:239); compile_to_ir's "
-        "fullgraph Dynamo trace stops there: \"cannot capture the model as one graph: Unsupported context "
-        "manager\" (behind it: the custom-op gap)")),
-}
-XFAIL: dict[tuple[str, str], str] = {}  # (model, path) -> gap
-for _name in ("mixtral", "qwen2_moe"):
-    XFAIL[_name, "compile"] = "custom-op"
-    for _form in ENGINE_FORMS:
-        XFAIL[_name, f"engine-{_form}"] = "hook-lock"
+#: real failure (WrongReason), not an xfail: the map stays true. Empty: every row matches.
+GAPS: dict[str, tuple[str, str]] = {}
+XFAIL: dict[tuple[str, str], str] = {}  # (model, path) -> gap: none left
 
 
 class WrongReason(Exception):
@@ -289,6 +276,47 @@ def test_benign_breaks_make_one_graph_under_torch_compile(capsys):
             torch.compile(model, backend="dcir")(x).backward()
         assert counters["stats"]["unique_graphs"] == graphs
     torch._dynamo.reset()
+
+
+_HOOK_LOCK = threading.Lock()
+
+
+class HooksOnFirstCall(torch.nn.Module):
+    """Installs a forward hook on its first call under a ``threading.Lock``, as
+    ``transformers``' ``maybe_install_capturing_hooks`` does, with BatchNorm and dropout
+    whose state a warm-up call must not disturb."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn, self.drop = torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        if not getattr(self, "hooked", False):
+            with _HOOK_LOCK:
+                self.fc.register_forward_hook(lambda module, args, out: out * 3)
+                self.hooked = True
+        return self.drop(self.bn(self.fc(x))).pow(2).mean()
+
+
+def test_first_call_setup_under_a_lock_runs_outside_the_trace():
+    """Dynamo refuses ``with lock:`` (and the hook registration in it) under fullgraph;
+    capture runs the step once eagerly on its private copy and traces again, so the
+    captured program is what the model computes from its first call on: the hook's
+    ``* 3`` is in it, the dropout mask and BatchNorm statistics are the eager ones."""
+    torch.manual_seed(0)
+    ref, mine, x = HooksOnFirstCall(), HooksOnFirstCall(), torch.randn(6, 8)
+    mine.load_state_dict(ref.state_dict())
+    module = dcir.compile_to_ir(mine, (x,))
+    assert not getattr(mine, "hooked", False) and not mine.fc._forward_hooks  # the user's model is untouched
+    assert torch.equal(mine.bn.running_mean, torch.zeros(8)) and int(mine.bn.num_batches_tracked) == 0
+    assert "{other = 3}" in dcir.print(module)  # the hook installed by the warm-up was traced
+    from dcir_lowering.backend import state_of
+    program = dcir.lower(module, state_of(mine))
+    torch.manual_seed(1)
+    expected = ref(x)
+    torch.manual_seed(1)
+    assert torch.equal(program.train_step(x), expected)
+    assert torch.equal(mine.bn.running_mean, ref.bn.running_mean)
 
 
 # ---- local fixes found in triage ------------------------------------------------------------

@@ -3,6 +3,7 @@ attributes, type and (for a buffer) value."""
 
 from __future__ import annotations
 
+from dcir.aten import is_complex_text
 from dcir.ir import UNIT, HostType, ShardType, TensorType
 from dcir.verifier.checker import Checker
 
@@ -43,9 +44,13 @@ class Declarations(Checker):
     def _value(self, d, value) -> None:
         """A buffer's ``value``: its elements, flattened, as numbers (booleans for bool)."""
         numel = d.type.numel if isinstance(d.type, TensorType) else None
-        kinds = (bool,) if getattr(d.type, "dtype", None) == "bool" else (int, float)
-        ok = (isinstance(value, tuple) and len(value) == numel
-              and all(isinstance(v, kinds) and (kinds == (bool,) or not isinstance(v, bool)) for v in value))
+        dtype = getattr(d.type, "dtype", None)
+        kinds = (bool,) if dtype == "bool" else (int, float)
+        fits = is_complex_text if dtype in ("c64", "c128") else (  # complex elements: "(1+2j)"
+            lambda v: isinstance(v, kinds) and (kinds == (bool,) or not isinstance(v, bool)))
+        ok = isinstance(value, tuple) and len(value) == numel and all(fits(v) for v in value)
         if not ok:
             self.report.error(f"value of buffer @{d.name} must list its {numel} elements, flattened, as "
-                              f"{'true/false' if kinds == (bool,) else 'numbers'}", self.report.loc(d), len(d.kind))
+                              f"{'true/false' if kinds == (bool,) else 'numbers'}"
+                              + (' (complex ones as strings: "(1+2j)")' if dtype in ("c64", "c128") else ""),
+                              self.report.loc(d), len(d.kind))

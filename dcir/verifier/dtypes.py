@@ -37,7 +37,7 @@ class Dtypes(Checker):
     def _rule_for(self, name: str, d: OpDef):
         if CASTS in d.traits:
             return self._cast
-        if SCHEMA in d.traits and name.split(".")[1] in _SAME_DTYPE:
+        if SCHEMA in d.traits and name.startswith("aten.") and name.split(".")[1] in _SAME_DTYPE:
             return self._same_dtype
         return None
 

@@ -50,8 +50,10 @@ class Ops(Checker):
         elif family in registry.FAMILIES:
             members = sorted(n for n in registry.OPS if n.startswith(family + "."))
             self.report.op_error(op, f"unknown op '{op.name}'; {family} ops are: {', '.join(members)}")
-        else:
-            self.report.op_error(op, f"unknown op '{op.name}'; op families are: {', '.join(registry.FAMILIES)}")
+        else:  # a torch.library namespace, or a typo of a family
+            from dcir import custom_ops
+            self.report.op_error(op, f"unknown op '{op.name}'; op families are: {', '.join(registry.FAMILIES)} "
+                                     f"and custom ops, but {custom_ops.problem(op.name)}")
 
     def _symbol(self, op, d) -> bool:
         if d.symbol and op.symbol is None:

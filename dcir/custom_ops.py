@@ -1,0 +1,119 @@
+"""Custom operators: ``torch.library`` ops outside ``aten``, carried as opaque compute.
+
+An op registered with ``torch.library`` (``torch.library.custom_op``, or
+``Library.define`` with an implementation) in any namespace but ``aten`` is written
+with its namespace as its family: ``transformers.grouped_mm_fallback.default(%x, %w,
+%offs)`` is ``torch.ops.transformers.grouped_mm_fallback.default``. Its operands and
+attributes follow its schema exactly as for aten (``dcir.aten.bind``); its result types
+are what its fake kernel (``torch.library.register_fake``, or a Meta kernel) computes
+on meta tensors, so the verifier checks them without running the op.
+
+Unlike aten, the schema is not in DCIR's cached table: it is read from the running
+torch (``torch._C._get_schema``), so the library that registers the op must be imported
+in the process (``dcir-opt --load MODULE``). An op DCIR cannot carry says why:
+
+* no such operator is registered in this process (import the library that defines it);
+* it has no fake kernel (DCIR derives shapes from it: ``torch.library.register_fake``);
+* it mutates an argument (``mutates_args`` / ``Tensor(a!)``): refused, because DCIR's
+  schedule and memory model read a custom op as pure (a mutation of a gathered
+  parameter or a saved activation would be invisible to the sharding passes); write it
+  to return the new value instead.
+
+Lookups that succeed are cached; failures are not, so an op registered later (a test
+that defines its library after a first lookup) is found then.
+"""
+
+from __future__ import annotations
+
+import sys
+
+_FOUND: dict[str, object] = {}  # op name -> its aten.Schema, once it is known to be usable
+
+
+def split(op_name: str) -> tuple[str, str, str] | None:
+    """``(namespace, name, overload)`` of ``ns.name[.overload]``, or None if it is not that shape."""
+    parts = op_name.split(".")
+    if len(parts) == 2:
+        parts.append("default")
+    if len(parts) != 3 or not all(p.isidentifier() for p in parts):
+        return None
+    return parts[0], parts[1], parts[2]
+
+
+def _torch():
+    import torch  # only when a module holds a custom op: dcir-opt stays torch-free otherwise
+    return torch
+
+
+def _function_schema(op_name: str):
+    """torch's FunctionSchema of the op, or None if no such operator is registered."""
+    parts = split(op_name)
+    if parts is None:
+        return None
+    ns, name, overload = parts
+    try:
+        return _torch()._C._get_schema(f"{ns}::{name}", "" if overload == "default" else overload)
+    except RuntimeError:
+        return None
+
+
+def _has_fake_kernel(qualname: str) -> bool:
+    torch = _torch()
+    from torch._library.simple_registry import singleton
+
+    if singleton.find(qualname).fake_impl.kernel is not None:
+        return True
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return any(has(qualname, key) for key in ("Meta", "CompositeExplicitAutograd", "CompositeImplicitAutograd"))
+
+
+def problem(op_name: str) -> str | None:
+    """Why ``op_name`` cannot be carried as a custom op (None if it can)."""
+    if op_name in _FOUND:
+        return None
+    parts = split(op_name)
+    if parts is None:
+        return f"'{op_name}' is not a custom op name: write namespace.name.overload"
+    ns, name, overload = parts
+    s = _function_schema(op_name)
+    if s is None:
+        return (f"no operator {ns}::{name}.{overload} is registered with torch.library in this process; "
+                "import the library that defines it (dcir-opt --load MODULE)")
+    if not _has_fake_kernel(s.name):
+        return (f"custom op {op_name} has no fake kernel, from which DCIR takes its result shapes; register one "
+                f"with torch.library.register_fake(\"{ns}::{name}\")")
+    mutated = [a.name for a in s.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if mutated:
+        return (f"custom op {op_name} mutates its argument '{mutated[0]}' (mutates_args); DCIR carries custom ops "
+                "as pure compute: return the new value instead")
+    return None
+
+
+def schema(op_name: str):
+    """The ``dcir.aten.Schema`` of a usable custom op, or None (``problem`` says why)."""
+    found = _FOUND.get(op_name)
+    if found is not None:
+        return found
+    if problem(op_name) is not None:
+        return None
+    from dcir import aten
+
+    s = _function_schema(op_name)
+    name = ".".join(split(op_name))
+    found = aten.Schema(name, tuple(aten.Arg(*aten._arg_record(a)) for a in s.arguments),
+                        tuple(aten.Arg(*aten._arg_record(r)) for r in s.returns))
+    _FOUND[op_name] = _FOUND[name] = found
+    return found
+
+
+def resolve(op_name: str):
+    """The ``torch._ops.OpOverload`` an op name (aten or custom) stands for."""
+    torch = _torch()
+    ns, name, overload = split(op_name)
+    return getattr(getattr(getattr(torch.ops, ns), name), overload)
+
+
+def load(module_name: str) -> None:
+    """Import a module that registers custom ops (``dcir-opt --load``)."""
+    if module_name not in sys.modules:
+        __import__(module_name)
