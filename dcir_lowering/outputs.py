@@ -29,6 +29,17 @@ class _Slot:
     index: int
 
 
+@dataclass(frozen=True)
+class _ViewSlot:
+    """A view of output ``index`` (a sliding-window KV cache keeps a slice of what the
+    graph returned): its sizes, strides and offset relative to that output's."""
+
+    index: int
+    size: tuple
+    stride: tuple
+    offset: int
+
+
 class Outputs:
     def __init__(self, template):
         self.template = template
@@ -37,9 +48,19 @@ class Outputs:
     @classmethod
     def of(cls, out, produced: list[torch.Tensor]) -> "Outputs":
         """The structure of ``out``, whose tensors are the forward graph's outputs
-        ``produced`` (by identity). A tensor in ``out`` that the graph did not produce (an
-        input or a parameter returned as it is) is refused: the engine would return a copy."""
+        ``produced`` (by identity), or views of them (by storage: a sliding-window cache's
+        slice). A tensor in ``out`` that the graph did not produce (an input or a parameter
+        returned as it is) is refused: the engine would return a copy."""
         memo = {id(t): _Slot(k) for k, t in enumerate(produced)}
+        storages = {t.untyped_storage().data_ptr(): k for k, t in enumerate(produced) if t.numel()}
+        for t in _tensors(out):
+            k = storages.get(t.untyped_storage().data_ptr()) if id(t) not in memo and t.numel() else None
+            if k is None:
+                continue
+            base = produced[k]
+            same = (t.shape, t.stride(), t.storage_offset()) == (base.shape, base.stride(), base.storage_offset())
+            memo[id(t)] = _Slot(k) if same else _ViewSlot(k, tuple(t.shape), tuple(t.stride()),
+                                                          t.storage_offset() - base.storage_offset())
         memo[id(memo)] = list(produced)  # keep them alive while copying, as deepcopy does
         template = copy.deepcopy(out, memo)
         stray = next(_tensors(template), None)
@@ -53,7 +74,10 @@ class Outputs:
         """The model's output, with ``tensors`` (one per ``{output}`` result) in place."""
         if isinstance(self.template, _Slot):  # the common case: one tensor (a loss)
             return tensors[self.template.index]
-        memo = {id(s): tensors[s.index] for s in self._slots}
+        memo = {}
+        for s in self._slots:
+            t = tensors[s.index]
+            memo[id(s)] = t if isinstance(s, _Slot) else t.as_strided(s.size, s.stride, t.storage_offset() + s.offset)
         return copy.deepcopy(self.template, memo)
 
     def pack(self) -> str:
@@ -91,4 +115,4 @@ def _tensors(template):
 
 
 def _slots(template):
-    return (o for o in _walk(template, set()) if isinstance(o, _Slot))
+    return (o for o in _walk(template, set()) if isinstance(o, (_Slot, _ViewSlot)))

@@ -150,3 +150,47 @@ def test_an_inexpressible_construct_is_a_located_error():
     assert message.startswith("error: cannot lower to DCIR: a constant tensor of 5000 elements (more than 4096); "
                               "register it as a buffer of the model")
     assert "test_frontend.py:" in message
+
+
+class Window:
+    """Holds a slice of a computed tensor, as a sliding-window KV cache does."""
+
+    def __init__(self, kept):
+        self.kept = kept
+
+
+class Slides(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 6)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y.sum(), Window(y[:, 2:])
+
+
+def test_an_output_object_holding_a_view_is_rebuilt_as_a_view():
+    """The object's tensor is not one the graph returns but the same view of it (Dynamo
+    rebuilt it): it gets the program's output, not a copy (deepcopy refuses non-leaves)."""
+    from dcir_lowering.frontend import capture
+    from dcir_lowering.outputs import _ViewSlot
+
+    module, outputs = capture(Slides(), (torch.randn(3, 4),))
+    values = [dcir_values(t.type) for t in signature_outputs(module)]
+    loss, window = outputs.rebuild(values)
+    assert window.kept is next(v for v in values if v.dim() == 2)
+    assert loss is next(v for v in values if v.dim() == 0)
+    # a narrower view of an output is rebuilt as that view of the program's output
+    base = torch.arange(12.0).reshape(3, 4)
+    rebuilt = type(outputs)({"window": _ViewSlot(0, (2, 2), (4, 1), 1)}).rebuild([base])["window"]
+    assert torch.equal(rebuilt, base[:2, 1:3]) and rebuilt.untyped_storage().data_ptr() == base.data_ptr()
+
+
+def signature_outputs(module):
+    from dcir import signature
+    return signature.results(module.role("forward"), signature.OUTPUT)
+
+
+def dcir_values(t):
+    from dcir.shapes import torch_dtype
+    return torch.arange(float(torch.Size(t.shape).numel())).reshape(t.shape).to(torch_dtype(t.dtype))
