@@ -232,20 +232,6 @@ def benign_breaks():
         yield
 
 
-def _loss_of(out):
-    """The loss in a model's output, or the output itself when none is found (the caller
-    reports that: raising here, inside the traced step, would be a graph break)."""
-    if isinstance(out, torch.Tensor):
-        return out
-    if getattr(out, "loss", None) is not None:
-        return out.loss
-    if isinstance(out, dict) and "loss" in out:
-        return out["loss"]
-    if isinstance(out, (tuple, list)) and out:
-        return out[0]
-    return out
-
-
 def _first_line(e: Exception) -> str:
     return str(e).strip().split("\n", 1)[0]
 
