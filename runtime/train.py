@@ -11,6 +11,11 @@ bar and ends with a summary: losses, tokens per second, the time capture took, a
 bytes each rank holds as the runtime accounts them. ``--save-every N`` checkpoints every
 N optimizer steps and ``--resume DIR`` continues from the latest complete checkpoint,
 data order included (docs/checkpoint.md).
+
+The loop is the one a DeepSpeed user writes: ``out = engine(input_ids=ids)`` returns
+the model's output, the next-byte loss is computed outside from ``out.logits``,
+``engine.backward(loss / accumulation)`` and ``engine.step()``; the held-out loss is
+taken under ``engine.eval()`` and ``torch.no_grad()`` (a forward-only program).
 """
 
 from __future__ import annotations
