@@ -136,3 +136,5 @@ def errors(spec: dict) -> None:
 if __name__ == "__main__":
     spec = json.loads(Path(sys.argv[2]).read_text())
     {"train": train, "errors": errors}[sys.argv[1]](spec)
+    if torch.distributed.is_initialized():  # leave the group now, not in gloo's teardown at interpreter exit
+        torch.distributed.destroy_process_group()
