@@ -361,16 +361,18 @@ def faulty_rank(how: str, timeout_s: float) -> None:
         os._exit(17)  # the process group is broken: skip its teardown
 
 
+def attempt(fn) -> None:
+    """Run ``fn``; print its DcirError as 'ERROR: ...' (one line), or 'NO ERROR'."""
+    try:
+        fn()
+    except dcir.DcirError as e:
+        print("ERROR:", e.render().replace("\n", " "), flush=True)
+    else:
+        print("NO ERROR", flush=True)
+
+
 def user_errors() -> None:
     """Each mistake is a DcirError with its message on every rank; printed as 'ERROR: ...'."""
-    def attempt(fn):
-        try:
-            fn()
-        except dcir.DcirError as e:
-            print("ERROR:", e.render().replace("\n", " "), flush=True)
-        else:
-            print("NO ERROR", flush=True)
-
     engine = dcir.initialize(Breaks(), config={"timeout_s": 30})
     attempt(lambda: engine(torch.randn(2, 4)))  # rank 0 cannot capture; everyone hears of it
     engine = dcir.initialize(mlp(), config={"timeout_s": 30, "max_programs": 1}, loss_fn=_squared)
@@ -415,14 +417,6 @@ def user_errors() -> None:
 def misuse() -> None:
     """Misusing the step protocol is an error that changes nothing: the engine trains on
     afterwards as if the mistake had not been made."""
-    def attempt(fn):
-        try:
-            fn()
-        except dcir.DcirError as e:
-            print("ERROR:", e.render().replace("\n", " "), flush=True)
-        else:
-            print("NO ERROR", flush=True)
-
     torch.manual_seed(0)
     engine = dcir.initialize(mlp(), config={"timeout_s": 30})
     attempt(engine.step)  # step without backward
@@ -437,10 +431,15 @@ def misuse() -> None:
     attempt(lambda: engine.backward(out.pow(2).mean()))  # backward twice
     attempt(lambda: engine(x))  # a forward before the step
     engine.step()
-    finite = all(torch.isfinite(p).all().item() for p in engine.full_parameters().values())
+    torch.manual_seed(0)
+    clean = dcir.initialize(mlp(), config={"timeout_s": 30})  # the same step without the mistakes
+    clean.backward(clean(x).pow(2).mean())
+    clean.step()
+    mine, theirs = engine.full_parameters(), clean.full_parameters()
+    same = all(torch.equal(mine[n], theirs[n]) for n in theirs)
     for r in range(engine.world):  # one rank at a time: the ranks finish the collective together
         if r == engine.rank:
-            print(f"MISUSE TRAINED ON: {finite}", flush=True)
+            print(f"MISUSE CHANGED NOTHING: {same}", flush=True)
         torch.distributed.barrier()
 
 

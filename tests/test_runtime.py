@@ -172,7 +172,7 @@ def test_user_errors_are_messages_on_every_rank(capfd):
         "error: the engine's backward ran twice for one forward: its saved values are gone (call backward once per engine(...) call)",
         "error: engine.backward(loss) ran twice for one forward: its backward has run already",
         "error: engine(...) was called after engine.backward(loss) without engine.step(): end each micro-step with engine.step()",
-        "MISUSE TRAINED ON: True",
+        "MISUSE CHANGED NOTHING: True",
         " (parameters, gradients, optimizer state, buffers, replicas, accumulators and the peak of gathered parameters), over the memory budget of ",
         "error: /nonexistent/dcir.json: cannot read the config: No such file or directory",
         "error: clip_grad_norm_ clips a whole step's gradients: call it after its last micro-step's backward (every 2)",
