@@ -30,6 +30,7 @@ copy and ``optim.step`` become its ``get_state``, ``set_state``, ``reload``,
 
 from __future__ import annotations
 
+import functools
 import keyword
 import re
 from dataclasses import dataclass
@@ -383,6 +384,11 @@ class Program:
         if UNSHARD in self.graphs:
             self.graphs[UNSHARD](self.state, {})
 
+    @functools.cached_property
+    def differentiable(self) -> frozenset[int]:
+        """The outputs the backward takes a gradient of (``{grad = K}``)."""
+        return frozenset(k for _, k in signature.grads(self.function(self.backward_for(False)[0])))
+
     def split(self, role: str, out) -> tuple[list, tuple]:
         """A run's results of the function of ``role``: (its outputs, the rest)."""
         kinds = [signature.kind(d) for d in self.function(role).result_attrs]
@@ -396,20 +402,8 @@ class Program:
 
     def inputs(self, role: str, args: tuple, kwargs: dict) -> list:
         """The call's ``args`` and ``kwargs`` in the order of the ``{input}`` arguments of
-        the function of ``role``."""
-        func = self.function(role)
-        if not signature.args(func, signature.INPUT):  # a hand-written function: by position
-            return list(args) + list(kwargs.values())
-        out = []
-        for name in signature.input_names(func):
-            m = re.fullmatch(r"args\[(\d+)\]", name)
-            if m and int(m.group(1)) < len(args):
-                out.append(args[int(m.group(1))])
-            elif name in kwargs:
-                out.append(kwargs[name])
-            else:
-                raise TypeError(f"the captured step takes an input {name!r} that this call does not give")
-        return out
+        the function of ``role`` (``call_inputs``)."""
+        return call_inputs(self.function(role), args, kwargs)
 
     def tangents(self, given: dict | None = None, last: bool = True) -> list:
         """The backward's ``{grad = K}`` arguments: ``given[K]`` (the gradient of output K),
@@ -439,6 +433,24 @@ class Program:
             g = g.detach().reshape(p.shape)  # a one-rank shard is the flattened gradient
             p.grad = g.clone() if p.grad is None else p.grad + g
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+def call_inputs(func: Function, args: tuple, kwargs: dict) -> list:
+    """A call's ``args`` and ``kwargs`` in the order of ``func``'s ``{input}`` arguments,
+    by their names (``args[0]``, ``labels``); a function that declares none takes them
+    by position."""
+    if not signature.args(func, signature.INPUT):  # a hand-written function: by position
+        return list(args) + list(kwargs.values())
+    out = []
+    for name in signature.input_names(func):
+        m = re.fullmatch(r"args\[(\d+)\]", name)
+        if m and int(m.group(1)) < len(args):
+            out.append(args[int(m.group(1))])
+        elif name in kwargs:
+            out.append(kwargs[name])
+        else:
+            raise TypeError(f"the captured step takes an input {name!r} that this call does not give")
+    return out
 
 
 def lower(module: Module, state: dict, *, inductor: bool = False, group: str | None = None,

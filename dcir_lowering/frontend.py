@@ -40,11 +40,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from dcir import signature
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import DTYPE_BYTES, NONE, UNIT, Decl, DType, Function, Module, Op, TensorType, Type, Value
-from dcir.shapes import dcir_dtype
-from dcir import signature
 from dcir.roles import BACKWARD, EVAL, FORWARD
+from dcir.shapes import dcir_dtype
 from dcir_lowering.outputs import Outputs
 
 #: Largest constant tensor written into the text (elements); larger ones must be buffers.

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 import dcir
-from dcir import signature
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.roles import EVAL, FORWARD
 from dcir_lowering.backend import Program
@@ -59,8 +58,7 @@ class _Step(torch.autograd.Function):
         outputs, saved = execution.run_forward(installed, inputs)
         ctx.execution, ctx.installed, ctx.saved, ctx.n_inputs = execution, installed, saved, len(inputs)
         ctx.set_materialize_grads(False)
-        differentiable = {k for _, k in signature.grads(installed.program.function(
-            installed.program.backward_for(False)[0]))}
+        differentiable = installed.program.differentiable
         ctx.mark_non_differentiable(*[o for k, o in enumerate(outputs) if k not in differentiable])
         return tuple(outputs)
 

@@ -96,11 +96,11 @@ def shape_model(model: torch.nn.Module, shapes: dict[str, tuple]) -> torch.nn.Mo
 
 def fits(module: dcir.Module, args: tuple, kwargs: dict) -> bool:
     """Whether ``module``'s inputs have the shapes of this call's."""
-    from dcir_lowering.backend import Program
+    from dcir_lowering.backend import call_inputs
 
     func = module.role("forward") or module.role("eval")
     try:
-        given = Program(module, {}, {}, {}).inputs(func.role, args, kwargs)
+        given = call_inputs(func, args, kwargs)
     except TypeError:
         return False
     declared = signature.args(func, signature.INPUT)
