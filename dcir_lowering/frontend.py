@@ -21,7 +21,10 @@ backward graphs at aten level, and lowers them one op per FX node:
   ``grad.set``; captured under ``torch.no_grad()`` (``training=False``) there is only
   ``@eval``, the forward that saves nothing.
 
-The copy keeps the caller's model untouched (its gradients, its running statistics).
+Capture runs on a copy of the model whose parameters are fake tensors (``_fake_copy``):
+it allocates no parameter, gradient or activation, so its cost does not grow with the
+model's memory, a model on the meta device is captured as it is, and the caller's
+model stays untouched (its gradients, its running statistics).
 A graph break or an op DCIR cannot express is an error that names it and the model's
 source line; nothing is captured partially. Logging, ``warnings.warn`` and ``print`` are
 not breaks (``benign_breaks``).
@@ -78,8 +81,33 @@ def capture(model: torch.nn.Module, example_inputs, *, kwargs: dict | None = Non
     ``training=False``: the step without a backward (``@eval``: ``torch.no_grad()``),
     in the model's own mode."""
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    work = copy.deepcopy(model)
-    work.train(model.training)
+    work = _fake_copy(model, _device(model, args, kwargs or {}))
+    step = _stepper(work, model.training, loss_fn, param_dtype, output_dtype, cast_inputs)
+
+    def listing():  # a graph break's list runs the Python between graphs: on real values, when there are some
+        real = not any(t.is_meta or t.numel() == 0 for t in model.parameters())
+        return _stepper(copy.deepcopy(model), model.training, loss_fn, param_dtype, output_dtype, cast_inputs) \
+            if real else step
+
+    _check_inputs(args, kwargs or {})
+    captured = _Captured()
+    with torch.set_grad_enabled(training):
+        out = _trace(step, captured, args, kwargs or {}, work, listing)
+    if captured.aliased():  # an output that is a view: AOTAutograd rebuilds it outside the graph
+        captured = _Captured()
+        with torch.set_grad_enabled(training):
+            out = _trace(lambda *a, **kw: _clone_tensors(step(*a, **kw)), captured, args, kwargs or {}, work)
+    outputs = Outputs.of(out, captured.produced)
+    if training:
+        _backward(captured)
+    return _Lowering(work, captured, name or type(model).__name__).module(), outputs
+
+
+def _stepper(work: torch.nn.Module, training: bool, loss_fn, param_dtype, output_dtype, cast_inputs: bool):
+    """The step capture traces: ``work`` (a private copy, in ``training`` mode, its
+    floating parameters in ``param_dtype`` if given) on the inputs (cast to it),
+    its output cast to ``output_dtype``, then ``loss_fn`` if given."""
+    work.train(training)
     if param_dtype is not None:
         for p in work.parameters():
             if p.is_floating_point():
@@ -92,19 +120,40 @@ def capture(model: torch.nn.Module, example_inputs, *, kwargs: dict | None = Non
         if output_dtype is not None:
             out = _cast_floats(out, output_dtype)
         return loss_fn(out) if loss_fn is not None else out
+    return step
 
-    _check_inputs(args, kwargs or {})
-    captured = _Captured()
-    with torch.set_grad_enabled(training):
-        out = _trace(step, captured, args, kwargs or {}, work)
-    if captured.aliased():  # an output that is a view: AOTAutograd rebuilds it outside the graph
-        captured = _Captured()
-        with torch.set_grad_enabled(training):
-            out = _trace(lambda *a, **kw: _clone_tensors(step(*a, **kw)), captured, args, kwargs or {}, work)
-    outputs = Outputs.of(out, captured.produced)
-    if training:
-        _backward(captured)
-    return _Lowering(work, captured, name or type(model).__name__).module(), outputs
+
+def _device(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.device:
+    """Where the step runs: the model's (its first parameter or buffer not on the meta
+    device), else its inputs', else the CPU."""
+    from torch.utils._pytree import tree_leaves
+
+    tensors = [*model.parameters(), *model.buffers(), *tree_leaves((args, kwargs))]
+    return next((t.device for t in tensors if isinstance(t, torch.Tensor) and not t.is_meta), torch.device("cpu"))
+
+
+def _fake_copy(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters, and buffers on the meta device, are fake
+    tensors on ``device`` (``FakeTensorMode``): shapes, dtypes and strides without
+    storage. Capture reads nothing else of them, so it allocates no parameter, gradient
+    or activation, whatever the model's size, and takes a model whose parameters are on
+    the meta device or held elsewhere as shards (the Engine's). The other buffers are
+    copied (a step may read their values, and they are small)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        with mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+
+    memo: dict = {}
+    for p in model.parameters():
+        memo[id(p)] = torch.nn.Parameter(fake(p), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        if b.is_meta:
+            memo[id(b)] = fake(b)
+    return copy.deepcopy(model, memo)
 
 
 def _check_inputs(args: tuple, kwargs: dict) -> None:
@@ -140,11 +189,13 @@ def _cast_floats(tree, dtype: torch.dtype):
     return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
-def _trace(step, captured: "_Captured", args: tuple, kwargs: dict, model: torch.nn.Module | None = None):
+def _trace(step, captured: "_Captured", args: tuple, kwargs: dict, model: torch.nn.Module | None = None,
+           listing=None):
     """One run of ``step`` under Dynamo as one graph, logging, warnings and prints
     ignored (``benign_breaks``). If Dynamo refuses something and ``model`` (the private
     copy ``step`` calls) is given, the step runs once eagerly first (``_warm_up``) and is
-    traced again: what a model does only on its first call happens outside the trace."""
+    traced again: what a model does only on its first call happens outside the trace.
+    ``listing()`` gives the step whose graph breaks the error lists (by default ``step``)."""
     compiled = lambda: torch.compile(step, backend=captured.backend, fullgraph=True, dynamic=False)  # noqa: E731
     torch._dynamo.reset()
     try:
@@ -160,7 +211,7 @@ def _trace(step, captured: "_Captured", args: tuple, kwargs: dict, model: torch.
         where = _where(str(e))
         from dcir_lowering.breaks import notes  # every break, not just the first: the step runs again to list them
         raise DcirError(Diagnostic(f"cannot capture the model as one graph: {_why(e)}{where}",
-                                   notes=notes(step, args, kwargs))) from None
+                                   notes=notes(listing() if listing else step, args, kwargs))) from None
     finally:
         torch._dynamo.reset()
 

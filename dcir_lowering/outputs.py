@@ -51,24 +51,25 @@ class Outputs:
         ``produced`` (by identity), or views of them (by storage: a sliding-window cache's
         slice). A tensor in ``out`` that the graph did not produce (an input or a parameter
         returned as it is) is refused: the engine would return a copy."""
+        from torch.multiprocessing.reductions import StorageWeakRef  # storage identity, fake tensors' too
+
         memo = {id(t): _Slot(k) for k, t in enumerate(produced)}
-        storages = {t.untyped_storage().data_ptr(): k for k, t in enumerate(produced) if t.numel()}
+        storages = {StorageWeakRef(t.untyped_storage()): k for k, t in enumerate(produced) if t.numel()}
         for t in _tensors(out):
-            k = storages.get(t.untyped_storage().data_ptr()) if id(t) not in memo and t.numel() else None
+            k = storages.get(StorageWeakRef(t.untyped_storage())) if id(t) not in memo and t.numel() else None
             if k is None:
                 continue
             base = produced[k]
             same = (t.shape, t.stride(), t.storage_offset()) == (base.shape, base.stride(), base.storage_offset())
             memo[id(t)] = _Slot(k) if same else _ViewSlot(k, tuple(t.shape), tuple(t.stride()),
                                                           t.storage_offset() - base.storage_offset())
-        memo[id(memo)] = list(produced)  # keep them alive while copying, as deepcopy does
-        template = copy.deepcopy(out, memo)
-        stray = next(_tensors(template), None)
+        stray = next((t for t in _tensors(out) if id(t) not in memo), None)
         if stray is not None:
             raise DcirError(Diagnostic(
                 f"the model returns a tensor ({stray.dtype}, shape {list(stray.shape)}) that its forward does not "
                 "compute (an input or a parameter returned as it is); return a computed value instead"))
-        return cls(template)
+        memo[id(memo)] = list(produced)  # keep them alive while copying, as deepcopy does
+        return cls(copy.deepcopy(out, memo))
 
     def rebuild(self, tensors: list[torch.Tensor]):
         """The model's output, with ``tensors`` (one per ``{output}`` result) in place."""

@@ -10,11 +10,13 @@ The Engine is the public face of five parts, each in its own module (docs/runtim
 
 * ``group``: the process group, joined by ``initialize`` (and left again when
   ``initialize`` fails after creating it);
-* ``shards``: this rank's flat shard of every parameter, in the runtime's shard store,
-  and the optimizer over the shards, so its state is sharded too;
-* ``capture``: on the first call, rank 0 captures the step with that call's inputs,
-  runs the stage's pass and the configured passes, and every rank runs its text. The
-  model's full parameters are released then: from here on the engine holds them;
+* ``materialize`` and ``shards``: this rank's flat shard of every parameter, from the
+  model's values, its init on the meta device or a pretrained checkpoint, in the
+  runtime's shard store, and the optimizer over the shards, so its state is sharded
+  too. The model's parameters go to the meta device: from here on the engine holds them;
+* ``capture``: on the first call, rank 0 captures the step with that call's inputs on
+  fake tensors, runs the stage's pass and the configured passes, and every rank runs
+  its text;
 * ``plan``: the passes and the optimization cycle (profile a step, replan, switch);
 * ``execution``: the micro-step protocol, ``@forward`` / ``@backward`` / ``@step``,
   with ``accounting`` saying what the rank holds.
@@ -37,7 +39,7 @@ from dcir_runtime import native
 from dcir_runtime.accounting import MemoryStats, fixed_bytes, measure, scheduled_bytes
 from dcir_runtime.capture import source_name
 from dcir_runtime.config import Config
-from dcir_runtime import programs
+from dcir_runtime import materialize, programs
 from dcir_runtime.execution import Execution, Installed, RankFailure
 from dcir_runtime.group import ProcessGroup
 from dcir_runtime.plan import Planner
@@ -47,7 +49,8 @@ __all__ = ["Engine", "RankFailure", "initialize"]
 
 
 def initialize(model: torch.nn.Module, optimizer=None, config=None, *, loss_fn: Callable | None = None,
-               lr_scheduler: Callable | None = None) -> "Engine":
+               lr_scheduler: Callable | None = None, param_init_fn: Callable | None = None,
+               stream_init: bool = False, pretrained=None) -> "Engine":
     """An Engine that trains ``model`` sharded across the ranks of this job.
 
     ``optimizer`` is a ``torch.optim`` class (built with its defaults), a callable taking
@@ -61,10 +64,21 @@ def initialize(model: torch.nn.Module, optimizer=None, config=None, *, loss_fn: 
     ``dcir.compile_to_ir``). ``lr_scheduler`` is a callable taking the engine's
     optimizer and returning a ``torch.optim.lr_scheduler`` scheduler (``lambda opt:
     LambdaLR(opt, warmup)``), which ``engine.step()`` advances after every optimizer
-    step; it is ``engine.lr_scheduler``."""
+    step; it is ``engine.lr_scheduler``.
+
+    No rank holds a full copy of the model (docs/runtime.md, "Starting without the full
+    model"). ``model`` may be built on the meta device (``with torch.device("meta"):``);
+    each rank then materializes and keeps only its shards, initialized module by module
+    with ``param_init_fn(module)`` if given, else a ``transformers`` model's own weight
+    init, else each module's ``reset_parameters()``; ``stream_init=True`` runs that init
+    on rank 0 alone and scatters each parameter's shards. ``pretrained`` (a
+    ``.safetensors`` file, a ``.safetensors.index.json`` or a directory ``save_pretrained``
+    wrote) gives the parameters' values instead: each rank reads only its slices. After
+    this call the model's parameters are on the meta device: the engine holds them."""
     config = Config.load(config)
     check_scheduler_factory(lr_scheduler)  # before anything joins a group or holds a shard
-    return Engine(model, optimizer, config, loss_fn, lr_scheduler)
+    return Engine(model, optimizer, config, loss_fn, lr_scheduler,
+                  start=dict(param_init_fn=param_init_fn, stream_init=stream_init, pretrained=pretrained))
 
 
 def _part(path: str, doc: str) -> property:
@@ -78,12 +92,12 @@ def _part(path: str, doc: str) -> property:
 
 class Engine:
     def __init__(self, model: torch.nn.Module, optimizer, config: Config, loss_fn: Callable | None = None,
-                 lr_scheduler: Callable | None = None):
+                 lr_scheduler: Callable | None = None, start: dict | None = None):
         self.model, self.loss_fn = model, loss_fn
-        self.device = next(model.parameters()).device
+        self.device = materialize.device_of(model)
         self.process_group = ProcessGroup.join(config.timeout_s, self.device)
         try:
-            self._set_up(model, optimizer, config, lr_scheduler)
+            self._set_up(model, optimizer, config, lr_scheduler, start or {})
         except BaseException as e:  # a half-built engine keeps no shards, and leaves a group it made
             if getattr(self, "sharded", None) is not None:
                 self.sharded.drop()
@@ -91,15 +105,18 @@ class Engine:
                 self.process_group.leave_after_failure()
             raise
 
-    def _set_up(self, model: torch.nn.Module, optimizer, config: Config, lr_scheduler: Callable | None) -> None:
+    def _set_up(self, model: torch.nn.Module, optimizer, config: Config, lr_scheduler: Callable | None,
+                start: dict) -> None:
         group = self.process_group
         native.load()
         self.ops = torch.ops.dcir
         self.ops.set_timeout(int(config.timeout_s * 1000))
-        group.broadcast_from_rank0(list(model.parameters()) + list(model.buffers()))
-        self.sharded = ShardedParameters(model, group.rank, group.world)
-        self._optim = ShardOptimizer.build(optimizer, model, self.sharded.trainable(), lr_scheduler,
-                                      config.offload is not None, self.device)
+        if isinstance(optimizer, torch.optim.Optimizer):  # DeepSpeed's way: read before the parameters go to meta
+            optimizer = ShardOptimizer.factory(optimizer, model)
+        values = materialize.take_shards(model, group, self.device, **start)
+        self.sharded = ShardedParameters(model, group.rank, group.world, values)
+        self._optim = ShardOptimizer.build(optimizer, self.sharded.trainable(), lr_scheduler,
+                                           config.offload is not None, self.device)
         self.planner = Planner(config, group, self.sharded.store_prefix, source_name(model, group.world))
         self.execution = Execution(config, group, self.shards, self.optimizer, self.lr_scheduler)
         self._config = config

@@ -84,7 +84,7 @@ class ProcessGroup:
         for t in tensors:
             dist.broadcast(t.data, src=0)
 
-    def from_rank0(self, key: str, make: Callable[[], str]) -> str:
+    def from_rank0(self, key: str, make: Callable[[], str], what: str = "compile the step") -> str:
         """Rank 0 runs ``make`` (returns module text, may raise DcirError); every rank
         gets its text, or rank 0's error, through the rendezvous store under ``key``."""
         key = f"dcir/{key}"
@@ -100,5 +100,5 @@ class ProcessGroup:
             store.wait([key], datetime.timedelta(seconds=CAPTURE_TIMEOUT_S))
             status, text = store.get(key).decode().split("\n", 1)
         if status == "error":
-            raise DcirError(Diagnostic(f"rank 0 could not compile the step:\n{text}"))
+            raise DcirError(Diagnostic(f"rank 0 could not {what}:\n{text}"))
         return text

@@ -4,8 +4,8 @@ A call whose mode (training or evaluation; with gradients or under ``torch.no_gr
 or input shapes no program has seen is captured once and kept, as Dynamo recompiles on
 a failed guard, up to ``max_programs`` (an error beyond, which says so). The first
 program of a mode comes from rank 0 to every rank (``capture``); a shape met later is
-compiled by the rank that meets it, from a copy of the model whose parameters are
-zeros of their full shapes (capture reads shapes, not values), and must run the
+compiled by the rank that meets it (capture reads the parameters' shapes, not their
+values, which the engine holds as shards), and must run the
 collectives of its mode's first program in the same order: ZeRO's collectives move
 parameters and gradients, not batches, so ranks may run different shapes. When they do
 not match (a pass planned them from the shapes), the call fails with an error that
@@ -13,8 +13,6 @@ says so, instead of a hang.
 """
 
 from __future__ import annotations
-
-import copy
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -84,16 +82,6 @@ class Programs:
             self._by_key[k] = type(installed)(module, program, installed.outputs)
 
 
-def shape_model(model: torch.nn.Module, shapes: dict[str, tuple]) -> torch.nn.Module:
-    """A copy of ``model`` whose parameters (which the engine holds as shards) are zeros
-    of their full shapes: what capture needs of them is their shapes."""
-    work = copy.deepcopy(model)
-    for name, p in work.named_parameters(remove_duplicate=False):
-        if p.numel() == 0 and name in shapes:
-            p.data = torch.zeros(shapes[name], dtype=p.dtype, device=p.device)
-    return work
-
-
 def fits(module: dcir.Module, args: tuple, kwargs: dict) -> bool:
     """Whether ``module``'s inputs have the shapes of this call's."""
     from dcir_lowering.backend import call_inputs
@@ -140,8 +128,7 @@ def capture_program(engine, args: tuple, kwargs: dict, k: tuple, training: bool)
     engine.programs.check_room(k, engine.config.max_programs)
     mode = k[:2]
     base = engine.programs.base(mode)
-    model = engine.model if engine.program is None else shape_model(engine.model, engine.shapes)
-    captured = capture(model, args, kwargs, loss_fn=engine.loss_fn, config=engine.config,
+    captured = capture(engine.model, args, kwargs, loss_fn=engine.loss_fn, config=engine.config,
                        group=engine.process_group, key=f"{engine.store_prefix}program/{mode[0]:d}{mode[1]:d}",
                        local=base is not None, training=training, passes=engine.planner.passes,
                        state_keys=lambda: engine._optim.state_keys(engine.device))
@@ -155,8 +142,6 @@ def capture_program(engine, args: tuple, kwargs: dict, k: tuple, training: bool)
     if training and engine.program is None:
         engine.planner.start(captured.text, captured.module)
         engine.execution.install(captured.module, installed.program)
-        for p in engine.model.parameters():  # the engine holds the parameters from here on
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     if not matches:  # rank 0's shapes; this rank's own are compiled here, against them
         return capture_program(engine, args, kwargs, k, training)
     return installed

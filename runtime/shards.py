@@ -23,7 +23,9 @@ class ShardedParameters:
 
     _count = 0
 
-    def __init__(self, model: torch.nn.Module, rank: int, world: int):
+    def __init__(self, model: torch.nn.Module, rank: int, world: int, values: dict[str, torch.Tensor]):
+        """``values``: this rank's flat shard of each parameter, by first FQN
+        (``materialize.take_shards``); ``model``'s parameters give names and shapes."""
         self.rank, self.world = rank, world
         #: the first FQN of each distinct parameter -> every FQN it goes by
         self.aliases: dict[str, list[str]] = {}
@@ -38,17 +40,10 @@ class ShardedParameters:
         self.store_prefix: str | None = f"engine{ShardedParameters._count}/"
         for name, p in model.named_parameters():
             self.shapes[name] = p.shape
-            self.shards[name] = torch.nn.Parameter(self.shard_of(p.detach()), requires_grad=p.requires_grad)
+            self.shards[name] = torch.nn.Parameter(values[name], requires_grad=p.requires_grad)
             ops.set_shard(self.store_prefix + name, self.shards[name])
         #: the whole model's parameter bytes, for comparison with what a rank holds
         self.full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-
-    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's flat shard: ``full`` flattened, zero-padded to a multiple of the
-        world size, elements ``[rank * chunk, (rank + 1) * chunk)``."""
-        chunk = -(-full.numel() // self.world)
-        flat = torch.nn.functional.pad(full.reshape(-1), (0, chunk * self.world - full.numel()))
-        return flat[self.rank * chunk:(self.rank + 1) * chunk].clone()
 
     def trainable(self) -> dict[str, torch.nn.Parameter]:
         return {n: s for n, s in self.shards.items() if s.requires_grad}
@@ -73,13 +68,18 @@ class ShardOptimizer:
     #: builds an optimizer of the same kind and settings over ``(fqn, shard)`` pairs
     make: Callable
 
+    @staticmethod
+    def factory(built: torch.optim.Optimizer, model: torch.nn.Module) -> Callable:
+        """An optimizer built on the model's own parameters, as a factory over shards (``_rebuild``)."""
+        return _rebuild(built, model)
+
     @classmethod
-    def build(cls, optimizer, model: torch.nn.Module, trainable: dict[str, torch.nn.Parameter],
+    def build(cls, optimizer, trainable: dict[str, torch.nn.Parameter],
               lr_scheduler: Callable | None, offload: bool, device: torch.device) -> "ShardOptimizer":
+        """``optimizer``: a ``torch.optim`` class, a factory over ``(fqn, shard)`` pairs
+        (``factory`` makes one of an optimizer built on the model), or None: AdamW."""
         if optimizer is None:
             optimizer = torch.optim.AdamW
-        if isinstance(optimizer, torch.optim.Optimizer):
-            optimizer = _rebuild(optimizer, model)
         built = optimizer(list(trainable.items()))
         scheduler = _scheduler(lr_scheduler, built)
         return cls(built, scheduler, StateStore(built, trainable, device) if offload else None, optimizer)
