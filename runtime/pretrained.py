@@ -14,8 +14,10 @@ of ``world``, elements ``[rank * chunk, (rank + 1) * chunk)``). It reads only th
 (slices along the first dimension) that overlap those elements, through safetensors'
 ``get_slice``, so a rank holds its shard plus at most two partial rows of one tensor at
 a time (the whole tensor only when it has so few rows): a model larger than one
-process's memory loads shard by shard. At most one shard file is open at a time;
-``with Checkpoint.open(p) as ckpt:`` closes it.
+process's memory loads shard by shard. safetensors maps the file, so those rows are
+pages touched in the page cache; the shard is copied out of them, and nothing returned
+keeps the file mapped or changes when the file is rewritten. At most one shard file is
+open at a time; ``with Checkpoint.open(p) as ckpt:`` closes it.
 
     with Checkpoint.open("llama-dir") as ckpt:
         ckpt.check({"model.embed_tokens.weight": ((128, 64), ["model.embed_tokens.weight", "lm_head.weight"]),
@@ -137,8 +139,8 @@ class Checkpoint:
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole tensor ``name`` (a buffer, say), as ``dtype`` (default: as stored)."""
         key = self._key(name)
-        whole = self._handle(self.tensors[key].file).get_tensor(key)
-        return whole if dtype is None else whole.to(dtype)
+        whole = self._handle(self.tensors[key].file).get_tensor(key)  # a view of the mapped file
+        return whole.to(dtype or whole.dtype, copy=True)
 
     def _key(self, name: str) -> str:
         """The stored name of ``name``, itself or, after ``check``, one of its aliases."""

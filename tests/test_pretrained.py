@@ -316,3 +316,20 @@ def test_unknown_names_and_ranks(saved):
         ckpt.check(_expected(model))
         with pytest.raises(DcirError, match="holds no tensor named model.nothing"):
             ckpt.read("model.nothing")
+
+
+
+def test_what_is_read_does_not_share_memory_with_the_file(tmp_path):
+    """safetensors maps the file (get_tensor and get_slice return views of the map): what
+    is returned must not change, or fault, when the file is written in place later."""
+    path = tmp_path / "t.safetensors"
+    save_file({"w": torch.ones(4, 3)}, str(path))
+    with Checkpoint.open(path) as ckpt:
+        whole, shard, world_of_one = ckpt.read("w"), ckpt.read_shard("w", 1, 2), ckpt.read_shard("w", 0, 1)
+    with open(path, "r+b") as f:  # the last 12 elements of the file: every element of w
+        f.seek(-4 * 12, 2)
+        f.write(torch.full((12,), 7.0).numpy().tobytes())
+    with Checkpoint.open(path) as ckpt:
+        assert torch.equal(ckpt.read("w"), torch.full((4, 3), 7.0))  # the write reached the file
+    assert torch.equal(whole, torch.ones(4, 3)) and torch.equal(shard, torch.ones(6))
+    assert torch.equal(world_of_one, torch.ones(12))
