@@ -111,11 +111,9 @@ class Engine:
         native.load()
         self.ops = torch.ops.dcir
         self.ops.set_timeout(int(config.timeout_s * 1000))
-        if isinstance(optimizer, torch.optim.Optimizer):  # DeepSpeed's way: read before the parameters go to meta
-            optimizer = ShardOptimizer.factory(optimizer, model)
-        values = materialize.take_shards(model, group, self.device, **start)
-        self.sharded = ShardedParameters(model, group.rank, group.world, values)
-        self._optim = ShardOptimizer.build(optimizer, self.sharded.trainable(), lr_scheduler,
+        self.sharded = ShardedParameters(model, group.rank, group.world,
+                                         materialize.take_shards(model, group, self.device, **start))
+        self._optim = ShardOptimizer.build(optimizer, model, self.sharded.trainable(), lr_scheduler,
                                            config.offload is not None, self.device)
         self.planner = Planner(config, group, self.sharded.store_prefix, source_name(model, group.world))
         self.execution = Execution(config, group, self.shards, self.optimizer, self.lr_scheduler)

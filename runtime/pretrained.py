@@ -9,7 +9,7 @@ buffers and reports every missing, unexpected and mis-shaped key in one error, b
 any tensor data is read, so a bad checkpoint never loads halfway.
 
 ``read_shard(name, rank, world, dtype)`` returns the rank's flat shard in the engine's
-layout (``ShardedParameters.shard_of``: the tensor flattened, zero-padded to a multiple
+layout (``materialize.flat_shard``: the tensor flattened, zero-padded to a multiple
 of ``world``, elements ``[rank * chunk, (rank + 1) * chunk)``). It reads only the rows
 (slices along the first dimension) that overlap those elements, through safetensors'
 ``get_slice``, so a rank holds its shard plus at most two partial rows of one tensor at
@@ -261,3 +261,31 @@ def _listed(items: Sequence[str], sep: str = "\n  ") -> str:
 def _shape(shape: Sequence[int]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
+
+
+def load_shards(model: torch.nn.Module, path, rank: int, world: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """This rank's flat shard of each of ``model``'s parameters (by first FQN), read from
+    the checkpoint at ``path`` after ``check`` has passed; its persistent buffers are set
+    in place (a non-persistent one, such as rotary ``inv_freq``, may be absent: the
+    model's init computes it)."""
+    from torch.utils import swap_tensors
+
+    aliases: dict[str, list[str]] = {}
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(first.setdefault(id(p), name), []).append(name)
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    persistent = [k for k in model.state_dict(keep_vars=True) if k in buffers]
+    expected = {n: (tuple(p.shape), aliases[n]) for n, p in params.items()}
+    expected.update({n: (tuple(buffers[n].shape), [n]) for n in persistent})
+    with Checkpoint.open(path) as ckpt:
+        ckpt.check(expected, optional=set(buffers) - set(persistent))
+        out = {n: ckpt.read_shard(n, rank, world, p.dtype).to(device) for n, p in params.items()}
+        for n in persistent:
+            value = ckpt.read(n, buffers[n].dtype).to(device)
+            if buffers[n].is_meta:
+                swap_tensors(buffers[n], value)
+            else:
+                buffers[n].copy_(value)
+    return out

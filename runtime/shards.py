@@ -68,18 +68,15 @@ class ShardOptimizer:
     #: builds an optimizer of the same kind and settings over ``(fqn, shard)`` pairs
     make: Callable
 
-    @staticmethod
-    def factory(built: torch.optim.Optimizer, model: torch.nn.Module) -> Callable:
-        """An optimizer built on the model's own parameters, as a factory over shards (``_rebuild``)."""
-        return _rebuild(built, model)
-
     @classmethod
-    def build(cls, optimizer, trainable: dict[str, torch.nn.Parameter],
+    def build(cls, optimizer, model: torch.nn.Module, trainable: dict[str, torch.nn.Parameter],
               lr_scheduler: Callable | None, offload: bool, device: torch.device) -> "ShardOptimizer":
-        """``optimizer``: a ``torch.optim`` class, a factory over ``(fqn, shard)`` pairs
-        (``factory`` makes one of an optimizer built on the model), or None: AdamW."""
+        """``optimizer``: a ``torch.optim`` class, a factory over ``(fqn, shard)`` pairs,
+        an optimizer built on ``model``'s parameters (``_rebuild``), or None: AdamW."""
         if optimizer is None:
             optimizer = torch.optim.AdamW
+        if isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = _rebuild(optimizer, model)
         built = optimizer(list(trainable.items()))
         scheduler = _scheduler(lr_scheduler, built)
         return cls(built, scheduler, StateStore(built, trainable, device) if offload else None, optimizer)

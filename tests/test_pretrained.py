@@ -1,13 +1,12 @@
 """Pretrained checkpoints read into shards (runtime/pretrained.py): every rank's shard of
 every parameter of a tiny Hugging Face Llama saved by ``save_pretrained`` (one file and
-sharded, tied and untied embeddings) equals the engine's own ``shard_of``, read through
+sharded, tied and untied embeddings) equals the engine's own ``flat_shard``, read through
 row slices only; a checkpoint that does not fit the model is one error listing it all."""
 
 from __future__ import annotations
 
 import json
 import shutil
-from types import SimpleNamespace
 
 import pytest
 import safetensors
@@ -15,8 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from dcir.diagnostics import DcirError
+from dcir_runtime.materialize import flat_shard
 from dcir_runtime.pretrained import Checkpoint
-from dcir_runtime.shards import ShardedParameters
 
 
 def _llama(tied: bool, dtype: torch.dtype = torch.float32):
@@ -41,8 +40,8 @@ def _expected(model: torch.nn.Module) -> dict:
 
 
 def _shard_of(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """The engine's own layout: ShardedParameters.shard_of for this rank and world."""
-    return ShardedParameters.shard_of(SimpleNamespace(rank=rank, world=world), full)
+    """The engine's own layout: materialize.flat_shard for this rank and world."""
+    return flat_shard(full, rank, world)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,60 @@
+"""Starting without the full model (docs/runtime.md, "Starting without the full model"):
+a model built on the meta device initialized shard by shard (every rank, or streamed
+from rank 0) trains bit for bit like the same init on one device; a pretrained
+safetensors checkpoint loads into the shards and gives ``from_pretrained``'s logits and
+loss; what cannot start is an error that names the tensors or keys."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dcir_runtime.launch import launch
+
+WORKER = str(Path(__file__).resolve().parent / "start_worker.py")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from models import tiny_llama
+
+    path = tmp_path_factory.mktemp("pretrained") / "llama"
+    torch.manual_seed(5)
+    tiny_llama().save_pretrained(path, max_shard_size="100KB")  # sharded, with an index
+    assert (path / "model.safetensors.index.json").exists()
+    return path
+
+
+@pytest.mark.parametrize("case,world", [("transformer_init_fn", 2), ("llama", 3), ("llama_stream", 2),
+                                        ("llama_stream", 3)])
+def test_a_meta_device_model_trains_like_its_init_on_one_device(case, world, tmp_path, capfd):
+    out = tmp_path / "out.json"
+    assert launch([WORKER, case, str(out)], world, timeout_s=240, grace_s=5) == 0, capfd.readouterr()
+    r = json.loads(out.read_text())
+    assert r["worst"] == 0.0, r
+    assert r["on_meta"], r  # the engine holds the parameters; the model keeps their shapes only
+
+
+def test_pretrained_weights_load_into_the_shards(checkpoint, tmp_path, capfd):
+    out = tmp_path / "out.json"
+    assert launch([WORKER, "pretrained", str(out), str(checkpoint)], 2, timeout_s=240, grace_s=5) == 0, \
+        capfd.readouterr()
+    r = json.loads(out.read_text())
+    assert r["logits"] == 0.0 and r["loss"] == 0.0, r
+    assert r["worst"] == 0.0, r
+
+
+def test_what_cannot_start_is_an_error_on_every_rank(checkpoint, tmp_path, capfd):
+    assert launch([WORKER, "errors", str(tmp_path / "unused"), str(checkpoint)], 2, timeout_s=240, grace_s=5) == 0
+    lines = [line for line in capfd.readouterr().out.splitlines() if line.startswith(("ERROR", "NO ERROR"))]
+    assert len(lines) == 6, lines
+    no_init, real, mismatch = lines[0:2], lines[2:4], lines[4:]
+    for line in no_init:
+        assert "no init gave these tensors of the meta-device model a value: pos; pass param_init_fn=(a function of one module), or give their modules a reset_parameters()" in line  # noqa: E501
+    for line in real:
+        assert "stream_init initializes a model built on the meta device, and this model's parameters all have values: build it under torch.device('meta'), or drop stream_init" in line  # noqa: E501
+    for line in mismatch:
+        assert "model.layers.2.self_attn.q_proj.weight" in line and "model.embed_tokens.weight" in line, line
