@@ -58,3 +58,32 @@ def test_what_cannot_start_is_an_error_on_every_rank(checkpoint, tmp_path, capfd
         assert "stream_init initializes a model built on the meta device, and this model's parameters all have values: build it under torch.device('meta'), or drop stream_init" in line  # noqa: E501
     for line in mismatch:
         assert "model.layers.2.self_attn.q_proj.weight" in line and "model.embed_tokens.weight" in line, line
+
+
+MEMORY_WORKER = str(Path(__file__).resolve().parent / "memory_worker.py")
+#: glibc returns a freed block of 1 MiB or more to the system at once (by default its
+#: threshold grows to the largest block freed, and the heap keeps what it frees below it):
+#: resident memory then shows what the process holds, not what the allocator kept
+ALLOCATOR = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "1048576"}
+
+
+def _grown(world: int, tmp_path) -> dict:
+    out = tmp_path / f"memory{world}.json"
+    assert launch([MEMORY_WORKER, str(out)], world, timeout_s=300, grace_s=5, env=ALLOCATOR) == 0
+    return json.loads(out.read_text())
+
+
+def test_a_model_whose_training_state_exceeds_the_cap_trains_sharded_under_it(tmp_path):
+    """The Llama's fp32 parameters, gradients and Adam state (752 MiB) exceed the cap
+    (85% of them) that every rank's growth in resident memory stays under at world 2 and
+    4; one process training it alone goes over. Initialize and capture never hold a
+    full copy of the parameters (188 MiB): a rank's growth after initialize stays below
+    them, and the first forward, which captures, adds less than half of them."""
+    alone = _grown(1, tmp_path)
+    cap = 0.85 * alone["state_mib"]
+    assert max(alone["grown_mib"]) > cap, alone
+    for world in (2, 4):
+        r = _grown(world, tmp_path)
+        assert max(r["grown_mib"]) <= cap, (world, cap, r)
+        assert max(r["init_mib"]) < r["params_mib"], (world, r)
+        assert max(c - i for c, i in zip(r["capture_mib"], r["init_mib"])) < r["params_mib"] / 2, (world, r)
