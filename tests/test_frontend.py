@@ -194,3 +194,35 @@ def signature_outputs(module):
 def dcir_values(t):
     from dcir.shapes import torch_dtype
     return torch.arange(float(torch.Size(t.shape).numel())).reshape(t.shape).to(torch_dtype(t.dtype))
+
+
+CAPTURE_LARGER_THAN_THIS_MACHINE = """
+import json, resource, torch, dcir
+from transformers import LlamaConfig, LlamaForCausalLM
+config = LlamaConfig(vocab_size=128000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=4,
+                     num_attention_heads=64, num_key_value_heads=8, attn_implementation="eager")
+with torch.device("meta"):
+    model = LlamaForCausalLM(config)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+ids = torch.randint(0, 128000, (1, 16))
+module = dcir.compile_to_ir(model, (), kwargs={"input_ids": ids, "labels": ids}, loss_fn=lambda out: out.loss)
+print(json.dumps({"params": sum(p.numel() for p in model.parameters()),
+                  "roles": sorted(f.role for f in module.functions.values()),
+                  "grown_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before}))
+"""
+
+
+def test_capture_of_a_model_larger_than_this_machine_allocates_none_of_it():
+    """A 5.5 B-parameter Llama on the meta device (22 GiB of fp32 parameters, more with
+    gradients than the machine has) is captured on fake tensors: the process grows by
+    less than 1% of the parameters' bytes."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", CAPTURE_LARGER_THAN_THIS_MACHINE], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["params"] > 5e9 and r["roles"] == ["backward", "forward"], r
+    assert r["grown_mib"] < 0.01 * 4 * r["params"] / 2**20, r
