@@ -20,13 +20,14 @@ Three ways to start (docs/runtime.md, "Starting without the full model"):
 * **A pretrained checkpoint** (``pretrained=``, ``dcir_runtime.pretrained``): each rank
   reads only the rows of each tensor that hold its shard.
 
-Materialized tensors are first filled with NaN, so a parameter no init wrote is found
-and named instead of training from uninitialized memory. Afterwards the model's
+Materialized tensors are first filled with NaN (integers: their smallest value), so a
+tensor no init wrote is found and named instead of training from uninitialized memory. Afterwards the model's
 parameters are on the meta device, with their full shapes: the engine holds them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable
 
@@ -73,25 +74,37 @@ def to_meta(t: torch.Tensor) -> None:
                  else meta)
 
 
+def _unset(dtype: torch.dtype):
+    """What a materialized tensor holds until an init writes it: NaN, or for integers
+    their smallest value (no init writes that); None for booleans."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return math.nan
+    return None if dtype == torch.bool else torch.iinfo(dtype).min
+
+
 def _materialize(t: torch.Tensor, device: torch.device) -> None:
-    """``t`` (on meta) in place as real memory on ``device``, NaN where it can be."""
+    """``t`` (on meta) in place as real memory on ``device``, filled with ``_unset``."""
     real = torch.empty(t.shape, dtype=t.dtype, device=device)
-    if real.is_floating_point() or real.is_complex():
-        real.fill_(math.nan)
+    if _unset(t.dtype) is not None:
+        real.fill_(_unset(t.dtype))
     swap_tensors(t, torch.nn.Parameter(real, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter)
                  else real)
 
 
 def _unwritten(t: torch.Tensor) -> bool:
-    return (t.is_floating_point() or t.is_complex()) and bool(torch.isnan(t).any())
+    """Whether an element of ``t`` still holds ``_unset``: no init wrote it."""
+    unset = _unset(t.dtype)
+    if unset is None:
+        return False
+    return bool(torch.isnan(t).any()) if isinstance(unset, float) else bool((t == unset).any())
 
 
-def initializer(model: torch.nn.Module, param_init_fn: Callable | None) -> Callable[[torch.nn.Module], bool]:
+def initializer(model: torch.nn.Module, param_init_fn: Callable | None) -> Callable[[torch.nn.Module], None]:
     """The init of one module: ``param_init_fn``, a ``transformers`` model's own (the
     nearest enclosing ``PreTrainedModel``'s, as ``initialize_weights`` dispatches it), or
-    ``reset_parameters()``. Returns whether the module had one."""
+    ``reset_parameters()`` where the module has one (what stays unset is named later)."""
     if param_init_fn is not None:
-        return lambda m: (param_init_fn(m), True)[1]
+        return param_init_fn
     owner = _transformers_owners(model)
     if owner:
         from transformers import initialization
@@ -100,14 +113,11 @@ def initializer(model: torch.nn.Module, param_init_fn: Callable | None) -> Calla
             root = owner[m]
             with initialization.guard_torch_init_functions():
                 root._initialize_weights(m, root.is_custom_code())
-            return True
         return hf
 
     def reset(m):
-        if not callable(getattr(m, "reset_parameters", None)):
-            return False
-        m.reset_parameters()
-        return True
+        if callable(getattr(m, "reset_parameters", None)):
+            m.reset_parameters()
     return reset
 
 
@@ -153,7 +163,7 @@ class MetaInit:
     putting it back on meta. ``compute``: whether this rank runs the init (every rank,
     or rank 0 alone when streamed; the others only take part in ``release``)."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, init: Callable[[torch.nn.Module], bool],
+    def __init__(self, model: torch.nn.Module, device: torch.device, init: Callable[[torch.nn.Module], None],
                  compute: bool, params: bool = True):
         self.model, self.device, self.init, self.compute, self.params = model, device, init, compute, params
         self.names: dict[int, str] = {}  # each tensor's first FQN
@@ -171,24 +181,28 @@ class MetaInit:
         order = post_order(self.model)
         waiting: dict[int, int] = {}   # tensor -> owners' parents yet to run
         at: dict[int, list] = {}       # module -> tensors whose wait it ends
-        tensors: dict[int, torch.Tensor] = {}
         for m, parent in order:
             for t in self._own(m):
-                tensors[id(t)] = t
                 waiting[id(t)] = waiting.get(id(t), 0) + 1
                 at.setdefault(id(parent), []).append(t)
         done: set[int] = set()
+        live: set[int] = set()  # materialized, not yet released
+        first: dict[int, torch.nn.Module] = {}  # tensor -> the module that initialized it
         for m, _ in order:
             fresh = [t for t in self._own(m) if id(t) not in done]
-            if self.compute and fresh:
+            own_live = any(id(t) in live for t in [*m._parameters.values(), *m._buffers.values()])
+            if self.compute and (fresh or own_live or at.get(id(m))):  # its tensors, or its children's
                 for t in fresh:
                     _materialize(t, self.device)
-                with torch.no_grad():
+                    first.setdefault(id(t), m)
+                with torch.no_grad(), _untied(m, first):
                     self.init(m)
             done.update(id(t) for t in fresh)
+            live.update(id(t) for t in fresh)
             for t in at.get(id(m), []):
                 waiting[id(t)] -= 1
                 if waiting[id(t)] == 0:
+                    live.discard(id(t))
                     self._release(t, release)
 
     def _release(self, t: torch.Tensor, release: Callable) -> None:
@@ -203,6 +217,21 @@ class MetaInit:
         release(name, None if bad or not self.compute else t.detach())
         if not t.is_meta:
             to_meta(t)
+
+
+@contextlib.contextmanager
+def _untied(m: torch.nn.Module, first: dict):
+    """While ``m``'s init runs, a parameter it shares with a module initialized before
+    (a tied weight) is a scratch tensor of its own: the init draws its random numbers
+    and the value is dropped, as ``model.to_empty()`` (which unties), the init, then
+    ``tie_weights()`` (the first owner's value) give on one device."""
+    tied = {k: p for k, p in m._parameters.items() if p is not None and first.get(id(p), m) is not m}
+    for k, p in tied.items():
+        m._parameters[k] = torch.nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad)
+    try:
+        yield
+    finally:
+        m._parameters.update(tied)
 
 
 def sync_rng(group, device: torch.device) -> Callable[[], None]:

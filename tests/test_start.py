@@ -87,3 +87,34 @@ def test_a_model_whose_training_state_exceeds_the_cap_trains_sharded_under_it(tm
         assert max(r["grown_mib"]) <= cap, (world, cap, r)
         assert max(r["init_mib"]) < r["params_mib"], (world, r)
         assert max(c - i for c, i in zip(r["capture_mib"], r["init_mib"])) < r["params_mib"] / 2, (world, r)
+
+
+@pytest.mark.parametrize("name", sorted(__import__("zoo").ZOO))
+def test_every_zoo_model_on_meta_gets_the_values_of_its_own_init(name):
+    """The engine's init of a meta-device model (world 1) against transformers' own on one
+    device: ``to_empty``, then ``init_weights()`` (which initializes, then ties), from the
+    same seed: tied embeddings, GPT-2's scaled residual projections (a parent's init
+    setting its children's weights), T5's and BART's shared embeddings, BatchNorm's and
+    rotary buffers; every parameter and buffer equal, bit for bit."""
+    import dcir
+    from zoo import ZOO
+
+    def meta():
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            return ZOO[name].make()
+    ref = meta()
+    ref.to_empty(device="cpu")
+    torch.manual_seed(0)
+    ref.init_weights()
+    drawn = torch.random.get_rng_state()
+    model = meta()
+    torch.manual_seed(0)
+    engine = dcir.initialize(model, config={"timeout_s": 60})
+    try:
+        full, buffers = engine.full_parameters(), dict(model.named_buffers())
+        assert [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), full[n])] == []
+        assert [n for n, b in ref.named_buffers() if not torch.equal(b, buffers[n])] == []
+        assert torch.equal(torch.random.get_rng_state(), drawn), "the init drew as many numbers as on one device"
+    finally:
+        torch.distributed.destroy_process_group()
