@@ -68,10 +68,12 @@ FSDP2 runs its recipe (``fully_shard``, ``to_empty``, ``initialize_weights()``);
 DeepSpeed ZeRO-3 builds under ``deepspeed.zero.Init``. ``floor``, ``eager`` (one
 process, nothing sharded) and DeepSpeed ZeRO-1/2 build the model with its values as
 with ``--init real`` (train_worker.py). "x fsdp2 RSS" is a row's peak RSS over
-``fsdp2``'s in the same run, and "first step s" the time from a rank's process start
-to the end of its first step (start-up, model, capture, first step; the slowest
-rank's, median over rounds). ``--rss-trace`` makes every rank log its resident and
-peak memory at each stage (in ``bench_train_logs/*.log``).
+``fsdp2``'s in the same run; "start RSS MiB" the peak before the first step (building,
+sharding and initializing the model, and DCIR's capture; the largest rank's); "first
+step s" the time from a rank's process start to the end of its first step (start-up,
+model, capture, first step; the slowest rank's, median over rounds). ``--rss-trace``
+makes every rank log its resident and peak memory at each stage (in
+``bench_train_logs/*.log``).
 """
 
 from __future__ import annotations
@@ -160,6 +162,7 @@ def summarize(runs: dict[str, list[dict]], ns) -> dict:
             "step_s_min": min(steps), "step_s_max": max(steps), "measured_steps": len(steps),
             "tokens_per_s_per_rank": tokens / statistics.median(steps),
             "peak_rss_mib": max(m for r in results for m in r["peak_rss_mib"]),
+            "start_rss_mib": _max([m for r in results for m in r.get("start_rss_mib") or ()]),
             "peak_cuda_mib": _max([m for r in results for m in r.get("peak_cuda_mib") or ()]),
             "exposed_comm_s": statistics.median(waits) if waits else None,
             "predicted_s": _median([r.get("predicted_s") for r in results]),
@@ -181,7 +184,7 @@ def table(rows: dict, unavailable: dict) -> str:
     cuda = any(r.get("peak_cuda_mib") is not None for r in rows.values())
     head = (f"{'system':<16}{'init':<6}{'step s':>9}{'x floor':>9}{'tok/s/rank':>12}{'peak RSS MiB':>14}"
             + (f"{'peak CUDA MiB':>15}" if cuda else "") + f"{'exposed comm s':>16}{'predicted s':>13}"
-            + f"{'sent MiB/step':>15}{'x fp32':>8}{'x fsdp2 RSS':>12}{'first step s':>14}")
+            + f"{'sent MiB/step':>15}{'x fp32':>8}{'x fsdp2 RSS':>12}{'start RSS MiB':>15}{'first step s':>14}")
     lines = [head, "-" * len(head)]
     for system, r in rows.items():
         x = f"{r['x_floor']:.2f}" if r["x_floor"] else "-"
@@ -193,8 +196,9 @@ def table(rows: dict, unavailable: dict) -> str:
         vs32 = f"{r['x_fp32']:.2f}" if r.get("x_fp32") else "-"
         rss = f"{r['x_fsdp2_rss']:.3f}" if r.get("x_fsdp2_rss") else "-"
         first = f"{r['first_step_s']:.1f}" if r.get("first_step_s") is not None else "n/a"
+        start = f"{r['start_rss_mib']:,.0f}" if r.get("start_rss_mib") is not None else "n/a"
         lines.append(f"{system:<16}{r.get('init', 'real'):<6}{r['step_s']:>9.3f}{x:>9}{r['tokens_per_s_per_rank']:>12,.0f}"
-                     f"{r['peak_rss_mib']:>14,.0f}{gpu}{comm:>16}{pred:>13}{sent:>15}{vs32:>8}{rss:>12}{first:>14}")
+                     f"{r['peak_rss_mib']:>14,.0f}{gpu}{comm:>16}{pred:>13}{sent:>15}{vs32:>8}{rss:>12}{start:>15}{first:>14}")
     for system, why in unavailable.items():
         lines.append(f"{system:<16}  unavailable: {why}")
     return "\n".join(lines)

@@ -134,6 +134,7 @@ class Dcir:
 
         self.init = ns.init
         model = llama(ns, meta=ns.init == "meta")  # on meta: initialize() gives each rank its shards
+        rss_trace(ns, "model")
         config = {"gradient_accumulation_steps": ns.accumulate, "inductor": inductor, "timeout_s": 600,
                   "optimize": {"passes": list(passes), "profile_at": [1]}}
         config.update(extra or {})
@@ -200,6 +201,7 @@ class Fsdp2(_Plain):
         meta = ns.init == "meta"
         self.init = ns.init
         model = llama(ns, meta=meta)
+        rss_trace(ns, "model")
         # pinning host memory needs an accelerator ("Cannot access accelerator device")
         pin = torch.accelerator.is_available()
         kwargs = {"offload_policy": CPUOffloadPolicy(pin_memory=pin)} if offload else {}
@@ -313,6 +315,7 @@ def main() -> None:
     rss_trace(ns, "start")
     runner = make(ns.system, ns)
     rss_trace(ns, "built", runner)
+    start_rss = peak_rss_mib()  # the peak of starting: the model, sharding, initialization (DCIR: and capture)
     distributed = dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     data = batches(ns, rank, world)
@@ -337,7 +340,7 @@ def main() -> None:
             sent.append(runner.sent_bytes() - sent0 if sent0 is not None else None)
     predicted = runner.predicted_s() if hasattr(runner, "predicted_s") else None
     per_rank = {"times": times, "waits": waits, "sent": sent, "peak_rss_mib": peak_rss_mib(), "predicted_s": predicted,
-                "first_step_s": first_step,
+                "first_step_s": first_step, "start_rss_mib": start_rss,
                 "peak_cuda_mib": torch.cuda.max_memory_allocated() / 2**20 if ns.device == "cuda" else None}
     everyone = [per_rank]
     if distributed:
@@ -355,6 +358,7 @@ def main() -> None:
                        "sent_bytes": [max(r["sent"][i] for r in everyone) if everyone[0]["sent"][i] is not None
                                       else None for i in range(ns.steps)],
                        "peak_rss_mib": [r["peak_rss_mib"] for r in everyone],
+                       "start_rss_mib": [r["start_rss_mib"] for r in everyone],
                        "peak_cuda_mib": [r["peak_cuda_mib"] for r in everyone],
                        "first_step_s": max(r["first_step_s"] for r in everyone),
                        "init": getattr(runner, "init", "real"),

@@ -49,10 +49,12 @@ def test_meta_init_reports_rss_against_fsdp2_and_first_step(tmp_path, capfd):
     assert rows["dcir"]["x_fsdp2_rss"] == rows["dcir"]["peak_rss_mib"] / rows["fsdp2"]["peak_rss_mib"]
     # process start to the end of the first step: more than a step, less than the run
     assert all(r["step_s"] < r["first_step_s"] < 300 for r in rows.values())
+    assert all(0 < r["start_rss_mib"] <= r["peak_rss_mib"] for r in rows.values())
     assert report["workload"]["init"] == "meta" and report["workload"]["parameters"] == 2 * 256 * 64 + 4 * 64 * 64 \
         + 3 * 64 * 256 + 3 * 64
     text = capfd.readouterr().out
     assert "x fsdp2 RSS" in text and "first step s" in text and "init meta" in text
+    assert "start RSS MiB" in text
 
 
 def test_100m_preset_is_a_134m_parameter_llama_unless_flags_say_otherwise():
