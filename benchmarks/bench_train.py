@@ -197,8 +197,9 @@ def table(rows: dict, unavailable: dict) -> str:
         rss = f"{r['x_fsdp2_rss']:.3f}" if r.get("x_fsdp2_rss") else "-"
         first = f"{r['first_step_s']:.1f}" if r.get("first_step_s") is not None else "n/a"
         start = f"{r['start_rss_mib']:,.0f}" if r.get("start_rss_mib") is not None else "n/a"
-        lines.append(f"{system:<16}{r.get('init', 'real'):<6}{r['step_s']:>9.3f}{x:>9}{r['tokens_per_s_per_rank']:>12,.0f}"
-                     f"{r['peak_rss_mib']:>14,.0f}{gpu}{comm:>16}{pred:>13}{sent:>15}{vs32:>8}{rss:>12}{start:>15}{first:>14}")
+        lines.append(f"{system:<16}{r.get('init', 'real'):<6}{r['step_s']:>9.3f}{x:>9}"
+                     f"{r['tokens_per_s_per_rank']:>12,.0f}{r['peak_rss_mib']:>14,.0f}{gpu}{comm:>16}{pred:>13}"
+                     f"{sent:>15}{vs32:>8}{rss:>12}{start:>15}{first:>14}")
     for system, why in unavailable.items():
         lines.append(f"{system:<16}  unavailable: {why}")
     return "\n".join(lines)
