@@ -3,8 +3,11 @@
     python benchmarks/bench_train.py                      # the default workload
     python benchmarks/bench_train.py --layers 24          # the 24-layer variant
     python benchmarks/bench_train.py --accumulate 4       # gradient accumulation 4
+    python benchmarks/bench_train.py --systems dcir,fsdp2 --init meta --model 100m   # start from meta
 
-Every system trains the same HF Llama (from a config, fp32) on the same batches:
+Every system trains the same HF Llama (from a config, fp32) on the same batches
+(``--model 100m``: 12 layers, hidden 768, MLP 2048, 12 heads, vocabulary 32000,
+134 M parameters, batch 1 of 64 tokens; flags given explicitly win over the preset):
 
 * ``dcir``: the Engine, plain ``zero3``, compute run op by op (eager lowering);
 * ``dcir-prefetch``, ``dcir-unshard``, ``dcir-optimized``: the Engine's optimization
@@ -58,6 +61,19 @@ communication is the host time DCIR's ranks spent blocked in ``comm.wait`` per s
 have no such counter ("n/a"). Sent is the bytes a rank hands to collectives per step, as
 DCIR's runtime counts them (the largest rank's; "n/a" for the others), and "x fp32" a
 bf16 row's step time over its fp32 row's in the same run.
+
+``--init meta`` starts the sharded systems without the full model: the Llama is built
+under ``torch.device("meta")`` and ``dcir.initialize`` initializes each rank's shards;
+FSDP2 runs its recipe (``fully_shard``, ``to_empty``, ``initialize_weights()``);
+DeepSpeed ZeRO-3 builds under ``deepspeed.zero.Init``. ``floor``, ``eager`` (one
+process, nothing sharded) and DeepSpeed ZeRO-1/2 build the model with its values as
+with ``--init real`` (train_worker.py). "x fsdp2 RSS" is a row's peak RSS over
+``fsdp2``'s in the same run; "start RSS MiB" the peak before the first step (building,
+sharding and initializing the model, and DCIR's capture; the largest rank's); "first
+step s" the time from a rank's process start to the end of its first step (start-up,
+model, capture, first step; the slowest rank's, median over rounds). ``--rss-trace``
+makes every rank log its resident and peak memory at each stage (in
+``bench_train_logs/*.log``).
 """
 
 from __future__ import annotations
@@ -76,7 +92,10 @@ HERE = Path(__file__).resolve().parent
 SYSTEMS = ["floor", "eager", "dcir", "dcir-prefetch", "dcir-unshard", "dcir-optimized", "dcir-inductor",
            "dcir-zero1", "dcir-zero2", "dcir-offload", "dcir-bf16", "fsdp2", "fsdp2-offload", "fsdp2-bf16", "deepspeed-zero1", "deepspeed-zero2",
            "deepspeed", "deepspeed-offload"]
-WORKLOAD = [("layers", 6), ("hidden", 256), ("seq", 128), ("batch", 4), ("vocab", 32000), ("accumulate", 1)]
+WORKLOAD = [("layers", 6), ("hidden", 256), ("seq", 128), ("batch", 4), ("vocab", 32000), ("accumulate", 1),
+            ("intermediate", 0)]  # intermediate 0: 4 x hidden
+#: ``--model``: workload values that differ from WORKLOAD's defaults
+MODELS = {"default": {}, "100m": {"layers": 12, "hidden": 768, "intermediate": 2048, "seq": 64, "batch": 1}}
 
 
 def _available(system: str, device: str = "cpu") -> str | None:
@@ -94,7 +113,7 @@ def _run(system: str, ns, out: Path) -> dict | None:
     args = [str(HERE / "train_worker.py"), system, str(out), "--steps", str(ns.steps), "--warmup", str(ns.warmup)]
     for name, _ in WORKLOAD:
         args += [f"--{name}", str(getattr(ns, name))]
-    args += ["--device", ns.device]
+    args += ["--device", ns.device, "--init", ns.init] + (["--rss-trace"] if ns.rss_trace else [])
     world = 1 if system in ("floor", "eager") else ns.world
     env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     with open(out.with_suffix(".log"), "w") as log:
@@ -143,14 +162,19 @@ def summarize(runs: dict[str, list[dict]], ns) -> dict:
             "step_s_min": min(steps), "step_s_max": max(steps), "measured_steps": len(steps),
             "tokens_per_s_per_rank": tokens / statistics.median(steps),
             "peak_rss_mib": max(m for r in results for m in r["peak_rss_mib"]),
+            "start_rss_mib": _max([m for r in results for m in r.get("start_rss_mib") or ()]),
             "peak_cuda_mib": _max([m for r in results for m in r.get("peak_cuda_mib") or ()]),
             "exposed_comm_s": statistics.median(waits) if waits else None,
             "predicted_s": _median([r.get("predicted_s") for r in results]),
             "sent_bytes_per_step": statistics.median(sent) if sent else None,
+            "first_step_s": _median([r.get("first_step_s") for r in results]),
+            "init": results[0].get("init", "real"),  # how this system built the model (floor: always real)
         }
     floor = rows.get("floor", {}).get("step_s")
+    fsdp2 = rows.get("fsdp2", {}).get("peak_rss_mib")
     for system, row in rows.items():
         row["x_floor"] = row["step_s"] / floor if floor else None
+        row["x_fsdp2_rss"] = row["peak_rss_mib"] / fsdp2 if fsdp2 else None
         fp32 = rows.get(system.removesuffix("-bf16")) if system.endswith("-bf16") else None
         row["x_fp32"] = row["step_s"] / fp32["step_s"] if fp32 else None
     return rows
@@ -158,9 +182,9 @@ def summarize(runs: dict[str, list[dict]], ns) -> dict:
 
 def table(rows: dict, unavailable: dict) -> str:
     cuda = any(r.get("peak_cuda_mib") is not None for r in rows.values())
-    head = (f"{'system':<16}{'step s':>9}{'x floor':>9}{'tok/s/rank':>12}{'peak RSS MiB':>14}"
+    head = (f"{'system':<16}{'init':<6}{'step s':>9}{'x floor':>9}{'tok/s/rank':>12}{'peak RSS MiB':>14}"
             + (f"{'peak CUDA MiB':>15}" if cuda else "") + f"{'exposed comm s':>16}{'predicted s':>13}"
-            + f"{'sent MiB/step':>15}{'x fp32':>8}")
+            + f"{'sent MiB/step':>15}{'x fp32':>8}{'x fsdp2 RSS':>12}{'start RSS MiB':>15}{'first step s':>14}")
     lines = [head, "-" * len(head)]
     for system, r in rows.items():
         x = f"{r['x_floor']:.2f}" if r["x_floor"] else "-"
@@ -170,11 +194,31 @@ def table(rows: dict, unavailable: dict) -> str:
             f"{'n/a':>15}" if cuda else "")
         sent = f"{r['sent_bytes_per_step'] / 2**20:.3f}" if r.get("sent_bytes_per_step") is not None else "n/a"
         vs32 = f"{r['x_fp32']:.2f}" if r.get("x_fp32") else "-"
-        lines.append(f"{system:<16}{r['step_s']:>9.3f}{x:>9}{r['tokens_per_s_per_rank']:>12,.0f}"
-                     f"{r['peak_rss_mib']:>14,.0f}{gpu}{comm:>16}{pred:>13}{sent:>15}{vs32:>8}")
+        rss = f"{r['x_fsdp2_rss']:.3f}" if r.get("x_fsdp2_rss") else "-"
+        first = f"{r['first_step_s']:.1f}" if r.get("first_step_s") is not None else "n/a"
+        start = f"{r['start_rss_mib']:,.0f}" if r.get("start_rss_mib") is not None else "n/a"
+        lines.append(f"{system:<16}{r.get('init', 'real'):<6}{r['step_s']:>9.3f}{x:>9}"
+                     f"{r['tokens_per_s_per_rank']:>12,.0f}{r['peak_rss_mib']:>14,.0f}{gpu}{comm:>16}{pred:>13}"
+                     f"{sent:>15}{vs32:>8}{rss:>12}{start:>15}{first:>14}")
     for system, why in unavailable.items():
         lines.append(f"{system:<16}  unavailable: {why}")
     return "\n".join(lines)
+
+
+def parameters(ns) -> int:
+    """The benchmark Llama's parameter count (built on the meta device: no memory)."""
+    from train_worker import llama
+
+    return sum(p.numel() for p in llama(ns, meta=True).parameters())
+
+
+def workload_of(ns) -> None:
+    """Fills the workload flags left unset: ``--model``'s preset, else WORKLOAD's default
+    (intermediate: 4 x hidden)."""
+    for name, default in WORKLOAD:
+        if getattr(ns, name) is None:
+            setattr(ns, name, MODELS[ns.model].get(name, default))
+    ns.intermediate = ns.intermediate or 4 * ns.hidden
 
 
 def chart(rows: dict, path: Path, title: str) -> str | None:
@@ -198,11 +242,17 @@ def chart(rows: dict, path: Path, title: str) -> str | None:
     return None
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="bench_train.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     for name, default in WORKLOAD:
-        ap.add_argument(f"--{name}", type=int, default=default, help=f"(default {default})")
+        ap.add_argument(f"--{name}", type=int, default=None, help=f"(default {default}, or --model's)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="default",
+                    help="a workload preset: 100m is a 134 M-parameter Llama, batch 1 x 64 tokens (default: default)")
+    ap.add_argument("--init", choices=("real", "meta"), default="real",
+                    help="real: every rank builds the model with its values; meta: the sharded systems build it on "
+                         "the meta device and initialize only their shards (default real)")
+    ap.add_argument("--rss-trace", action="store_true", help="each rank logs its RSS at each stage")
     ap.add_argument("--world", type=int, default=2, help="ranks of the distributed systems (default 2)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu (gloo, 1 thread per rank) or cuda (one GPU per rank, NCCL); default cpu")
@@ -213,7 +263,13 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=900, help="seconds one run may take (default 900)")
     ap.add_argument("--json", default="bench_train.json", help="where to write the results")
     ap.add_argument("--chart", default="bench_train.png", help="where to draw the chart")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     ns = ap.parse_args(argv)
+    workload_of(ns)
     systems = [s.strip() for s in ns.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
@@ -224,8 +280,9 @@ def main(argv=None) -> int:
     runnable = [s for s in systems if s not in unavailable]
     workload = ", ".join(f"{n} {getattr(ns, n)}" for n, _ in WORKLOAD)
     where = "1 GPU per rank (NCCL)" if ns.device == "cuda" else "1 thread per rank"
-    print(f"Llama {workload}; world {ns.world}, {where}; {ns.rounds} rounds x {ns.steps} steps "
-          f"(+{ns.warmup} warm-up), interleaved")
+    count = parameters(ns)
+    print(f"Llama {count / 1e6:.1f} M parameters ({workload}); init {ns.init}; world {ns.world}, {where}; "
+          f"{ns.rounds} rounds x {ns.steps} steps (+{ns.warmup} warm-up), interleaved")
     runs: dict[str, list[dict]] = {s: [] for s in runnable}
     begin = time.time()
     logs = Path(ns.json).resolve().parent / "bench_train_logs"  # each run's JSON and output
@@ -248,7 +305,8 @@ def main(argv=None) -> int:
     if ns.device == "cuda":
         machine = f"{torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}; {machine}"
     report = {"workload": {n: getattr(ns, n) for n, _ in WORKLOAD} | {"world": ns.world, "threads_per_rank": 1,
-                                                                       "device": ns.device},
+                                                                       "device": ns.device, "init": ns.init,
+                                                                       "model": ns.model, "parameters": count},
               "rounds": ns.rounds, "steps": ns.steps, "warmup": ns.warmup, "machine": machine,
               "torch": torch.__version__, "seconds": round(time.time() - begin), "results": rows,
               "unavailable": unavailable, "command": "python benchmarks/bench_train.py " + " ".join(argv or sys.argv[1:])}

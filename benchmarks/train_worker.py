@@ -7,6 +7,17 @@ rank and, for DCIR, the host time its ranks spent blocked in ``comm.wait`` (the
 communication that compute did not hide). With ``--device cuda`` every rank runs on
 the GPU of its ``LOCAL_RANK`` (NCCL), steps are timed after a device synchronize, and
 the peak memory is the CUDA allocator's (``torch.cuda.max_memory_allocated``).
+
+With ``--init meta`` the sharded systems start without the full model: the Llama is
+built under ``torch.device("meta")``; ``dcir.initialize`` initializes each rank's shards
+(the model's own ``transformers`` init), FSDP2 follows its documented recipe
+(``fully_shard``, ``model.to_empty(device=...)``, then ``model.initialize_weights()``,
+which runs on the DTensor shards: same distributions, not the single-device values),
+and DeepSpeed ZeRO-3 builds it under ``deepspeed.zero.Init``. ``floor`` and ``eager``
+(one process, nothing to shard) and DeepSpeed ZeRO-1/2 build it with its values as with
+``--init real``. Every rank also reports its process's age at the end of the first
+step (``first_step_s``: start-up, model, capture and the first step). ``--rss-trace``
+prints each rank's resident and peak memory at each stage to stderr.
 """
 
 from __future__ import annotations
@@ -35,16 +46,21 @@ def backend(ns) -> str:
     return "nccl" if ns.device == "cuda" else "gloo"
 
 
-def llama(ns):
+def llama(ns, meta: bool = False):
+    """The benchmark Llama (seed 0); with ``meta``, built on the meta device (no values)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=ns.vocab, hidden_size=ns.hidden, intermediate_size=ns.hidden * 4, num_hidden_layers=ns.layers,
-        num_attention_heads=ns.hidden // 64, num_key_value_heads=ns.hidden // 64, max_position_embeddings=ns.seq,
-        attn_implementation="eager")).to(device(ns))
+    config = LlamaConfig(
+        vocab_size=ns.vocab, hidden_size=ns.hidden, intermediate_size=ns.intermediate or ns.hidden * 4,
+        num_hidden_layers=ns.layers, num_attention_heads=ns.hidden // 64, num_key_value_heads=ns.hidden // 64,
+        max_position_embeddings=ns.seq, attn_implementation="eager")
+    if meta:
+        with torch.device("meta"):
+            return LlamaForCausalLM(config)
+    return LlamaForCausalLM(config).to(device(ns))
 
 
 def batches(ns, rank: int, world: int):
@@ -64,6 +80,42 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+_IMPORTED = time.monotonic()
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: /proc, to 10 ms), else since this
+    module was imported (which leaves out the interpreter's start-up)."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - started
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED
+
+
+def rss_trace(ns, stage: str, runner=None) -> None:
+    """With ``--rss-trace``: this rank's resident and peak memory now (and, for DCIR, the
+    bytes its runtime accounts for), on stderr."""
+    if not ns.rss_trace:
+        return
+    status = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                status[key] = int(value.split()[0]) / 1024
+    rank = os.environ.get("RANK", "0")
+    extra = ""
+    if hasattr(runner, "engine") and hasattr(runner.engine, "memory"):
+        m = runner.engine.memory()
+        extra = "  runtime MiB: " + ", ".join(f"{k} {m[k] / 2**20:.1f}" for k in (
+            "parameters", "gradients", "optimizer_state", "buffers", "replicas", "gathered_now", "gathered_peak"))
+    print(f"rss-trace rank {rank} {stage:<22} RSS {status.get('VmRSS', 0):8.1f} MiB  peak "
+          f"{status.get('VmHWM', 0):8.1f} MiB  age {process_age_s():7.2f} s{extra}", file=sys.stderr, flush=True)
+
+
 def optimizer_state_bytes(model, world: int) -> int:
     """This rank's AdamW state: two fp32 tensors (exp_avg, exp_avg_sq) per element of
     every trainable parameter, each parameter sharded over ``world`` ranks."""
@@ -80,7 +132,9 @@ class Dcir:
                  offload_half: bool = False):
         import dcir
 
-        model = llama(ns)
+        self.init = ns.init
+        model = llama(ns, meta=ns.init == "meta")  # on meta: initialize() gives each rank its shards
+        rss_trace(ns, "model")
         config = {"gradient_accumulation_steps": ns.accumulate, "inductor": inductor, "timeout_s": 600,
                   "optimize": {"passes": list(passes), "profile_at": [1]}}
         config.update(extra or {})
@@ -119,6 +173,8 @@ class Dcir:
 class _Plain:
     """A model and an optimizer, stepped every ``accumulate`` micro-steps."""
 
+    init = "real"  # how the model was built: "meta" where the subclass built it on the meta device
+
     def __init__(self, model, ns):
         self.model, self.ns, self.n = model, ns, 0
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -134,13 +190,18 @@ class _Plain:
 class Fsdp2(_Plain):
     """``fully_shard`` per decoder layer and on the root; with ``offload``, the
     parameters, gradients and optimizer step live on the CPU (``CPUOffloadPolicy``);
-    with ``bf16``, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``."""
+    with ``bf16``, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``. With
+    ``--init meta``, FSDP2's recipe: shard the meta model, ``to_empty``, then the
+    model's own init (``initialize_weights()``) on the local shards."""
 
     def __init__(self, ns, offload: bool = False, bf16: bool = False):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         dist.init_process_group(backend(ns))
-        model = llama(ns)
+        meta = ns.init == "meta"
+        self.init = ns.init
+        model = llama(ns, meta=meta)
+        rss_trace(ns, "model")
         # pinning host memory needs an accelerator ("Cannot access accelerator device")
         pin = torch.accelerator.is_available()
         kwargs = {"offload_policy": CPUOffloadPolicy(pin_memory=pin)} if offload else {}
@@ -149,23 +210,33 @@ class Fsdp2(_Plain):
         for layer in model.model.layers:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
+        if meta:
+            model.to_empty(device="cpu" if offload else device(ns))  # offload: the shards live on the host
+            model.initialize_weights()  # transformers v5; it writes the DTensor parameters and the rotary buffers
         super().__init__(model, ns)
 
 
 class DeepSpeed:
     """DeepSpeed eager ZeRO (``stage`` 1, 2 or 3), CPU accelerator, gloo. With
     ``offload``, ZeRO-Offload: ``offload_optimizer`` to the CPU, where DeepSpeed keeps
-    all optimizer state and runs the step with its own CPU Adam."""
+    all optimizer state and runs the step with its own CPU Adam. With ``--init meta`` at
+    stage 3 the model is built under ``deepspeed.zero.Init`` (each rank allocates only its
+    partition); stages 1 and 2 keep a full copy of the parameters, so it is built as usual."""
 
     def __init__(self, ns, stage: int = 3, offload: bool = False):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
 
-        model = llama(ns)
         zero = {"stage": stage}
         config = {"train_micro_batch_size_per_gpu": ns.batch, "gradient_accumulation_steps": ns.accumulate,
                   "zero_optimization": zero, "zero_allow_untested_optimizer": True}
         deepspeed.init_distributed(dist_backend="gloo")
+        self.init = "meta" if ns.init == "meta" and stage == 3 else "real"
+        if self.init == "meta":
+            with deepspeed.zero.Init(config_dict_or_path=config):
+                model = llama(ns)
+        else:
+            model = llama(ns)
         if offload:  # its CPU Adam comes from DeepSpeed's optimizer config, not a torch optimizer
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.accelerator.is_available()}
             config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4}}
@@ -182,7 +253,8 @@ class DeepSpeed:
 
 class Floor(_Plain):
     """One process, no communication: the model compiled by torch.compile (or, as
-    ``eager``, not: the compute a program that runs op by op does)."""
+    ``eager``, not: the compute a program that runs op by op does). Built with its values
+    whatever ``--init``: one process holds the whole model anyway."""
 
     def __init__(self, ns, compiled: bool = True):
         super().__init__(torch.compile(llama(ns)) if compiled else llama(ns), ns)
@@ -233,16 +305,21 @@ def main() -> None:
     ap.add_argument("system")
     ap.add_argument("out")
     for name, default in [("layers", 6), ("hidden", 256), ("seq", 128), ("batch", 4), ("vocab", 32000),
-                          ("accumulate", 1), ("steps", 6), ("warmup", 2)]:
+                          ("accumulate", 1), ("steps", 6), ("warmup", 2), ("intermediate", 0)]:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--init", choices=("real", "meta"), default="real")
+    ap.add_argument("--rss-trace", action="store_true")
     ns = ap.parse_args()
     torch.set_num_threads(1)
+    rss_trace(ns, "start")
     runner = make(ns.system, ns)
+    rss_trace(ns, "built", runner)
+    start_rss = peak_rss_mib()  # the peak of starting: the model, sharding, initialization (DCIR: and capture)
     distributed = dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     data = batches(ns, rank, world)
-    times, waits, sent = [], [], []
+    times, waits, sent, first_step = [], [], [], None
     for step in range(ns.warmup + ns.steps):
         wait0 = runner.wait_s() if hasattr(runner, "wait_s") else 0.0
         sent0 = runner.sent_bytes() if hasattr(runner, "sent_bytes") else None
@@ -254,6 +331,8 @@ def main() -> None:
             runner.micro_step(next(data))
         synchronize(ns)
         elapsed = time.perf_counter() - begin
+        first_step = first_step if first_step is not None else process_age_s()
+        rss_trace(ns, f"step {step}", runner)
         waited = (runner.wait_s() - wait0) if hasattr(runner, "wait_s") else None
         if step >= ns.warmup:
             times.append(elapsed)
@@ -261,6 +340,7 @@ def main() -> None:
             sent.append(runner.sent_bytes() - sent0 if sent0 is not None else None)
     predicted = runner.predicted_s() if hasattr(runner, "predicted_s") else None
     per_rank = {"times": times, "waits": waits, "sent": sent, "peak_rss_mib": peak_rss_mib(), "predicted_s": predicted,
+                "first_step_s": first_step, "start_rss_mib": start_rss,
                 "peak_cuda_mib": torch.cuda.max_memory_allocated() / 2**20 if ns.device == "cuda" else None}
     everyone = [per_rank]
     if distributed:
@@ -278,7 +358,10 @@ def main() -> None:
                        "sent_bytes": [max(r["sent"][i] for r in everyone) if everyone[0]["sent"][i] is not None
                                       else None for i in range(ns.steps)],
                        "peak_rss_mib": [r["peak_rss_mib"] for r in everyone],
+                       "start_rss_mib": [r["start_rss_mib"] for r in everyone],
                        "peak_cuda_mib": [r["peak_cuda_mib"] for r in everyone],
+                       "first_step_s": max(r["first_step_s"] for r in everyone),
+                       "init": getattr(runner, "init", "real"),
                        "predicted_s": everyone[0]["predicted_s"]}, f)
     if distributed:
         dist.barrier()

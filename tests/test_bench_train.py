@@ -31,3 +31,40 @@ def test_tiny_run_reports_every_system(tmp_path, capfd):
     assert "deepcompile" in report["unavailable"]
     text = capfd.readouterr().out
     assert "x floor" in text and "unavailable: DeepSpeed's compiler needs CUDA" in text
+
+
+def test_meta_init_reports_rss_against_fsdp2_and_first_step(tmp_path, capfd):
+    out = tmp_path / "bench.json"
+    code = bench_train.main(["--layers", "1", "--hidden", "64", "--seq", "16", "--batch", "2", "--vocab", "256",
+                             "--steps", "1", "--warmup", "1", "--rounds", "1", "--systems", "eager,dcir,fsdp2",
+                             "--init", "meta", "--json", str(out), "--chart", str(tmp_path / "bench.png"),
+                             "--timeout", "300"])
+    assert code == 0
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert set(rows) == {"eager", "dcir", "fsdp2"}, capfd.readouterr()
+    # the sharded systems built the model on the meta device; eager (one process) with its values
+    assert rows["dcir"]["init"] == rows["fsdp2"]["init"] == "meta" and rows["eager"]["init"] == "real"
+    assert rows["fsdp2"]["x_fsdp2_rss"] == 1.0
+    assert rows["dcir"]["x_fsdp2_rss"] == rows["dcir"]["peak_rss_mib"] / rows["fsdp2"]["peak_rss_mib"]
+    # process start to the end of the first step: more than a step, less than the run
+    assert all(r["step_s"] < r["first_step_s"] < 300 for r in rows.values())
+    assert all(0 < r["start_rss_mib"] <= r["peak_rss_mib"] for r in rows.values())
+    assert report["workload"]["init"] == "meta" and report["workload"]["parameters"] == 2 * 256 * 64 + 4 * 64 * 64 \
+        + 3 * 64 * 256 + 3 * 64
+    text = capfd.readouterr().out
+    assert "x fsdp2 RSS" in text and "first step s" in text and "init meta" in text
+    assert "start RSS MiB" in text
+
+
+def test_100m_preset_is_a_134m_parameter_llama_unless_flags_say_otherwise():
+    ns = bench_train.parser().parse_args(["--model", "100m"])
+    bench_train.workload_of(ns)
+    assert (ns.layers, ns.hidden, ns.intermediate, ns.batch, ns.seq) == (12, 768, 2048, 1, 64)
+    assert bench_train.parameters(ns) == 134_105_856
+    ns = bench_train.parser().parse_args(["--model", "100m", "--layers", "2"])
+    bench_train.workload_of(ns)
+    assert ns.layers == 2 and ns.hidden == 768
+    ns = bench_train.parser().parse_args([])
+    bench_train.workload_of(ns)
+    assert (ns.layers, ns.hidden, ns.intermediate, ns.batch, ns.seq) == (6, 256, 1024, 4, 128)
