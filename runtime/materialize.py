@@ -45,8 +45,10 @@ def flat_shard(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """This rank's flat shard: ``full`` flattened, zero-padded to a multiple of the
     world size, elements ``[rank * chunk, (rank + 1) * chunk)``."""
     chunk = -(-full.numel() // world)
-    flat = torch.nn.functional.pad(full.reshape(-1), (0, chunk * world - full.numel()))
-    return flat[rank * chunk:(rank + 1) * chunk].clone()
+    lo, hi = min(rank * chunk, full.numel()), min((rank + 1) * chunk, full.numel())
+    shard = torch.zeros(chunk, dtype=full.dtype, device=full.device)  # only the shard is new memory
+    shard[:hi - lo] = full.reshape(-1)[lo:hi]
+    return shard
 
 
 def listed(names: list[str]) -> str:
@@ -259,6 +261,11 @@ def sync_rng(group, device: torch.device) -> Callable[[], None]:
     return restore
 
 
+def _checksum(t: torch.Tensor) -> float:
+    """The sum of ``t`` in float64, a million elements at a time (no full float64 copy)."""
+    return float(sum(part.double().sum() for part in t.detach().reshape(-1).split(1 << 20)))
+
+
 def check_agree(group, sums: dict[str, float]) -> None:
     """The init every rank ran gave every rank the same values (by each tensor's sum)."""
     if group.world == 1 or not sums:
@@ -321,7 +328,7 @@ def _init_on_meta(model, group, device, out: dict, init: Callable, stream: bool,
     def local(name, full):
         if full is not None:
             out[name] = flat_shard(full, group.rank, group.world)
-            sums[name] = float(full.double().sum())
+            sums[name] = _checksum(full)
 
     restore = sync_rng(group, device) if not stream else (lambda: None)
     try:
