@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dcir  # noqa: E402
 from dist_worker import ROWS, TinyTransformer, _add_average, _llama_batch, _rank_grads, _slice  # noqa: E402
-from dist_worker import _transformer_batch, attempt  # noqa: E402
+from dist_worker import _transformer_batch  # noqa: E402
 from models import tiny_llama  # noqa: E402
 
 
@@ -122,17 +122,35 @@ def pretrained(path: str, rank: int, world: int) -> dict:
 
 
 def errors(path: str) -> None:
+    """The group is the worker's, so a failed ``initialize`` leaves it for the next, and
+    the ranks print their errors one at a time (concurrent prints can share a line)."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.distributed.init_process_group("gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+    def in_turn(fn):
+        try:
+            fn()
+            line = "NO ERROR"
+        except dcir.DcirError as e:
+            line = "ERROR: " + e.render().replace("\n", " ")
+        for r in range(world):
+            torch.distributed.barrier()
+            if r == rank:
+                print(line, flush=True)
+        torch.distributed.barrier()
 
     adam = lambda ps: torch.optim.AdamW(ps)  # noqa: E731
     with torch.device("meta"):
         no_init = TinyTransformer()
-    attempt(lambda: dcir.initialize(no_init, adam))
-    attempt(lambda: dcir.initialize(TinyTransformer(), adam, stream_init=True))
+    in_turn(lambda: dcir.initialize(no_init, adam))
+    in_turn(lambda: dcir.initialize(TinyTransformer(), adam, stream_init=True))
     with torch.device("meta"):
         other = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                                              num_attention_heads=4, num_key_value_heads=2))
-    attempt(lambda: dcir.initialize(other, adam, pretrained=path))
+    in_turn(lambda: dcir.initialize(other, adam, pretrained=path))
+    torch.distributed.destroy_process_group()
 
 
 def main() -> int:
