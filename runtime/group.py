@@ -77,13 +77,6 @@ class ProcessGroup:
         return agreed.item()
 
     @torch.no_grad()
-    def broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
-        """Every rank takes rank 0's values of ``tensors``, in place."""
-        if self.world == 1:
-            return
-        for t in tensors:
-            dist.broadcast(t.data, src=0)
-
     def from_rank0(self, key: str, make: Callable[[], str], what: str = "compile the step") -> str:
         """Rank 0 runs ``make`` (returns module text, may raise DcirError); every rank
         gets its text, or rank 0's error, through the rendezvous store under ``key``."""
