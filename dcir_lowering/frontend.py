@@ -238,19 +238,52 @@ def _warm_up(step, model: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
     autograd graph (``no_grad``), the random generators as they were (``fork_rng``: a
     dropout mask drawn here is not drawn in the trace), every parameter and buffer
     (BatchNorm's running statistics) restored to its value before. False if the eager
-    call raised: then the trace's own error is the one to report."""
+    call raised: then the trace's own error is the one to report.
+
+    The call needs values (a mixture of experts routes tokens by them), so the copy's
+    fake parameters are real tensors while it runs: ``torch.empty``, whose pages the
+    system maps only as they are touched, and which go when the call returns."""
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    before = {name: t.detach().clone() for name, t in state.items()}
+    before = {name: t.detach().clone() for name, t in state.items() if not _is_fake(t)}
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
+    with torch.random.fork_rng(devices=devices), torch.no_grad(), _real_for_a_while(model):
         try:
             step(*args, **kwargs)
         except Exception:  # the model's own failure; Dynamo's message names the construct
             return False
         finally:
-            for name, t in state.items():
-                t.copy_(before[name])
+            for name, t in before.items():
+                state[name].copy_(t)
     return True
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+@contextlib.contextmanager
+def _real_for_a_while(model: torch.nn.Module):
+    """Every fake parameter and buffer of ``model`` (tied ones alike) replaced by an
+    uninitialized real tensor of its shape in the modules that hold it, and put back after."""
+    real: dict[int, torch.Tensor] = {}
+    swapped = []
+    for m in model.modules():
+        for slots in (m._parameters, m._buffers):
+            for k, t in slots.items():
+                if t is None or not _is_fake(t):
+                    continue
+                if id(t) not in real:
+                    empty = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                    real[id(t)] = torch.nn.Parameter(empty, t.requires_grad) if slots is m._parameters else empty
+                swapped.append((slots, k, t))
+                slots[k] = real[id(t)]
+    try:
+        yield
+    finally:
+        for slots, k, t in swapped:
+            slots[k] = t
 
 
 #: ``logging.Logger`` methods a model may call in forward; transformers adds ``warning_once``,
