@@ -226,3 +226,22 @@ def test_capture_of_a_model_larger_than_this_machine_allocates_none_of_it():
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["params"] > 5e9 and r["roles"] == ["backward", "forward"], r
     assert r["grown_mib"] < 0.01 * 4 * r["params"] / 2**20, r
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_a_mixture_of_experts_warms_up_on_real_tensors_and_captures(name):
+    """A fresh MoE model installs its router-logit hooks on its first call (a lock Dynamo
+    cannot enter): capture's eager warm-up runs it on real tensors in place of the fake
+    parameters (on fakes transformers takes its grouped_mm path, which fails), and the
+    captured step's loss is the eager model's."""
+    from dcir_lowering.backend import state_of
+    from dcir_lowering.frontend import capture
+    from zoo import ZOO
+
+    def loss_fn(out):
+        return out.logits.pow(2).mean()
+    model = ZOO[name].model()
+    kwargs, _ = ZOO[name].batch(torch.Generator().manual_seed(1), 2)
+    module, _ = capture(model, (), kwargs=kwargs, loss_fn=loss_fn)
+    loss = dcir.lower(module, state_of(model)).train_step(**kwargs)
+    assert torch.equal(loss, loss_fn(ZOO[name].model()(**kwargs)))
