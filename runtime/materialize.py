@@ -372,19 +372,8 @@ def _scatter(group, model: torch.nn.Module, out: dict) -> Callable:
 
 
 def _share_buffers(model: torch.nn.Module, group, device: torch.device) -> None:
-    """Every rank takes rank 0's buffers (a streamed init computed them there alone);
-    a buffer still on meta is an error that names it."""
-    still = [n for n, b in model.named_buffers() if b.is_meta]
-    flag = torch.tensor([len(still)], device=group.device)
-    if group.world > 1:
-        dist.broadcast(flag, src=0)
-    if flag.item():
-        def error() -> str:
-            raise DcirError(Diagnostic(
-                f"these buffers of the meta-device model have no value after its init: {listed(still)}; give their "
-                "modules a reset_parameters() or pass param_init_fn that sets them (or build the model with real "
-                "buffers)"))
-        group.from_rank0(f"buffers{_calls}", error, "initialize the model")
+    """Every rank takes rank 0's buffers (a streamed init computed them there alone; the
+    other ranks' are still on meta)."""
     for b in model.buffers():
         if b.is_meta:
             _materialize(b, device)

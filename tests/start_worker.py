@@ -150,6 +150,14 @@ def errors(path: str) -> None:
         other = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                                              num_attention_heads=4, num_key_value_heads=2))
     in_turn(lambda: dcir.initialize(other, adam, pretrained=path))
+
+    def per_rank(m):  # seeded by the rank: the ranks' values differ
+        init_fn(m)
+        for p in m.parameters(recurse=False):
+            p.add_(rank)
+    with torch.device("meta"):
+        diverging = TinyTransformer()
+    in_turn(lambda: dcir.initialize(diverging, adam, param_init_fn=per_rank))
     torch.distributed.destroy_process_group()
 
 

@@ -50,14 +50,17 @@ def test_pretrained_weights_load_into_the_shards(checkpoint, tmp_path, capfd):
 def test_what_cannot_start_is_an_error_on_every_rank(checkpoint, tmp_path, capfd):
     assert launch([WORKER, "errors", str(tmp_path / "unused"), str(checkpoint)], 2, timeout_s=240, grace_s=5) == 0
     lines = [line for line in capfd.readouterr().out.splitlines() if line.startswith(("ERROR", "NO ERROR"))]
-    assert len(lines) == 6, lines
-    no_init, real, mismatch = lines[0:2], lines[2:4], lines[4:]
+    assert len(lines) == 8, lines
+    no_init, real, mismatch, diverging = lines[0:2], lines[2:4], lines[4:6], lines[6:]
     for line in no_init:
         assert "no init gave these tensors of the meta-device model a value: pos; pass param_init_fn=(a function of one module), or give their modules a reset_parameters()" in line  # noqa: E501
     for line in real:
         assert "stream_init initializes a model built on the meta device, and this model's parameters all have values: build it under torch.device('meta'), or drop stream_init" in line  # noqa: E501
     for line in mismatch:
         assert "model.layers.2.self_attn.q_proj.weight" in line and "model.embed_tokens.weight" in line, line
+    for line in diverging:
+        assert "the parameter init gave the ranks different values (" in line and "blocks.0.qkv.weight" in line, line
+        assert "): it does not follow the random seed alone; pass stream_init=True to initialize on rank 0 and send each rank its shards" in line  # noqa: E501
 
 
 MEMORY_WORKER = str(Path(__file__).resolve().parent / "memory_worker.py")
