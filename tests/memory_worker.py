@@ -3,8 +3,8 @@
 ``python memory_worker.py OUT.json``: a transformers Llama whose fp32 parameters,
 gradients and Adam state (16 bytes a parameter) are 600 MiB, built under
 ``torch.device("meta")``, initialized by the engine and trained 2 steps. Each rank
-measures its resident memory before the model is built (torch, transformers and the
-runtime loaded, the process group joined) and its peak after ``initialize``, after the
+resets its peak resident memory once torch, transformers and the runtime are loaded
+and the process group joined, then measures its peak after ``initialize``, after the
 first forward (the capture) and at the end; rank 0 writes every rank's growth at each
 point, and the model's parameter and training-state bytes.
 """
@@ -12,7 +12,6 @@ point, and the model's parameter and training-state bytes.
 from __future__ import annotations
 
 import json
-import resource
 import sys
 from pathlib import Path
 
@@ -26,7 +25,16 @@ from dcir_runtime.group import ProcessGroup
 
 
 def rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak, KiB on Linux
+    """This process's peak resident memory since ``reset_peak`` (VmHWM), MiB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
+def reset_peak() -> None:
+    """The peak resident memory starts again from what the process holds now (Linux's
+    clear_refs 5): what happened before (the runtime's build, imports) is not counted."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def main() -> int:
@@ -36,6 +44,7 @@ def main() -> int:
     config = LlamaConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=4, attn_implementation="eager")
     dist.barrier()
+    reset_peak()
     base = rss_mib()
     torch.manual_seed(0)
     with torch.device("meta"):
