@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from typing import Callable
 
 import torch
@@ -64,16 +65,29 @@ def device_of(model: torch.nn.Module) -> torch.device:
     if real is not None:
         return real
     if torch.cuda.is_available():
-        import os
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
 
 
+def aliases_of(model: torch.nn.Module) -> dict[str, list[str]]:
+    """The first FQN of each distinct parameter -> every FQN it goes by (tied parameters are one)."""
+    aliases: dict[str, list[str]] = {}
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(first.setdefault(id(p), name), []).append(name)
+    return aliases
+
+
+def _swap_in(t: torch.Tensor, data: torch.Tensor) -> None:
+    """``t`` (a parameter or buffer) holds ``data`` from now on, in place: the modules,
+    ties and references that hold ``t`` see it."""
+    swap_tensors(t, torch.nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter)
+                 else data)
+
+
 def to_meta(t: torch.Tensor) -> None:
-    """``t`` (a parameter or buffer, in place: ties and references stay) on the meta device."""
-    meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
-    swap_tensors(t, torch.nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter)
-                 else meta)
+    """``t`` on the meta device (its shape and dtype kept), in place."""
+    _swap_in(t, torch.empty(t.shape, dtype=t.dtype, device="meta"))
 
 
 def _unset(dtype: torch.dtype):
@@ -89,8 +103,7 @@ def _materialize(t: torch.Tensor, device: torch.device) -> None:
     real = torch.empty(t.shape, dtype=t.dtype, device=device)
     if _unset(t.dtype) is not None:
         real.fill_(_unset(t.dtype))
-    swap_tensors(t, torch.nn.Parameter(real, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter)
-                 else real)
+    _swap_in(t, real)
 
 
 def _unwritten(t: torch.Tensor) -> bool:
@@ -166,12 +179,12 @@ class MetaInit:
     or rank 0 alone when streamed; the others only take part in ``release``)."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, init: Callable[[torch.nn.Module], None],
-                 compute: bool, params: bool = True):
+                 compute: bool, params: bool = True, skip: set[str] = frozenset()):
         self.model, self.device, self.init, self.compute, self.params = model, device, init, compute, params
         self.names: dict[int, str] = {}  # each tensor's first FQN
         for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
             self.names.setdefault(id(t), n)
-        self.skip: set[str] = set()  # parameters that have their shards already
+        self.skip = skip  # parameters that have their shards already
         self.uninitialized: list[str] = []  # names no init wrote (rank computing them)
 
     def _own(self, m: torch.nn.Module) -> list[torch.Tensor]:
@@ -321,8 +334,7 @@ def _init_on_meta(model, group, device, out: dict, init: Callable, stream: bool,
     ``stream``, on rank 0, scattering each parameter's shards; an error names every
     tensor no init wrote."""
     compute = not stream or group.rank == 0
-    meta_init = MetaInit(model, device, init, compute, params)
-    meta_init.skip = set(out)
+    meta_init = MetaInit(model, device, init, compute, params, skip=set(out))
     sums: dict[str, float] = {}
 
     def local(name, full):
@@ -360,12 +372,10 @@ def _scatter(group, model: torch.nn.Module, out: dict) -> Callable:
         if not flag.item():
             return
         dtype, numel = dtypes[name]
-        chunk = -(-numel // group.world)
-        mine = torch.empty(chunk, dtype=dtype, device=group.device)
+        mine = torch.empty(-(-numel // group.world), dtype=dtype, device=group.device)
         parts = None
         if group.rank == 0:
-            flat = torch.nn.functional.pad(full.reshape(-1), (0, chunk * group.world - numel))
-            parts = [c.contiguous() for c in flat.to(group.device).view(group.world, chunk)]
+            parts = [flat_shard(full, r, group.world).to(group.device) for r in range(group.world)]
         dist.scatter(mine, parts, src=0)
         out[name] = mine
     return release

@@ -270,10 +270,9 @@ def load_shards(model: torch.nn.Module, path, rank: int, world: int, device: tor
     model's init computes it)."""
     from torch.utils import swap_tensors
 
-    aliases: dict[str, list[str]] = {}
-    first: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(first.setdefault(id(p), name), []).append(name)
+    from dcir_runtime.materialize import aliases_of
+
+    aliases = aliases_of(model)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     persistent = [k for k in model.state_dict(keep_vars=True) if k in buffers]

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from dcir.diagnostics import DcirError, Diagnostic
+from dcir_runtime.materialize import aliases_of
 from dcir_runtime.offload import StateStore
 
 
@@ -28,10 +29,7 @@ class ShardedParameters:
         (``materialize.take_shards``); ``model``'s parameters give names and shapes."""
         self.rank, self.world = rank, world
         #: the first FQN of each distinct parameter -> every FQN it goes by
-        self.aliases: dict[str, list[str]] = {}
-        first: dict[int, str] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            self.aliases.setdefault(first.setdefault(id(p), name), []).append(name)
+        self.aliases = aliases_of(model)
         self.shapes: dict[str, torch.Size] = {}
         self.shards: dict[str, torch.nn.Parameter] = {}
         ops = torch.ops.dcir

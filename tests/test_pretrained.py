@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from dcir.diagnostics import DcirError
-from dcir_runtime.materialize import flat_shard
+from dcir_runtime.materialize import aliases_of, flat_shard
 from dcir_runtime.pretrained import Checkpoint
 
 
@@ -28,15 +28,10 @@ def _llama(tied: bool, dtype: torch.dtype = torch.float32):
 
 def _expected(model: torch.nn.Module) -> dict:
     """What the engine expects: first FQN -> (shape, every FQN), parameters then persistent buffers."""
-    aliases: dict[str, list[str]] = {}
-    first: dict[int, str] = {}
-    shapes = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(first.setdefault(id(p), name), []).append(name)
-        shapes.setdefault(first[id(p)], tuple(p.shape))
+    params = dict(model.named_parameters())
     persistent = set(model.state_dict())
     buffers = {n: (tuple(b.shape), [n]) for n, b in model.named_buffers() if n in persistent}
-    return {n: (shapes[n], aliases[n]) for n in aliases} | buffers
+    return {n: (tuple(params[n].shape), names) for n, names in aliases_of(model).items()} | buffers
 
 
 def _shard_of(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
