@@ -85,7 +85,7 @@ def capture(model: torch.nn.Module, example_inputs, *, kwargs: dict | None = Non
     step = _stepper(work, model.training, loss_fn, param_dtype, output_dtype, cast_inputs)
 
     def listing():  # a graph break's list runs the Python between graphs: on real values, when there are some
-        real = not any(t.is_meta or t.numel() == 0 for t in model.parameters())
+        real = not any(t.is_meta for t in model.parameters())
         return _stepper(copy.deepcopy(model), model.training, loss_fn, param_dtype, output_dtype, cast_inputs) \
             if real else step
 
