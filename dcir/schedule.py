@@ -104,7 +104,7 @@ class Sweep:
             self.during[j] += nbytes
 
 
-def _ordering(kind: str) -> bool:
+def ordering(kind: str) -> bool:
     """Edges a move must respect: all but the collective order, which moves keep by
     their own named limits (every rank runs the same program, so any order the
     passes choose is the same on every rank)."""
@@ -114,14 +114,14 @@ def _ordering(kind: str) -> bool:
 def after_dependencies(sweep: Sweep, i: int, group: list[int]) -> int:
     """For an earlier move: just after the last op outside the group it depends on."""
     g, members = sweep.graph, set(group)
-    preds = [p for j in group for p, _, k in g.in_edges(j, data="kind") if p not in members and _ordering(k)]
+    preds = [p for j in group for p, _, k in g.in_edges(j, data="kind") if p not in members and ordering(k)]
     return max(preds, default=-1) + 1
 
 
 def before_dependents(sweep: Sweep, i: int, group: list[int]) -> int:
     """For a later move: just before the first op outside the group that depends on it."""
     g, members = sweep.graph, set(group)
-    succs = [s for j in group for _, s, k in g.out_edges(j, data="kind") if s not in members and _ordering(k)]
+    succs = [s for j in group for _, s, k in g.out_edges(j, data="kind") if s not in members and ordering(k)]
     return min(succs, default=len(sweep.func.ops))
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from dcir import ops as registry
+from dcir import ops as registry, search
 from dcir.cost import Machine, calibrate, estimate, note_source, payload
 from dcir.ir import Function, Module, Op, Value
 from dcir.memory import Bytes, timelines
@@ -94,6 +94,8 @@ class Bucket(Pass):
     budget: Bytes | None = None
     #: the largest payload of one coalesced collective; none: no limit
     max_bytes: Bytes | None = None
+    #: groupings kept per collective by the search (``dcir.search.beam``); 1: the greedy walk
+    beam: int = 4
 
     def run(self, module: Module, stats: Counter) -> None:
         machine = calibrate(module)
@@ -105,39 +107,79 @@ class Bucket(Pass):
         (nothing but shard reads between them), which moves nothing (``prefetch`` fuses so)."""
         for func in module.functions.values():
             for kinds, gather in ((_kind(registry.GATHERS), True), (_kind(registry.SCATTERS), False)):
-                self._bucket(module, func, kinds, gather, machine, stats, prefix, adjacent)
+                _Buckets(self, module, func, machine, gather, kinds).plan(stats, prefix, adjacent)
 
-    def _bucket(self, module, func, kinds, gather, machine, stats, prefix, adjacent) -> None:
-        """Walk the collectives of one kind in issue order; merge each into the bucket
-        before it when that pays, else undo the merge and start a new bucket there."""
-        best = estimate(func, machine).seconds
-        rewriter = Rewriter(func)
-        what = "all_gather" if gather else "reduce_scatter"
-        current = None
-        for op in [op for op in func.ops if kinds(op)]:
-            if current is None or (adjacent and not _together(func, current, op)):
-                current = op
-                continue
-            mark = rewriter.checkpoint()
-            merged = _merge(rewriter, current, op, gather)
-            if merged is None:
-                stats[f"{prefix}: {what} not merged (order)"] += 1
-                current = op
-                continue
-            why = self._rejected(module, func, merged, machine, best)
-            if why is None:
-                best = estimate(func, machine).seconds
-                current = merged
-                stats[f"{prefix}: {what} merged"] += 1
-            else:
-                rewriter.rollback(mark)
-                stats[f"{prefix}: {what} not merged ({why})"] += 1
-                current = op
-
-    def _rejected(self, module, func, merged, machine, best) -> str | None:
-        """Why the merge that made ``merged`` does not pay, or None when it does."""
-        if self.max_bytes is not None and payload(merged) > self.max_bytes:
+    def rejected(self, module: Module, func: Function, merged: list[Op]) -> str | None:
+        """Why a grouping that made the ops ``merged`` is not allowed, or None."""
+        if self.max_bytes is not None and any(payload(op) > self.max_bytes for op in merged):
             return "max_bytes"
         if self.budget is not None and timelines(module)[func.name].peak > self.budget:
             return "memory budget"
-        return None if estimate(func, machine).seconds < best else "not faster"
+        return None
+
+
+@dataclass
+class _Buckets:
+    """The search for one function's collectives of one kind: each candidate grouping
+    is applied through the rewriter, priced by the simulator and rolled back."""
+
+    spec: Bucket
+    module: Module
+    func: Function
+    machine: Machine
+    gather: bool
+    kinds: object
+
+    def __post_init__(self):
+        self.items = [op for op in self.func.ops if self.kinds(op)]
+        self.rewriter = Rewriter(self.func)
+
+    def apply(self, grouping: search.Grouping) -> tuple[list[Op] | None, str | None]:
+        """Merge every group of ``grouping``; (the coalesced ops, None), or (None, why not)."""
+        merged = []
+        for group in grouping:
+            current = self.items[group[0]]
+            for j in group[1:]:
+                current = _merge(self.rewriter, current, self.items[j], self.gather)
+                if current is None:
+                    return None, "order"
+            if len(group) > 1:
+                merged.append(current)
+        why = self.spec.rejected(self.module, self.func, merged) if merged else None
+        return (None, why) if why else (merged, None)
+
+    def price(self, grouping: search.Grouping) -> tuple[float | None, str | None]:
+        """The simulated function time with ``grouping`` applied (None, and why, when not allowed)."""
+        mark = self.rewriter.checkpoint()
+        try:
+            merged, why = self.apply(grouping)
+            return (None, why) if merged is None else (estimate(self.func, self.machine).seconds, None)
+        finally:
+            self.rewriter.rollback(mark)
+
+    def plan(self, stats: Counter, prefix: str, adjacent: bool) -> None:
+        """Search the grouping (``dcir.search.beam``), apply the best, and count in
+        ``stats`` the merges, and for every cut why the next collective did not join."""
+        if len(self.items) < 2:
+            return
+        together = [adjacent and not _together(self.func, a, b) for a, b in zip(self.items, self.items[1:])]
+
+        def can_join(group: tuple[int, ...], item: int) -> bool:
+            return not together[item - 1] and (self.spec.max_bytes is None or sum(
+                payload(self.items[j]) for j in (*group, item)) <= self.spec.max_bytes)
+
+        found = search.beam(len(self.items), lambda g: self.price(g)[0], self.spec.beam, can_join)
+        what = "all_gather" if self.gather else "reduce_scatter"
+        for k, group in enumerate(found.grouping):
+            stats[f"{prefix}: {what} merged"] += len(group) - 1
+            if k == 0 or together[group[0] - 1]:
+                continue
+            previous = found.grouping[k - 1]
+            if not can_join(previous, group[0]):
+                stats[f"{prefix}: {what} not merged (max_bytes)"] += 1
+                continue
+            rest = (group[1:],) if len(group) > 1 else ()
+            tried = found.grouping[:k - 1] + (previous + (group[0],),) + rest + found.grouping[k + 1:]
+            stats[f"{prefix}: {what} not merged ({self.price(tried)[1] or 'not faster'})"] += 1
+        stats[f"{prefix}: {what} groupings priced"] += found.priced
+        self.apply(found.grouping)

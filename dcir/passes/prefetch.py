@@ -67,14 +67,18 @@ def _is_gather(op: Op) -> bool:
 
 
 def _gather_group(sweep: Sweep, i: int) -> list[int]:
-    """The start, and the param.get before it when the start is its only reader."""
-    op = sweep.func.ops[i]
+    """The start, and the param.get of its shard when the start is its only reader and
+    only shard reads run between them. A read further up stays where it is (a capture
+    may read every shard at the top of the function; taking such a read along would
+    move the group down, not up)."""
+    ops = sweep.func.ops
     group = [i]
-    for v in op.operands:
+    for v in ops[i].operands:
         src = v.owner
         j = sweep.position.get(src)
         if isinstance(src, Op) and registry.has_trait(src, registry.LOADS_STATE) and j is not None and j < i \
-                and sweep.graph.out_degree(j) == 1:
+                and sweep.graph.out_degree(j) == 1 \
+                and all(registry.has_trait(op, registry.LOADS_STATE) for op in ops[j + 1:i]):
             group.insert(0, j)
     return sorted(group)
 

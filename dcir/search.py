@@ -1,0 +1,77 @@
+"""Beam search over groupings: the planning passes' way of choosing among schedules.
+
+DisCo (Liu et al.) plans op fusion and tensor fusion together by searching over
+candidate groupings and pricing each one with a simulator, rather than applying
+greedy rules. This module is that search for DCIR, in the one shape the passes need:
+a sequence of items (collectives in issue order) is cut into runs of consecutive
+items (buckets), and every candidate is priced by a callback (the pass applies the
+grouping to its function, runs ``dcir.sim`` on it and rolls it back).
+
+The search walks the items in order. A state is a grouping of the items seen so far
+(the rest stay alone); each item either starts a new group or joins the last one.
+After each item the ``width`` cheapest states are kept (ties: the grouping with the
+fewest groups, then the earlier cuts), so the search is deterministic: the same
+prices give the same plan. ``width=1`` is the greedy walk (join when that is
+cheaper, else cut). A wider beam keeps groupings that cost more now but let later
+items join more cheaply, for example a small first bucket, waited for early, and a
+larger one behind it.
+
+``score(grouping)`` returns the price of a complete schedule in which the groups of
+``grouping`` are applied and every later item is alone, or None when the grouping
+is not allowed (an order it must keep, the memory budget, a size cap).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+Grouping = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class Searched:
+    """The result of a search: the best grouping, its price, and how many candidates
+    were priced (``priced``) out of how many were considered (``considered``)."""
+
+    grouping: Grouping
+    score: float
+    priced: int
+    considered: int
+
+
+def _order(entry: tuple[float, Grouping]) -> tuple:
+    score, grouping = entry
+    return score, len(grouping), tuple(g[0] for g in grouping)
+
+
+def beam(n: int, score: Callable[[Grouping], float | None], width: int = 4,
+         can_join: Callable[[tuple[int, ...], int], bool] = lambda group, item: True) -> Searched:
+    """Cut items ``0 .. n-1`` into runs of consecutive items, keeping the ``width``
+    cheapest partial groupings after each item (module docstring). ``can_join(group,
+    item)`` rules out a join before it is priced (a size cap)."""
+    if width < 1:
+        raise ValueError(f"beam width must be at least 1, got {width}")
+    start = score(())
+    if start is None:
+        raise ValueError("the schedule with nothing grouped is not allowed")
+    states: list[tuple[float, Grouping]] = [(start, ())]
+    priced, considered = 1, 1
+    for item in range(n):
+        candidates: dict[Grouping, float] = {}
+        for price, grouping in states:
+            alone = grouping + ((item,),)
+            candidates.setdefault(alone, price)  # a group of one changes nothing: the same price
+            considered += 1
+            if grouping and can_join(grouping[-1], item):
+                joined = grouping[:-1] + (grouping[-1] + (item,),)
+                considered += 1
+                if joined in candidates:
+                    continue
+                price_joined = score(joined)
+                priced += 1
+                if price_joined is not None:
+                    candidates[joined] = price_joined
+        states = sorted(((p, g) for g, p in candidates.items()), key=_order)[:width]
+    price, grouping = states[0]
+    return Searched(grouping, price, priced, considered)
