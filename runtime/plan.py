@@ -2,8 +2,9 @@
 a profile (docs/passes.md, "The optimization cycle").
 
 After each optimizer step listed in ``optimize.profile_at`` the next step runs under
-the profiler; after it, the profile is written into the running module, copied onto
-the captured schedule (which keeps every profile), and rank 0 plans the configured
+the profiler; after it, the profile is written into the running module, combined with
+the earlier profiles onto the captured schedule (per op, the median of every profile
+so far: ``ProfileHistory``), and rank 0 plans the configured
 passes on it within the memory budget. Every rank takes the plan when the cost model
 finds it faster than the running schedule, or when memory forced the cycle. A step
 that ends over the memory budget forces one more cycle, within less, before it is an
@@ -24,7 +25,7 @@ from dcir.memory import format_bytes, peaks as memory_peaks
 from dcir.passes import PassManager, parse_pipeline
 from dcir_runtime.config import Config
 from dcir_runtime.group import ProcessGroup
-from dcir_runtime.profiler import Profile, copy_profile
+from dcir_runtime.profiler import Profile, ProfileHistory
 
 
 class Planner:
@@ -38,6 +39,7 @@ class Planner:
         self.captured_peak: dict[str, int] = {}
         self.profile: Profile | None = None  # the profile the running step takes, if any
         self.profiled: dcir.Module | None = None
+        self.history = ProfileHistory()      # every profile so far, combined per op by the median
         self.log: list[dict] = []
         self._budget_cut = 0                 # taken off the passes' budget after a step went over
         self._replanned_for_memory = False
@@ -94,10 +96,12 @@ class Planner:
         budget = self.pass_budget(fixed_bytes)
         record: dict = {"step": steps, "measured_peak": peaks, "captured_peak": self.captured_peak,
                         "predicted_peak_profiled": memory_peaks(running)}
-        # the captured schedule keeps every profile: an op this run did not measure (a
-        # collective the plan had merged) keeps its figure from an earlier run
+        # the captured schedule carries every profile so far, combined: per op the median
+        # of the profiles that ran it (a collective the plan had merged keeps the figures
+        # of the runs before), so one noisy profile does not flip the plan
         base = dcir.parse(self.base_text, self.source)
-        copy_profile(profiled, base)
+        self.history.add(profiled)
+        self.history.write(base)
         self.base_text = dcir.print(base)
 
         def plan() -> str:

@@ -212,21 +212,60 @@ def _op_key(op) -> tuple:
     return (op.name, op.symbol, tuple(v.name for v in op.operands))
 
 
-def copy_profile(src: Module, dst: Module) -> int:
-    """Copy the ``prof.*`` attributes of ``src``'s ops onto the same ops of ``dst`` (an
-    op is the same when it defines the same values, or does the same to the same
-    values): a profile of a rescheduled program annotates the schedule it came from.
-    Returns how many ops got a profile."""
-    copied = 0
-    for name, f in src.functions.items():
-        g = dst.functions.get(name)
-        if g is None:
-            continue
-        prof = {_op_key(op): {k: v for k, v in op.attrs.items() if k.startswith("prof.")} for op in f.ops}
-        for op in g.ops:
-            attrs = prof.get(_op_key(op))
-            if attrs:
-                op.attrs.update(attrs)
-                copied += 1
-        g.attrs.update({k: v for k, v in f.attrs.items() if k.startswith("prof.")})
-    return copied
+class ProfileHistory:
+    """Every profile of one program so far, combined: per op, the median of each
+    profile's time (``prof.time_us``, ``prof.launch_us``) and the most bytes
+    (``prof.mem``, ``prof.peak_bytes``).
+
+    A profile taken on a shared machine can be off by tens of percent for some ops,
+    and a plan decided from it alone can flip with that noise. With three or more
+    profiles (``optimize.profile_at`` with several steps), one outlier no longer moves
+    the median, so it no longer moves the plan. The median is taken over the profiles
+    in which the op ran (a merged collective of one plan is absent from the next), and
+    it does not depend on the order the profiles came in, so the same profiles give
+    the same plan."""
+
+    _MEDIAN = (TIME, LAUNCH)
+    _MOST = (MEM, "prof.cuda_mem")
+
+    def __init__(self):
+        self.samples: dict[tuple[str, tuple], dict[str, list[float]]] = {}
+        self.func_samples: dict[str, dict[str, list[float]]] = {}
+        self.profiles = 0
+
+    def add(self, module: Module) -> None:
+        """Record the ``prof.*`` figures of every op of ``module`` (one profile)."""
+        self.profiles += 1
+        for name, f in module.functions.items():
+            for op in f.ops:
+                rec = self.samples.setdefault((name, _op_key(op)), {})
+                for key in (*self._MEDIAN, *self._MOST):
+                    v = op.attrs.get(key)
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        rec.setdefault(key, []).append(v)
+            rec = self.func_samples.setdefault(name, {})
+            for key in (PEAK, RUNS):
+                if isinstance(f.attrs.get(key), (int, float)):
+                    rec.setdefault(key, []).append(f.attrs[key])
+
+    def write(self, dst: Module) -> int:
+        """Write the combined figures onto the same ops of ``dst`` (an op is the same
+        when it defines the same values, or does the same to the same values: a profile
+        of a rescheduled program annotates the schedule it came from); returns how many
+        ops got a profile."""
+        written = 0
+        for name, f in dst.functions.items():
+            for op in f.ops:
+                rec = self.samples.get((name, _op_key(op)))
+                if not rec:
+                    continue
+                for key, values in rec.items():
+                    v = statistics.median(values) if key in self._MEDIAN else max(values)
+                    op.attrs[key] = round(v, 2) if isinstance(v, float) else v
+                written += 1
+            rec = self.func_samples.get(name, {})
+            if PEAK in rec:
+                f.attrs[PEAK] = max(rec[PEAK])
+            if RUNS in rec:
+                f.attrs[RUNS] = sum(rec[RUNS])
+        return written

@@ -131,3 +131,50 @@ def test_the_schedule_budget_leaves_room_for_the_step(tmp_path):
     engine.config = dataclasses.replace(engine.config, memory_budget=100)
     with pytest.raises(DcirError, match="parameter shards, gradient shards, optimizer state and buffers take"):
         engine._pass_budget()
+
+
+def _profile(text: str, seed: int | None) -> dcir.Module:
+    """``text`` with a profile: each op's analytic time, or with ``seed`` that time
+    scaled by a random factor between 1/3 and 3 (a profile taken on a busy machine)."""
+    from dcir.cost import TIME, Machine, analytic_s
+
+    rng = random.Random(seed)
+    m = dcir.parse(text)
+    machine = Machine(world_size=2)
+    for _, op in m.ops():
+        noise = 1.0 if seed is None else 3 ** rng.uniform(-1, 1)
+        op.attrs[TIME] = round(analytic_s(op, machine) * 1e6 * noise, 2)
+    return m
+
+
+def _plan(text: str, profiles: list[dcir.Module]) -> str:
+    """What the Engine's optimization cycle plans from ``profiles`` (runtime/plan.py)."""
+    from dcir_runtime.profiler import ProfileHistory
+
+    history = ProfileHistory()
+    for p in profiles:
+        history.add(p)
+    base = dcir.parse(text)
+    history.write(base)
+    PassManager(parse_pipeline("prefetch,unshard,bucket")).run(base)
+    for _, op in base.ops():  # the schedule, not the figures it was planned from
+        for key in [k for k in op.attrs if k.startswith("prof.")]:
+            del op.attrs[key]
+    return dcir.print(base)
+
+
+def test_the_plan_is_the_same_for_the_same_profiles_in_any_order(llama_zero3):
+    profiles = [_profile(llama_zero3, s) for s in (1, 2, 3)]
+    first = _plan(llama_zero3, profiles)
+    assert _plan(llama_zero3, profiles) == first
+    assert _plan(llama_zero3, profiles[::-1]) == first
+    assert first != _plan(llama_zero3, [])  # the profiles decided something
+
+
+def test_one_noisy_profile_does_not_flip_the_plan(llama_zero3):
+    """Three profiles, one of them noisy: the plan is the clean profiles' plan. The
+    noisy profile alone plans differently, so the median is what keeps the plan."""
+    clean = _plan(llama_zero3, [_profile(llama_zero3, None)])
+    noisy = _profile(llama_zero3, 7)
+    assert _plan(llama_zero3, [noisy]) != clean
+    assert _plan(llama_zero3, [_profile(llama_zero3, None), noisy, _profile(llama_zero3, None)]) == clean
