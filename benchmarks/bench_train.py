@@ -11,8 +11,10 @@ Every system trains the same HF Llama (from a config, fp32) on the same batches
 
 * ``dcir``: the Engine, plain ``zero3``, compute run op by op (eager lowering);
 * ``dcir-prefetch``, ``dcir-unshard``, ``dcir-optimized``: the Engine's optimization
-  cycle: the second step is profiled and ``prefetch``, ``unshard`` or all of
-  ``prefetch,unshard,bucket`` are planned from the profile (``dcir`` is profiled too,
+  cycle: steps 2, 3 and 4 are profiled and ``prefetch``, ``unshard`` or all of
+  ``prefetch,unshard,bucket`` are planned from the profiles so far, combined per op
+  by the median, the pipeline searched among the passes' joint alternatives
+  (``dcir.search``; ``dcir`` is profiled too,
   with no passes, so every DCIR row has the cost model's predicted step time);
 * ``dcir-inductor``: the same program with the compute between collectives compiled
   by Inductor;
@@ -257,7 +259,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu (gloo, 1 thread per rank) or cuda (one GPU per rank, NCCL); default cpu")
     ap.add_argument("--steps", type=int, default=5, help="measured steps per run (default 5)")
-    ap.add_argument("--warmup", type=int, default=2, help="steps before measuring, per run (default 2)")
+    ap.add_argument("--warmup", type=int, default=4,
+                    help="steps before measuring, per run (default 4: DCIR profiles steps 2-4 and plans from them)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated (default {','.join(SYSTEMS)})")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one run may take (default 900)")

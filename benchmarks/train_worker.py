@@ -122,9 +122,14 @@ def optimizer_state_bytes(model, world: int) -> int:
     return sum(2 * 4 * math.ceil(p.numel() / world) for p in model.parameters() if p.requires_grad)
 
 
+#: the optimizer steps after which the Engine profiles the next step and plans again: three
+#: profiles, combined per op by the median, so one noisy profile does not decide the plan
+PROFILE_AT = [1, 2, 3]
+
+
 class Dcir:
-    """The Engine; after the first step, the next is profiled and ``passes`` are planned
-    from the profile (none: plain zero3, profiled for the cost model's prediction).
+    """The Engine; after each of the first three steps the next is profiled and ``passes``
+    are planned from the profiles so far (none: plain zero3, profiled for the cost model's prediction).
     ``extra`` is merged into the Engine's config (``zero_stage``, ``offload``); with
     ``offload_half``, ``offload.budget`` is half of this rank's optimizer state bytes."""
 
@@ -136,7 +141,7 @@ class Dcir:
         model = llama(ns, meta=ns.init == "meta")  # on meta: initialize() gives each rank its shards
         rss_trace(ns, "model")
         config = {"gradient_accumulation_steps": ns.accumulate, "inductor": inductor, "timeout_s": 600,
-                  "optimize": {"passes": list(passes), "profile_at": [1]}}
+                  "optimize": {"passes": list(passes), "profile_at": PROFILE_AT}}
         config.update(extra or {})
         if offload_half:
             world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
@@ -305,7 +310,7 @@ def main() -> None:
     ap.add_argument("system")
     ap.add_argument("out")
     for name, default in [("layers", 6), ("hidden", 256), ("seq", 128), ("batch", 4), ("vocab", 32000),
-                          ("accumulate", 1), ("steps", 6), ("warmup", 2), ("intermediate", 0)]:
+                          ("accumulate", 1), ("steps", 6), ("warmup", 4), ("intermediate", 0)]:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--init", choices=("real", "meta"), default="real")

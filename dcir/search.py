@@ -75,3 +75,73 @@ def beam(n: int, score: Callable[[Grouping], float | None], width: int = 4,
         states = sorted(((p, g) for g, p in candidates.items()), key=_order)[:width]
     price, grouping = states[0]
     return Searched(grouping, price, priced, considered)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One pipeline the planner tried, and the simulated optimizer step it gave."""
+
+    spec: str
+    seconds: float
+    peak: int
+
+
+def pipelines(passes: list) -> list[list]:
+    """The pipelines the planner tries for the configured ``passes``: as given, then
+    the schedule passes' joint alternatives. ``unshard`` before ``prefetch`` (the
+    gathers left in ``@forward`` are then the ones prefetch places), and ``prefetch``
+    without its own fusion when ``bucket`` follows (``bucket`` then groups the
+    hoisted gathers, not only those that start together)."""
+    import dataclasses
+
+    out = [list(passes)]
+    names = [p.name for p in passes]
+    if "prefetch" in names and "unshard" in names and names.index("unshard") > names.index("prefetch"):
+        i, j = names.index("prefetch"), names.index("unshard")
+        swapped = list(passes)
+        swapped[i], swapped[j] = passes[j], passes[i]
+        out.append(swapped)
+    if "prefetch" in names and "bucket" in names:
+        for pipe in list(out):
+            out.append([dataclasses.replace(p, fuse=False) if p.name == "prefetch" else p for p in pipe])
+    return out
+
+
+def best_pipeline(module, candidates: list[list], micro_steps: int = 1, budget: int | None = None):
+    """Run every candidate pipeline on a copy of ``module``; returns (the planned module
+    whose simulated optimizer step (``dcir.cost.estimate_module``) is shortest among
+    those whose memory peak stays within ``budget``, its ``Candidate``, every
+    ``Candidate``). When none fits, the one with the smallest peak. Ties go to the
+    earlier candidate, so the same profiles give the same plan."""
+    from dcir.cost import estimate_module
+    from dcir.memory import peaks
+    from dcir.passes import PassManager
+
+    tried, planned = [], []
+    for pipe in candidates:
+        m = module.clone()
+        PassManager(pipe).run(m)
+        planned.append(m)
+        tried.append(Candidate(",".join(p.name + _options(p) for p in pipe),
+                               estimate_module(m, micro_steps=micro_steps).seconds,
+                               max(peaks(m).values(), default=0)))
+
+    def rank(k: int) -> tuple:
+        c = tried[k]
+        over = budget is not None and c.peak > budget
+        return over, c.peak if over else c.seconds, k
+
+    k = min(range(len(tried)), key=rank)
+    return planned[k], tried[k], tried
+
+
+def _options(p) -> str:
+    """The options of pass ``p`` that differ from its defaults, as a pipeline spec writes them."""
+    import dataclasses
+
+    def text(v) -> str:
+        return str(v).lower() if isinstance(v, bool) else str(v)
+
+    changed = [f"{f.name}={text(getattr(p, f.name))}" for f in dataclasses.fields(p)
+               if getattr(p, f.name) != f.default]
+    return "{" + ",".join(changed) + "}" if changed else ""

@@ -22,10 +22,14 @@ import dcir
 from dcir.cost import estimate_module
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.memory import format_bytes, peaks as memory_peaks
-from dcir.passes import PassManager, parse_pipeline
+from dcir import search
+from dcir.passes import parse_pipeline
 from dcir_runtime.config import Config
 from dcir_runtime.group import ProcessGroup
 from dcir_runtime.profiler import Profile, ProfileHistory
+
+#: the module attribute that names the pipeline a plan came from (``dcir.search.best_pipeline``)
+PLANNED_BY = "plan.pipeline"
 
 
 class Planner:
@@ -104,12 +108,16 @@ class Planner:
         self.history.write(base)
         self.base_text = dcir.print(base)
 
+        micro = self.config.gradient_accumulation_steps
+
         def plan() -> str:
-            PassManager(self.passes(self.config.optimize["passes"], budget)).run(base)
-            return dcir.print(base)
+            # the configured passes and their joint alternatives, each priced by the simulator
+            passes = self.passes(self.config.optimize["passes"], budget)
+            planned, chosen, _ = search.best_pipeline(base, search.pipelines(passes), micro, budget)
+            planned.attrs[PLANNED_BY] = chosen.spec
+            return dcir.print(planned)
 
         module = dcir.parse(self.group.from_rank0(f"{self.key}plan{steps}", plan), self.source)
-        micro = self.config.gradient_accumulation_steps
         before = estimate_module(profiled, micro_steps=micro)
         after = estimate_module(module, micro_steps=micro)
         # settle: a plan the cost model finds no faster than the running schedule is not taken
@@ -119,6 +127,7 @@ class Planner:
         take = after.seconds < before.seconds or forced
         record.update(predicted_before_s=before.seconds, predicted_s=after.seconds if take else before.seconds,
                       planned_s=after.seconds, cost_source=after.source, budget=budget, switched=take,
+                      pipeline=module.attrs.get(PLANNED_BY, ""),
                       reason="memory" if forced else "faster" if take else "kept",
                       predicted_peak=memory_peaks(module if take else running))
         self.log.append(record)

@@ -178,3 +178,36 @@ def test_one_noisy_profile_does_not_flip_the_plan(llama_zero3):
     noisy = _profile(llama_zero3, 7)
     assert _plan(llama_zero3, [noisy]) != clean
     assert _plan(llama_zero3, [_profile(llama_zero3, None), noisy, _profile(llama_zero3, None)]) == clean
+
+
+def test_a_wider_beam_finds_the_grouping_the_greedy_walk_misses():
+    """Joining items 0 and 1 costs more than leaving them alone, but once item 2 joins
+    too the step is cheapest: the greedy walk (width 1) cuts after item 0 and never
+    sees it; a beam of 2 keeps the dearer grouping and does."""
+    from dcir.search import beam
+
+    prices = {(): 10.0, ((0, 1),): 12.0, ((1, 2),): 11.0, ((0, 1, 2),): 5.0}
+
+    def score(grouping):
+        return prices.get(tuple(g for g in grouping if len(g) > 1), 20.0)
+
+    assert beam(3, score, width=1).grouping == ((0,), (1,), (2,))
+    found = beam(3, score, width=2)
+    assert found.grouping == ((0, 1, 2),) and found.score == 5.0
+    with pytest.raises(ValueError, match="beam width must be at least 1"):
+        beam(3, score, width=0)
+
+
+def test_the_planner_tries_the_joint_alternatives_and_keeps_the_fastest(llama_zero3):
+    from dcir.search import best_pipeline, pipelines
+
+    m = _profile(llama_zero3, 7)
+    candidates = pipelines(parse_pipeline("prefetch,unshard,bucket"))
+    planned, chosen, tried = best_pipeline(m, candidates)
+    assert [c.spec for c in tried] == ["prefetch,unshard,bucket", "unshard,prefetch,bucket",
+                                       "prefetch{fuse=false},unshard,bucket", "unshard,prefetch{fuse=false},bucket"]
+    assert chosen.seconds == min(c.seconds for c in tried)
+    assert estimate_module(planned).seconds == chosen.seconds
+    # within a budget below every candidate's peak, the smallest peak wins
+    _, tight, _ = best_pipeline(m, candidates, budget=1)
+    assert tight.peak == min(c.peak for c in tried)
