@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from dcir.cost import LAUNCH, TIME, is_transfer
+from dcir.cost import DEVICE, LAUNCH, OPTIMIZER, TIME, is_transfer
 from dcir.ir import Function, Module
 from dcir_lowering.backend import OP_INDEX, OPTIMIZER_STATE, reads_state, store_call
 
@@ -151,6 +151,7 @@ class Profile:
     def __init__(self, module: Module):
         self.module = module
         self.runs: dict[str, list[_Recorder]] = {}
+        self.optimizer_s: list[float] = []  # the optimizer steps run outside the program (torch.optim)
 
     def run(self, name: str, gm: fx.GraphModule, *args, sync: bool = True):
         """Run function ``name`` (lowered as ``gm``) on ``args``, measuring; returns its result."""
@@ -185,7 +186,25 @@ class Profile:
             peaks[name] = max(mem, default=0)
             func.attrs[PEAK] = peaks[name]
             func.attrs[RUNS] = len(recs)
+        self._annotate_step(group, device)
         return peaks
+
+    def _annotate_step(self, group, device) -> None:
+        """What the module's attributes say of the profiled step beside its functions: the
+        device kind it ran on (``prof.device``) and the optimizer step the runtime ran outside
+        the program (``prof.optimizer_us``: median over steps, the ranks' mean), which
+        ``dcir.sim`` adds to a step."""
+        attrs = self.module.attrs
+        for key in [key for key in attrs if key.startswith("prof.")]:
+            del attrs[key]
+        attrs[DEVICE] = torch.device(device).type
+        if not self.optimizer_s:
+            return
+        t = torch.tensor([statistics.median(self.optimizer_s)], dtype=torch.float64, device=device)
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+            t /= dist.get_world_size(group)
+        attrs[OPTIMIZER] = round(t.item() * 1e6, 2)
 
 
 def _agree(func: Function, time_s, launch, mem, cuda, transfer: set[int], group, device):
@@ -229,4 +248,5 @@ def copy_profile(src: Module, dst: Module) -> int:
                 op.attrs.update(attrs)
                 copied += 1
         g.attrs.update({k: v for k, v in f.attrs.items() if k.startswith("prof.")})
+    dst.attrs.update({k: v for k, v in src.attrs.items() if k.startswith("prof.")})  # the step's, beside
     return copied
