@@ -146,6 +146,24 @@ def _touched_bytes(op: Op) -> int:
     return total
 
 
+def pack_s(op: Op, machine: Machine) -> float:
+    """Compute-lane seconds the runtime spends copying a coalesced collective's operands
+    into its one send buffer when it starts (``native/dcir_runtime.cpp``: ``at::cat`` into
+    fresh memory): the bytes written over ``mem_bw``; 0 for a collective of one tensor."""
+    if not registry.is_coalesced(op):
+        return 0.0
+    return sum(device_bytes(v) for v in op.operands) / machine.mem_bw
+
+
+def unpack_s(op: Op, machine: Machine) -> float:
+    """Compute-lane seconds of a coalesced gather's epilogue, which the first wait on one
+    of its results runs: the gathered buffer copied out into every result (the bytes
+    written over ``mem_bw``). Other collectives reduce in place or hand out views: 0."""
+    if not registry.is_coalesced(op) or not registry.has_trait(op, registry.GATHERS):
+        return 0.0
+    return sum(r.type.inner.nbytes for r in op.results) / machine.mem_bw
+
+
 def is_host_copy(op: Op) -> bool:
     """Async ops whose work runs on the copy channel (device <-> host)."""
     return registry.has_trait(op, registry.HOST_COPY)

@@ -35,7 +35,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from dcir import ops as registry, roles
-from dcir.cost import LAUNCH, Estimate, Machine, is_host_copy, is_transfer, op_seconds, outside_s
+from dcir.cost import (LAUNCH, Estimate, Machine, is_host_copy, is_transfer, op_seconds, outside_s, pack_s,
+                       unpack_s)
 from dcir.ir import Function, Module, Op
 
 COMPUTE, COLLECTIVE, COPY = "compute", "collective", "copy"
@@ -50,9 +51,19 @@ def lane_of(op: Op) -> str:
 
 
 def launch_s(op: Op, machine: Machine) -> float:
-    """Compute-lane seconds of starting an async op: the profile's, else one dispatch."""
+    """Compute-lane seconds of starting an async op: the profile's, else one dispatch (and
+    a coalesced collective's packing, ``cost.pack_s``)."""
     t = op.attrs.get(LAUNCH) if machine.use_profile else None
-    return t * 1e-6 if isinstance(t, (int, float)) and not isinstance(t, bool) else machine.dispatch_s
+    if isinstance(t, (int, float)) and not isinstance(t, bool):
+        return t * 1e-6
+    return machine.dispatch_s + pack_s(op, machine)
+
+
+def epilogue_s(op: Op, machine: Machine, from_profile: bool) -> float:
+    """Compute-lane seconds the first wait on a transfer of ``op`` adds (a coalesced
+    gather's copy-out, ``cost.unpack_s``); none when the profile timed the transfer, as
+    the profiler waits right after the start: its time holds the epilogue."""
+    return 0.0 if from_profile else unpack_s(op, machine)
 
 
 @dataclass(frozen=True)
@@ -173,6 +184,7 @@ def simulate(func: Function, machine: Machine, stalls: bool = True) -> Run:
     run = Run(func)
     lanes = _Lanes(run, machine.overlap_share)
     pending: dict = {}  # a transfer's result -> its op's position
+    epilogue: dict[int, float] = {}  # a transfer's position -> what its first wait adds
     now = 0.0
     for i, op in enumerate(func.ops):
         seconds, from_profile = op_seconds(op, machine)
@@ -189,13 +201,15 @@ def simulate(func: Function, machine: Machine, stalls: bool = True) -> Run:
             lanes.push(i, lane, seconds, now)
             run.comm_s += seconds
             pending.update((r, i) for r in op.results)
+            epilogue[i] = epilogue_s(op, machine, from_profile)
             continue
         arrived, stalled = now, 0.0
-        if stalls and registry.has_trait(op, registry.WAITS):
-            joined = lanes.wait(now, {pending[v] for v in op.operands if v in pending})
-            stalled = max(joined - now, 0.0)
+        joins = {pending[v] for v in op.operands if v in pending} if registry.has_trait(op, registry.WAITS) else set()
+        if stalls and joins:
+            stalled = max(lanes.wait(now, joins) - now, 0.0)
             now += stalled
             run.exposed_s += stalled
+        seconds += sum(epilogue.pop(k, 0.0) for k in sorted(joins))  # run once, by the first wait
         end = lanes.compute(now, seconds)
         run.compute_s += seconds if end == now + seconds else end - now
         now = end
