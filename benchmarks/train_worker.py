@@ -150,11 +150,15 @@ class Dcir:
                                       loss_fn=lambda out: out.loss)
 
     def save_profile(self, path: str) -> None:
-        """The last profiled module (prof.* attributes on every op), for dcir-opt."""
+        """The last profiled module (prof.* attributes on every op), for dcir-opt, and the
+        program that ran after it (``-planned.dcir``: the plan, its ops' profiles copied), whose
+        step the Engine predicted."""
         profiled = self.engine.profiled_ir()
         if profiled is not None:
             with open(path, "w") as f:
                 f.write(str(profiled))
+            with open(path.removesuffix(".dcir") + "-planned.dcir", "w") as f:
+                f.write(str(self.engine.module))
 
     def predicted_s(self) -> float | None:
         log = self.engine.optimize_log

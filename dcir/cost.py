@@ -39,6 +39,10 @@ from dcir.memory import device_bytes
 #: The profile's attributes: host time of an op (for an async op, its transfer time)
 #: and the host time spent starting an async op.
 TIME, LAUNCH = "prof.time_us", "prof.launch_us"
+#: The profile's module attributes: the device kind the step ran on ("cpu", "cuda") and the
+#: host time of the optimizer step the runtime runs outside the program (torch.optim on the
+#: shards, when the module has no ``@step``), once per optimizer step.
+DEVICE, OPTIMIZER = "prof.device", "prof.optimizer_us"
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,10 @@ class Machine:
     inter_latency_s: float = 1.5e-4  # one ring step that crosses nodes
     inter_bw: float = 5.0e8        # bytes/s each rank sends across nodes (its NIC)
     ranks_per_node: int = 1 << 20  # devices one node holds (default: every rank in one node)
+    #: the share of its speed compute loses while a transfer runs beside it, and the transfer
+    #: too (``dcir.sim``): on a CPU whose cores also run the process group's copies (gloo over
+    #: loopback), about half; 0 where transfers take no compute core (NCCL on a GPU)
+    overlap_share: float = 0.0
     world_size: int | None = None  # ranks, when the collective's types do not say
     memory: int | None = None      # bytes of device memory (none: not described)
     name: str = "default"
@@ -138,6 +146,24 @@ def _touched_bytes(op: Op) -> int:
     return total
 
 
+def pack_s(op: Op, machine: Machine) -> float:
+    """Compute-lane seconds the runtime spends copying a coalesced collective's operands
+    into its one send buffer when it starts (``native/dcir_runtime.cpp``: ``at::cat`` into
+    fresh memory): the bytes written over ``mem_bw``; 0 for a collective of one tensor."""
+    if not registry.is_coalesced(op):
+        return 0.0
+    return sum(device_bytes(v) for v in op.operands) / machine.mem_bw
+
+
+def unpack_s(op: Op, machine: Machine) -> float:
+    """Compute-lane seconds of a coalesced gather's epilogue, which the first wait on one
+    of its results runs: the gathered buffer copied out into every result (the bytes
+    written over ``mem_bw``). Other collectives reduce in place or hand out views: 0."""
+    if not registry.is_coalesced(op) or not registry.has_trait(op, registry.GATHERS):
+        return 0.0
+    return sum(r.type.inner.nbytes for r in op.results) / machine.mem_bw
+
+
 def is_host_copy(op: Op) -> bool:
     """Async ops whose work runs on the copy channel (device <-> host)."""
     return registry.has_trait(op, registry.HOST_COPY)
@@ -176,7 +202,7 @@ def calibrate(module: Module, machine: Machine | None = None) -> Machine:
     latency plus the bytes each rank sends over the link bandwidth; a least-squares line
     through (bytes sent, seconds) gives the bandwidth (its slope) and the latency (its
     intercept over the mean number of steps). Every link is taken as alike (one node)."""
-    machine = machine or _PLANNING.get() or Machine(world_size=module.world_size)
+    machine = machine or _PLANNING.get() or _profiled_on(module)
     if not machine.use_profile:
         return machine
     pts, steps = [], []
@@ -197,6 +223,28 @@ def calibrate(module: Module, machine: Machine | None = None) -> Machine:
     latency = max(mt - beta * mb, 0.0) / (sum(steps) / n)
     return replace(machine, link_latency_s=latency, link_bw=1 / beta, inter_latency_s=latency,
                    inter_bw=1 / beta, ranks_per_node=1 << 20)
+
+
+def _profiled_on(module: Module) -> Machine:
+    """The default machine for ``module``: on a profile taken on a CPU, one whose transfers
+    share the cores with compute as this machine's do (``dcir/machines/cpu-2core.toml``'s
+    ``links.overlap_share``, measured by ``benchmarks/calibrate_overlap.py``)."""
+    machine = Machine(world_size=module.world_size)
+    if module.attrs.get(DEVICE) != "cpu":
+        return machine
+    from dcir.hardware import load  # the descriptions are read with this module's Machine
+
+    return replace(machine, overlap_share=load("cpu-2core").overlap_share)
+
+
+def outside_s(module: Module, machine: Machine) -> float:
+    """Seconds of one optimizer step that no function of ``module`` runs: the optimizer
+    the runtime runs on the shards (torch.optim) when the module has no ``@step``, as the
+    profile measured it; 0 without one, or on a machine that takes no profile."""
+    t = module.attrs.get(OPTIMIZER)
+    if module.role("step") is not None or not machine.use_profile or not isinstance(t, (int, float)):
+        return 0.0
+    return t * 1e-6
 
 
 def op_seconds(op: Op, machine: Machine) -> tuple[float, bool]:
@@ -239,8 +287,9 @@ def estimate(func: Function, machine: Machine) -> Estimate:
 
 
 def estimate_module(module: Module, machine: Machine | None = None, micro_steps: int = 1) -> Estimate:
-    """One optimizer step (``dcir.sim.runs_per_step``); links calibrated to the module's
-    profile when it has one."""
+    """One optimizer step (``dcir.sim.runs_per_step``, and the optimizer the runtime runs
+    outside the program: ``outside_s``); links calibrated to the module's profile when it
+    has one."""
     from dcir.sim import runs_per_step, simulate
 
     machine = calibrate(module, machine)
@@ -249,7 +298,9 @@ def estimate_module(module: Module, machine: Machine | None = None, micro_steps:
         e = simulate(module.functions[name], machine).summary()
         for _ in range(calls):
             total = e if total is None else total + e
-    return total or Estimate(0.0, 0.0, 0.0, 0.0, "analytic")
+    total = total or Estimate(0.0, 0.0, 0.0, 0.0, "analytic")
+    outside = outside_s(module, machine)
+    return total + Estimate(outside, outside, 0.0, 0.0, total.source) if outside else total
 
 
 def source(module: Module) -> str:

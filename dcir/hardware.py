@@ -19,6 +19,7 @@ devices (``docs/simulator.md`` explains every key and how to add a machine)::
     intra_latency_s = 3.4e-6     # one ring step within a node
     inter_bw = 48e9              # bytes/s each rank sends across nodes (its NIC)
     inter_latency_s = 9.6e-6     # one ring step across nodes
+    overlap_share = 0            # share of speed compute and a transfer lose beside each other
 
 Shipped descriptions live in ``dcir/machines/``; ``load`` takes one of their names
 (``"h100-ib400"``) or a path.
@@ -30,6 +31,7 @@ import tomllib
 from dataclasses import fields, replace
 from pathlib import Path
 
+from dcir import ops as registry
 from dcir.cost import TIME, Machine, _flops, _touched_bytes, calibrate, is_host_copy
 from dcir.ir import Module
 from dcir.memory import device_bytes, parse_bytes
@@ -42,7 +44,7 @@ _KEYS = {
     ("device", "dispatch_s"): "dispatch_s", ("device", "copy_bw"): "copy_bw",
     ("links", "ranks_per_node"): "ranks_per_node", ("links", "intra_bw"): "link_bw",
     ("links", "intra_latency_s"): "link_latency_s", ("links", "inter_bw"): "inter_bw",
-    ("links", "inter_latency_s"): "inter_latency_s",
+    ("links", "inter_latency_s"): "inter_latency_s", ("links", "overlap_share"): "overlap_share",
     ("", "name"): "name", ("", "world_size"): "world_size",
 }
 
@@ -97,6 +99,10 @@ def _value(path: Path, field: str, value):
             raise HardwareError(f"{path}: device.memory: {e}") from None
     if field == "name":
         return str(value)
+    if field == "overlap_share" and not isinstance(value, bool) and isinstance(value, (int, float)):
+        if not 0 <= value < 1:
+            raise HardwareError(f"{path}: 'overlap_share' must be at least 0 and below 1, got {value!r}")
+        return float(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise HardwareError(f"{path}: '{field}' must be a positive number, got {value!r}")
     return int(value) if "int" in str(kind) else float(value)

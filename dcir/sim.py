@@ -30,10 +30,13 @@ the step calls it) and adds the memory model's peak.
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from dcir import ops as registry, roles
-from dcir.cost import LAUNCH, Estimate, Machine, is_host_copy, is_transfer, op_seconds
+from dcir.cost import (LAUNCH, Estimate, Machine, is_host_copy, is_transfer, op_seconds, outside_s, pack_s,
+                       unpack_s)
 from dcir.ir import Function, Module, Op
 
 COMPUTE, COLLECTIVE, COPY = "compute", "collective", "copy"
@@ -48,9 +51,19 @@ def lane_of(op: Op) -> str:
 
 
 def launch_s(op: Op, machine: Machine) -> float:
-    """Compute-lane seconds of starting an async op: the profile's, else one dispatch."""
+    """Compute-lane seconds of starting an async op: the profile's, else one dispatch (and
+    a coalesced collective's packing, ``cost.pack_s``)."""
     t = op.attrs.get(LAUNCH) if machine.use_profile else None
-    return t * 1e-6 if isinstance(t, (int, float)) and not isinstance(t, bool) else machine.dispatch_s
+    if isinstance(t, (int, float)) and not isinstance(t, bool):
+        return t * 1e-6
+    return machine.dispatch_s + pack_s(op, machine)
+
+
+def epilogue_s(op: Op, machine: Machine, from_profile: bool) -> float:
+    """Compute-lane seconds the first wait on a transfer of ``op`` adds (a coalesced
+    gather's copy-out, ``cost.unpack_s``); none when the profile timed the transfer, as
+    the profiler waits right after the start: its time holds the epilogue."""
+    return 0.0 if from_profile else unpack_s(op, machine)
 
 
 @dataclass(frozen=True)
@@ -90,13 +103,88 @@ class Run:
         return Estimate(self.end, self.compute_s, self.comm_s, self.exposed_s, source)
 
 
+class _Lanes:
+    """The transfer lanes of one run, on the clock they share with the compute lane.
+    Each lane runs its transfers one at a time, in issue order. While the compute lane
+    works beside a transfer, both run at ``1 - share`` of their speed (``share``:
+    ``Machine.overlap_share``; on a CPU, gloo's threads copy on the cores the compute
+    runs on); while the compute lane stalls, or after it ends, a transfer runs at full
+    speed. With ``share`` 0 every transfer takes its own time, overlapped or not."""
+
+    def __init__(self, run: Run, share: float):
+        self.run, self.share = run, share
+        self.queue: dict[str, deque] = {COLLECTIVE: deque(), COPY: deque()}  # [op position, seconds, lost]
+        self.began = {COLLECTIVE: 0.0, COPY: 0.0}  # when each lane's first queued transfer began
+
+    def busy(self) -> bool:
+        return self.share > 0 and any(self.queue.values())
+
+    def push(self, i: int, lane: str, seconds: float, now: float) -> None:
+        if not self.queue[lane]:
+            self.began[lane] = now
+        self.queue[lane].append([i, seconds, 0.0])
+
+    def _end(self, lane: str, now: float, rate: float) -> float:
+        """When the lane's first transfer ends, if ``rate`` holds from ``now``."""
+        _, seconds, lost = self.queue[lane][0]
+        return _ends(self.began[lane], seconds, lost, now, rate)
+
+    def next_end(self, now: float, computing: bool) -> float:
+        rate = 1.0 - self.share if computing else 1.0
+        return min((self._end(lane, now, rate) for lane, q in self.queue.items() if q), default=math.inf)
+
+    def advance(self, now: float, until: float, computing: bool) -> None:
+        """Run the lanes from ``now`` to ``until`` (no transfer ends before ``until``)."""
+        rate = 1.0 - self.share if computing else 1.0
+        for lane, q in self.queue.items():
+            if q and self._end(lane, now, rate) <= until:
+                i, seconds, lost = q.popleft()
+                end = self.began[lane] + seconds + lost if rate == 1.0 else until
+                self.run.done[i] = end
+                self.run.slices.append(Slice(i, self.run.func.ops[i], lane, self.began[lane], end))
+                self.began[lane] = end
+            elif q:
+                q[0][2] += (1.0 - rate) * (until - now)
+
+    def compute(self, now: float, seconds: float) -> float:
+        """Run ``seconds`` of compute from ``now`` on the compute lane; returns when it ends."""
+        start, lost = now, 0.0
+        while True:
+            rate = 1.0 - self.share if self.busy() else 1.0
+            end, lane_end = _ends(start, seconds, lost, now, rate), self.next_end(now, True)
+            if end <= lane_end:
+                self.advance(now, end, True)
+                return end
+            lost += (1.0 - rate) * (lane_end - now)
+            self.advance(now, lane_end, True)
+            now = lane_end
+
+    def wait(self, now: float, joined: set[int]) -> float:
+        """Stall the compute lane from ``now`` until the transfers ``joined`` are done."""
+        while joined - self.run.done.keys():
+            end = self.next_end(now, False)
+            self.advance(now, end, False)
+            now = end
+        return max((self.run.done[i] for i in joined), default=now)
+
+
+def _ends(start: float, seconds: float, lost: float, now: float, rate: float) -> float:
+    """When work of ``seconds`` begun at ``start`` ends, having lost ``lost`` seconds to
+    sharing until ``now``, at ``rate`` from ``now`` (at full rate: exactly its start,
+    seconds and losses)."""
+    end = start + seconds + lost
+    return end if rate == 1.0 else now + (end - now) / rate
+
+
 def simulate(func: Function, machine: Machine, stalls: bool = True) -> Run:
     """Run ``func``'s schedule on ``machine``'s lanes. ``stalls=False``: waits never
     block (the compute lane as it would run were every transfer hidden, the target the
-    scheduling moves aim for)."""
+    scheduling moves aim for). A transfer that overlaps compute slows it, and is slowed,
+    by ``machine.overlap_share`` (``_Lanes``)."""
     run = Run(func)
-    free = {COLLECTIVE: 0.0, COPY: 0.0}
-    ready: dict = {}
+    lanes = _Lanes(run, machine.overlap_share)
+    pending: dict = {}  # a transfer's result -> its op's position
+    epilogue: dict[int, float] = {}  # a transfer's position -> what its first wait adds
     now = 0.0
     for i, op in enumerate(func.ops):
         seconds, from_profile = op_seconds(op, machine)
@@ -106,26 +194,29 @@ def simulate(func: Function, machine: Machine, stalls: bool = True) -> Run:
         lane = lane_of(op)
         if lane != COMPUTE:
             launch = launch_s(op, machine)
-            run.slices.append(Slice(i, op, COMPUTE, now, now + launch))
-            now += launch
-            run.compute_s += launch
-            begin = max(free[lane], now)
-            free[lane] = run.done[i] = begin + seconds
+            end = lanes.compute(now, launch)
+            run.slices.append(Slice(i, op, COMPUTE, now, end))
+            run.compute_s += launch if end == now + launch else end - now  # its own time, slowed by sharing
+            now = end
+            lanes.push(i, lane, seconds, now)
             run.comm_s += seconds
-            run.slices.append(Slice(i, op, lane, begin, free[lane]))
-            for r in op.results:
-                ready[r] = free[lane]
+            pending.update((r, i) for r in op.results)
+            epilogue[i] = epilogue_s(op, machine, from_profile)
             continue
         arrived, stalled = now, 0.0
-        if stalls and registry.has_trait(op, registry.WAITS):
-            joined = max((ready.get(v, 0.0) for v in op.operands), default=0.0)
-            stalled = max(joined - now, 0.0)
+        joins = {pending[v] for v in op.operands if v in pending} if registry.has_trait(op, registry.WAITS) else set()
+        if stalls and joins:
+            stalled = max(lanes.wait(now, joins) - now, 0.0)
             now += stalled
             run.exposed_s += stalled
-        now += seconds
-        run.compute_s += seconds
+        seconds += sum(epilogue.pop(k, 0.0) for k in sorted(joins))  # run once, by the first wait
+        end = lanes.compute(now, seconds)
+        run.compute_s += seconds if end == now + seconds else end - now
+        now = end
         run.slices.append(Slice(i, op, COMPUTE, arrived, now, stalled))
     run.start.append(now)
+    lanes.wait(now, set(pending.values()))  # when the transfers no wait joined end
+    run.slices.sort(key=lambda s: (s.index, s.lane != COMPUTE))
     return run
 
 
@@ -173,7 +264,8 @@ def _gib(n: int) -> str:
 
 def simulate_module(module: Module, machine: Machine, micro_steps: int = 1,
                     state_bytes: bool = True) -> Prediction:
-    """Predict one optimizer step of ``module`` per rank. The peak is the memory model's
+    """Predict one optimizer step of ``module`` per rank (its functions as often as the step
+    runs them, and the optimizer the runtime runs outside them, ``cost.outside_s``). The peak is the memory model's
     (``dcir.memory``), plus, with ``state_bytes``, the module state every rank holds
     (parameter shards, buffers, optimizer state: ``dcir.memory.state_bytes``)."""
     from dcir.memory import timelines
@@ -185,6 +277,8 @@ def simulate_module(module: Module, machine: Machine, micro_steps: int = 1,
         for _ in range(calls[name]):
             total = run.summary() if total is None else total + run.summary()
     total = total or Estimate(0.0, 0.0, 0.0, 0.0, "analytic")
+    outside = outside_s(module, machine)  # the optimizer the runtime runs beside the functions
+    total = total + Estimate(outside, outside, 0.0, 0.0, total.source) if outside else total
     lines = timelines(module)
     peak_fn = max(lines, key=lambda n: lines[n].peak, default="")
     peak = lines[peak_fn].peak if peak_fn else 0

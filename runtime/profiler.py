@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from dcir.cost import LAUNCH, TIME, is_transfer
+from dcir.cost import DEVICE, LAUNCH, OPTIMIZER, TIME, is_transfer
 from dcir.ir import Function, Module
 from dcir_lowering.backend import OP_INDEX, OPTIMIZER_STATE, reads_state, store_call
 
@@ -151,6 +151,7 @@ class Profile:
     def __init__(self, module: Module):
         self.module = module
         self.runs: dict[str, list[_Recorder]] = {}
+        self.optimizer_s: list[float] = []  # the optimizer steps run outside the program (torch.optim)
 
     def run(self, name: str, gm: fx.GraphModule, *args, sync: bool = True):
         """Run function ``name`` (lowered as ``gm``) on ``args``, measuring; returns its result."""
@@ -185,7 +186,25 @@ class Profile:
             peaks[name] = max(mem, default=0)
             func.attrs[PEAK] = peaks[name]
             func.attrs[RUNS] = len(recs)
+        self._annotate_step(group, device)
         return peaks
+
+    def _annotate_step(self, group, device) -> None:
+        """What the module's attributes say of the profiled step beside its functions: the
+        device kind it ran on (``prof.device``) and the optimizer step the runtime ran outside
+        the program (``prof.optimizer_us``: median over steps, the ranks' mean), which
+        ``dcir.sim`` adds to a step."""
+        attrs = self.module.attrs
+        for key in [key for key in attrs if key.startswith("prof.")]:
+            del attrs[key]
+        attrs[DEVICE] = torch.device(device).type
+        if not self.optimizer_s:
+            return
+        t = torch.tensor([statistics.median(self.optimizer_s)], dtype=torch.float64, device=device)
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+            t /= dist.get_world_size(group)
+        attrs[OPTIMIZER] = round(t.item() * 1e6, 2)
 
 
 def _agree(func: Function, time_s, launch, mem, cuda, transfer: set[int], group, device):
@@ -215,7 +234,8 @@ def _op_key(op) -> tuple:
 class ProfileHistory:
     """Every profile of one program so far, combined: per op, the median of each
     profile's time (``prof.time_us``, ``prof.launch_us``) and the most bytes
-    (``prof.mem``, ``prof.peak_bytes``).
+    (``prof.mem``, ``prof.peak_bytes``), and of the step's own figures the median
+    optimizer time (``prof.optimizer_us``).
 
     A profile taken on a shared machine can be off by tens of percent for some ops,
     and a plan decided from it alone can flip with that noise. With three or more
@@ -231,6 +251,7 @@ class ProfileHistory:
     def __init__(self):
         self.samples: dict[tuple[str, tuple], dict[str, list[float]]] = {}
         self.func_samples: dict[str, dict[str, list[float]]] = {}
+        self.step_samples: dict[str, list] = {}  # the module's: the optimizer outside the program, the device
         self.profiles = 0
 
     def add(self, module: Module) -> None:
@@ -247,6 +268,9 @@ class ProfileHistory:
             for key in (PEAK, RUNS):
                 if isinstance(f.attrs.get(key), (int, float)):
                     rec.setdefault(key, []).append(f.attrs[key])
+        for key, v in module.attrs.items():
+            if key.startswith("prof."):
+                self.step_samples.setdefault(key, []).append(v)
 
     def write(self, dst: Module) -> int:
         """Write the combined figures onto the same ops of ``dst`` (an op is the same
@@ -268,4 +292,6 @@ class ProfileHistory:
                 f.attrs[PEAK] = max(rec[PEAK])
             if RUNS in rec:
                 f.attrs[RUNS] = sum(rec[RUNS])
+        for key, values in self.step_samples.items():  # a time: the median; anything else: the latest
+            dst.attrs[key] = round(statistics.median(values), 2) if key == OPTIMIZER else values[-1]
         return written

@@ -14,8 +14,8 @@ import pytest
 
 import dcir
 from dcir.cli import main as opt_main
-from dcir.cost import Machine, estimate
-from dcir.hardware import HardwareError, dump, load, shipped
+from dcir.cost import DEVICE, LAUNCH, OPTIMIZER, TIME, Machine, calibrate, estimate, estimate_module, outside_s
+from dcir.hardware import HardwareError, dump, fit, load, shipped
 from dcir.ops import WAITS, has_trait
 from dcir.schedule import Sweep
 from dcir.sim import COLLECTIVE, COMPUTE, COPY, simulate, simulate_module
@@ -39,6 +39,138 @@ def test_lanes_run_side_by_side_and_waits_block_compute():
     # without stalls the compute lane never waits: the schedule the scheduling moves aim for
     hidden = simulate(run.func, Machine(), stalls=False)
     assert hidden.exposed_s == 0 and hidden.end == pytest.approx(run.end - 39e-6)
+
+
+def test_an_overlapped_transfer_shares_the_cores_with_compute():
+    """On a machine whose transfers run on the compute cores (gloo on a CPU), compute
+    and a transfer beside it each run at ``1 - overlap_share`` of their speed; a stall or
+    the end of compute gives the transfer its full speed back. On one whose transfers
+    take no core (NCCL on a GPU: 0) nothing changes."""
+    func = dcir.parse(GATHER_AND_COPY).functions["forward"]
+    run = simulate(func, Machine(overlap_share=0.5))
+    lanes = {s.lane: s for s in run.slices if s.lane != COMPUTE}
+    compute = {s.index: s for s in run.slices if s.lane == COMPUTE}
+    # the offload's launch (0-8 us) runs alone; param.get (8 us) and the gather's launch
+    # (8 us) beside the copy take 16 us each; relu (60 us) beside both transfers takes 120
+    assert (compute[1].start, compute[2].start, compute[3].start, compute[3].end) == pytest.approx(
+        (8e-6, 24e-6, 40e-6, 160e-6))
+    # the copy made 8 + 8 + 60 of its 80 us at half speed; the mem.wait's stall runs the
+    # last 4 at full speed; the gather (100 us) made 30 beside relu and mem.wait, 35 in its wait
+    assert (lanes[COPY].start, lanes[COPY].end) == pytest.approx((8e-6, 164e-6))
+    assert (lanes[COLLECTIVE].start, lanes[COLLECTIVE].end) == pytest.approx((40e-6, 201e-6))
+    assert [compute[4].stalled, compute[5].stalled] == pytest.approx([4e-6, 35e-6])
+    # the stalls are exposed; the compute lane's own time grew by what sharing took
+    assert run.end == pytest.approx(258e-6) and run.exposed_s == pytest.approx(39e-6)
+    assert run.compute_s == pytest.approx(run.end - run.exposed_s) and run.comm_s == pytest.approx(180e-6)
+    # no sharing (the default, and a GPU's): the timeline of the test above
+    assert simulate(func, Machine()).end == pytest.approx(181e-6) and load("h100-ib400").overlap_share == 0
+    # a transfer waited for at once overlaps no compute: sharing changes nothing
+    alone = dcir.parse(WAITED_AT_ONCE).functions["forward"]
+    assert simulate(alone, Machine(overlap_share=0.5)).end == simulate(alone, Machine()).end == pytest.approx(172e-6)
+
+
+WAITED_AT_ONCE = """
+module @m attributes {world_size = 2} {
+  param @w : shard<f32[64, 64], 2> {trainable}
+  func @forward(%x: f32[64, 64] {input}) -> (f32[] {output}) role forward {
+    %w_shard = param.get @w : shard<f32[64, 64], 2>
+    %p = comm.all_gather(%w_shard) {prof.time_us = 100.0} : pending<f32[64, 64]>
+    %w = comm.wait(%p) {prof.time_us = 1.0} : f32[64, 64]
+    %y = aten.mm.default(%x, %w) {prof.time_us = 50.0} : f32[64, 64]
+    %loss = aten.sum.default(%y) {prof.time_us = 5.0} : f32[]
+    return %loss
+  }
+}
+"""
+
+
+def test_a_step_adds_the_optimizer_the_runtime_runs_outside_the_program():
+    """The profile's ``prof.optimizer_us`` (torch.optim on the shards, timed in the profiled
+    step) is once per optimizer step; a module with its own ``@step`` runs it inside, and
+    a described machine prices no profile."""
+    m = dcir.parse(WAITED_AT_ONCE)
+    base = estimate_module(m, Machine()).seconds
+    m.attrs[OPTIMIZER] = 2500.0
+    assert outside_s(m, Machine()) == pytest.approx(2.5e-3)
+    assert estimate_module(m, Machine(), micro_steps=4).seconds == pytest.approx(4 * base + 2.5e-3)
+    assert simulate_module(m, Machine(), 4).estimate.seconds == pytest.approx(4 * base + 2.5e-3)
+    assert outside_s(m, load("cpu-2core")) == 0.0
+    with_step = dcir.parse((ROOT / "examples" / "mlp_zero3.dcir").read_text())
+    with_step.attrs[OPTIMIZER] = 2500.0
+    assert (with_step.role("step") is None) == (outside_s(with_step, Machine()) > 0)
+
+
+def test_the_profile_records_the_optimizer_step_and_the_device():
+    from dcir_runtime.profiler import Profile, ProfileHistory
+
+    m = dcir.parse(WAITED_AT_ONCE)
+    profile = Profile(m)
+    profile.optimizer_s += [0.01, 0.03, 0.02]  # what Execution.step times while profiling
+    profile.annotate()
+    assert m.attrs[OPTIMIZER] == 20000.0 and m.attrs[DEVICE] == "cpu"
+    plan = dcir.parse(WAITED_AT_ONCE)  # a plan made from the captured schedule gets them too
+    history = ProfileHistory()
+    history.add(m)
+    history.write(plan)
+    assert plan.attrs[OPTIMIZER] == 20000.0 and dcir.parse(dcir.print(plan)).attrs[DEVICE] == "cpu"
+
+
+def test_fit_describes_the_machine_a_profile_ran_on():
+    fitted = fit(dcir.parse(GATHER_AND_COPY), "here")
+    # the offload moves the 8 KiB shard in its 80 us less a dispatch
+    assert fitted.name == "here" and fitted.copy_bw == pytest.approx(8192 / (80e-6 - fitted.dispatch_s))
+
+
+def test_a_cpu_profile_is_priced_with_the_cpus_overlap_share():
+    """The Engine's default machine follows where the profile ran: on a CPU, cpu-2core's
+    measured ``overlap_share``; on a GPU (or without a device), none."""
+    m = dcir.parse(WAITED_AT_ONCE)
+    assert calibrate(m).overlap_share == 0.0
+    m.attrs[DEVICE] = "cpu"
+    assert calibrate(m).overlap_share == load("cpu-2core").overlap_share > 0
+    m.attrs[DEVICE] = "cuda"
+    assert calibrate(m).overlap_share == 0.0
+
+
+def test_coalesced_collectives_pay_their_packing_when_unprofiled():
+    """A coalesced collective the profile never timed (one ``bucket`` made) costs its
+    packing at launch and, for a gather, the copy-out at its first wait: bytes written
+    over ``mem_bw`` (``native/dcir_runtime.cpp`` copies both on the compute thread)."""
+    m = dcir.parse(COALESCED)
+    func, machine = m.functions["forward"], Machine(mem_bw=1e9)
+    run = simulate(func, machine)
+    launch = next(s for s in run.slices if s.op.name == "comm.all_gather_coalesced" and s.lane == COMPUTE)
+    assert launch.end - launch.start == pytest.approx(machine.dispatch_s + 2 * 64 * 64 * 4 / 2 / 1e9)
+    waits = [s for s in run.slices if s.op.name == "comm.wait"]
+    unpack = 2 * 64 * 64 * 4 / 1e9  # both gathered tensors, by the first wait only
+    assert waits[0].end - waits[0].start - waits[0].stalled == pytest.approx(machine.dispatch_s + unpack)
+    assert waits[1].end - waits[1].start - waits[1].stalled == pytest.approx(machine.dispatch_s)
+    for op in func.ops:  # profiled, the transfer's time holds the copy-out, the launch its packing
+        if op.name == "comm.all_gather_coalesced":
+            op.attrs.update({TIME: 500.0, LAUNCH: 3.0})
+    timed = simulate(func, machine)
+    launch = next(s for s in timed.slices if s.op.name == "comm.all_gather_coalesced" and s.lane == COMPUTE)
+    assert launch.end - launch.start == pytest.approx(3e-6)
+    assert [s.end - s.start - s.stalled for s in timed.slices if s.op.name == "comm.wait"] == pytest.approx(
+        [machine.dispatch_s] * 2)
+
+
+COALESCED = """
+module @m attributes {world_size = 2} {
+  param @a : shard<f32[64, 64], 2> {trainable}
+  param @b : shard<f32[64, 64], 2> {trainable}
+  func @forward(%x: f32[64, 64] {input}) -> (f32[] {output}) role forward {
+    %a_shard = param.get @a : shard<f32[64, 64], 2>
+    %b_shard = param.get @b : shard<f32[64, 64], 2>
+    %pa, %pb = comm.all_gather_coalesced(%a_shard, %b_shard) : pending<f32[64, 64]>, pending<f32[64, 64]>
+    %a = comm.wait(%pa) : f32[64, 64]
+    %b = comm.wait(%pb) : f32[64, 64]
+    %y = aten.mm.default(%a, %b) : f32[64, 64]
+    %loss = aten.sum.default(%y) : f32[]
+    return %loss
+  }
+}
+"""
 
 
 def test_the_sweep_reads_the_simulator_and_queues_copies_on_their_own_lane():
@@ -81,6 +213,9 @@ def test_bad_descriptions_name_the_file_and_the_key(tmp_path):
         load(bad)
     bad.write_text("[links]\nintra_bw = -3\n")
     with pytest.raises(HardwareError, match="'link_bw' must be a positive number, got -3"):
+        load(bad)
+    bad.write_text("[links]\noverlap_share = 1.5\n")
+    with pytest.raises(HardwareError, match="'overlap_share' must be at least 0 and below 1, got 1.5"):
         load(bad)
     bad.write_text("[device\n")
     with pytest.raises(HardwareError, match="not valid TOML"):
