@@ -104,6 +104,61 @@ def test_llama_gradients_through_inductor():
         assert _close(p.grad, q.grad, 1e-5), name
 
 
+def _runtime_calls(gm) -> list[str]:
+    """The runtime's ops a lowered (or cut) function calls, in the order it calls them,
+    without the reads of state (which may run earlier: ``compile_compute``)."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), torch.fx.GraphModule):
+            out += _runtime_calls(gm.get_submodule(n.target))
+        name = getattr(n.target, "_qualified_op_name", "")
+        if n.op == "call_function" and name.startswith("dcir::") and name != "dcir::get_shard":
+            out.append(f"{name}({', '.join(str(a) for a in n.args if isinstance(a, torch.fx.Node))})")
+    return out
+
+
+def test_inductor_cuts_a_zero3_program_only_at_collectives():
+    """A parameter's state read, the free after its last use and a gradient's hand-over
+    no longer cut a stretch of compute (they run at its edges); a wait runs just before
+    the compute that reads its result. The forward of examples/mlp_zero3.dcir was cut
+    into four compiled stretches, its backward into five (one op each, some of them);
+    now two each, with the runtime's ops (state reads aside) in the IR's order."""
+    from dcir_lowering.backend import _Compiled, compile_compute, lower_function
+    from dcir_runtime import native
+
+    native.load()
+    module = dcir.parse((ROOT / "examples" / "mlp_zero3.dcir").read_text(), "examples/mlp_zero3.dcir")
+    stretches = {"forward": [["t.default", "addmm.default", "relu.default"],
+                             ["t.default", "addmm.default", "mse_loss.default"]],
+                 "backward": [["mm.default", "t.default", "mm.default"],  # mse_loss_backward: alone, eager
+                              ["threshold_backward.default", "t.default", "mm.default"]]}
+    for name, expected in stretches.items():
+        gm = lower_function(module, name, group="0")
+        split = compile_compute(gm)
+        compiled = [[n.target.__name__ for n in m.gm.graph.nodes if n.op == "call_function"]
+                    for m in split.children() if isinstance(m, _Compiled)]
+        assert compiled == expected, (name, split.code)
+        assert _runtime_calls(split) == _runtime_calls(gm), name
+
+
+def test_inductor_reshapes_what_its_meta_strides_cannot_view():
+    """``cat`` with an empty operand keeps the other's permuted strides on meta tensors,
+    where eager returns a contiguous tensor: the IR's view of it is valid eagerly and
+    Inductor's trace would fail on it (Llama's empty cache before the keys)."""
+    from dcir_lowering.backend import compile_compute
+
+    a = torch.ops.aten
+    g = torch.fx.Graph()
+    _, _, x = g.placeholder("state"), g.placeholder("grads"), g.placeholder("x")
+    t = g.call_function(a.transpose.int, (x, 1, 2))
+    cat = g.call_function(a.cat.default, ([g.call_function(a.zeros.default, ([4, 4, 0, 64],)), t], -2))
+    view = g.call_function(a.view.default, (g.call_function(a.expand.default, (cat, [4, 4, 128, 64])), [16, 128, 64]))
+    g.output((g.call_function(a.mul.Tensor, (view, 2.0)),))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    x = torch.randn(4, 128, 4, 64)
+    assert torch.equal(compile_compute(gm)({}, {}, x)[0], gm({}, {}, x)[0])
+
+
 def test_an_edited_module_runs_as_edited():
     torch.manual_seed(0)
     model = mlp()
