@@ -533,14 +533,15 @@ def compile_compute(gm: fx.GraphModule) -> fx.GraphModule:
       be computed before), ``param.set`` (compute after it reads the new value), and the
       optimizer-state store's calls (reloads, copies home, the step).
 
-    A stretch with fewer than ``MIN_COMPILED_OPS`` ops that compute (views aside) runs
-    as it is: there is nothing to fuse, and the call would cost more than it saves."""
+    A stretch with fewer than ``MIN_COMPILED_OPS`` ops Inductor could fuse (views and
+    matmuls aside: Inductor calls the same library kernels for those) runs as it is:
+    there is nothing to fuse, and the call would cost more than it saves."""
     from torch.fx.passes.split_module import split_module
 
     arranged = fx.GraphModule(gm, _arrange(gm.graph))
     runtime: set = set()
     part: dict = {}
-    compute_parts: dict[int, int] = {}  # stretch -> its ops that compute
+    compute_parts: dict[int, int] = {}  # stretch -> its ops Inductor could fuse
     current, last = 0, None
     for n in arranged.graph.nodes:
         if n.op in ("placeholder", "output"):
@@ -552,7 +553,7 @@ def compile_compute(gm: fx.GraphModule) -> fx.GraphModule:
             current, last = current + 1, in_runtime
         part[n] = current
         if not in_runtime:
-            compute_parts[current] = compute_parts.get(current, 0) + _computes(n)
+            compute_parts[current] = compute_parts.get(current, 0) + _fusible(n)
     split = split_module(arranged, torch.nn.Module(), lambda n: part[n], keep_original_order=True)
     for name, sub in list(split.named_children()):
         if compute_parts.get(int(name.rsplit("_", 1)[1]), 0) >= MIN_COMPILED_OPS:
@@ -560,13 +561,18 @@ def compile_compute(gm: fx.GraphModule) -> fx.GraphModule:
     return split
 
 
-#: the fewest ops that compute (not views) a stretch needs to be compiled
+#: the fewest ops Inductor could fuse (``_fusible``) a stretch needs to be compiled
 MIN_COMPILED_OPS = 2
+#: ops Inductor hands to the same library kernels eager calls: nothing to fuse
+_LIBRARY_KERNELS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
+                              torch.ops.aten.baddbmm.default, torch.ops.aten.convolution.default})
 
 
-def _computes(node: fx.Node) -> int:
-    """1 for an op that computes, 0 for a view or the picking of a result."""
-    return int(node.target is not _item and not getattr(node.target, "is_view", False))
+def _fusible(node: fx.Node) -> int:
+    """1 for an op Inductor could fuse with others, 0 for a view, the picking of a
+    result, or a library kernel (a matmul)."""
+    t = node.target
+    return int(t is not _item and t not in _LIBRARY_KERNELS and not getattr(t, "is_view", False))
 
 
 _HOIST, _SINK, _FIXED = "hoist", "sink", "fixed"

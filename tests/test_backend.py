@@ -117,28 +117,39 @@ def _runtime_calls(gm) -> list[str]:
     return out
 
 
-def test_inductor_cuts_a_zero3_program_only_at_collectives():
+def test_inductor_cuts_a_zero3_program_only_at_collectives(monkeypatch):
     """A parameter's state read, the free after its last use and a gradient's hand-over
     no longer cut a stretch of compute (they run at its edges); a wait runs just before
     the compute that reads its result. The forward of examples/mlp_zero3.dcir was cut
-    into four compiled stretches, its backward into five (one op each, some of them);
-    now two each, with the runtime's ops (state reads aside) in the IR's order."""
-    from dcir_lowering.backend import _Compiled, compile_compute, lower_function
+    into four stretches of compute, its backward into six; now two and five, with the
+    runtime's ops (state reads aside) in the IR's order. A stretch with fewer than
+    ``MIN_COMPILED_OPS`` ops to fuse runs eagerly (this MLP's have one each at most)."""
+    from dcir_lowering import backend
     from dcir_runtime import native
 
     native.load()
     module = dcir.parse((ROOT / "examples" / "mlp_zero3.dcir").read_text(), "examples/mlp_zero3.dcir")
-    stretches = {"forward": [["t.default", "addmm.default", "relu.default"],
-                             ["t.default", "addmm.default", "mse_loss.default"]],
-                 "backward": [["mm.default", "t.default", "mm.default"],  # mse_loss_backward: alone, eager
-                              ["threshold_backward.default", "t.default", "mm.default"]]}
-    for name, expected in stretches.items():
-        gm = lower_function(module, name, group="0")
-        split = compile_compute(gm)
-        compiled = [[n.target.__name__ for n in m.gm.graph.nodes if n.op == "call_function"]
-                    for m in split.children() if isinstance(m, _Compiled)]
-        assert compiled == expected, (name, split.code)
+    expected = {"forward": [["t", "addmm", "relu"], ["t", "addmm", "mse_loss"]],
+                "backward": [["mse_loss_backward"], ["mm", "t", "mm"], ["sum", "view"],
+                             ["threshold_backward", "t", "mm"], ["sum", "view"]]}
+
+    def ops(gm):
+        return [n.target.__name__.split(".")[0] for n in gm.graph.nodes if n.op == "call_function"]
+
+    for name, stretches in expected.items():
+        gm = backend.lower_function(module, name, group="0")
+        split = backend.compile_compute(gm)
+        assert not any(isinstance(m, backend._Compiled) for m in split.children())
+        assert [s for s in map(ops, split.children()) if not any(o in _RUNTIME for o in s)] == stretches, split.code
         assert _runtime_calls(split) == _runtime_calls(gm), name
+    monkeypatch.setattr(backend, "MIN_COMPILED_OPS", 1)
+    split = backend.compile_compute(backend.lower_function(module, "forward", group="0"))
+    assert [ops(m.gm) for m in split.children() if isinstance(m, backend._Compiled)] == expected["forward"]
+
+
+#: the names of the runtime's ops and state calls, as ``ops`` above gives them
+_RUNTIME = {"get_shard", "all_gather", "all_gather_coalesced", "wait", "free", "reduce_scatter", "_item",
+            "_grad_set", "_state_get"}
 
 
 def test_inductor_reshapes_what_its_meta_strides_cannot_view():
