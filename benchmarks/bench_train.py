@@ -16,8 +16,8 @@ Every system trains the same HF Llama (from a config, fp32) on the same batches
   by the median, the pipeline searched among the passes' joint alternatives
   (``dcir.search``; ``dcir`` is profiled too,
   with no passes, so every DCIR row has the cost model's predicted step time);
-* ``dcir-inductor``: the same program with the compute between collectives compiled
-  by Inductor;
+* ``dcir-inductor``: ``dcir-optimized``'s planned program with the compute between
+  collectives compiled by Inductor (the two differ only in the lowering);
 * ``dcir-zero1``, ``dcir-zero2``: the Engine at ZeRO stage 1 (optimizer state
   sharded) and 2 (gradients too), with ``dcir-optimized``'s passes;
 * ``dcir-offload``: ``zero3`` with ``dcir-optimized``'s passes and optimizer-state

@@ -487,7 +487,7 @@ def lower(module: Module, state: dict, *, inductor: bool = False, group: str | N
     def compiled(role: str, gm):
         if not inductor or role not in (FORWARD, BACKWARD, BACKWARD_LAST, EVAL):
             return gm
-        return compile_compute(gm) if group is not None else torch.compile(gm, dynamic=False)
+        return compile_compute(gm)
 
     return Program(module, state, graphs, {role: compiled(role, gm) for role, gm in graphs.items()})
 
@@ -510,16 +510,40 @@ def compile_compute(gm: fx.GraphModule) -> fx.GraphModule:
 
     Inductor sees a collective as a synchronous kernel: it would reuse the storage of
     an input the transfer is still reading, or of a result that ``comm.wait`` returns,
-    for its own buffers. So the graph is cut at every run of runtime ops; each
-    stretch of compute between them is compiled on its own, and the collectives, waits
-    and frees run between the compiled pieces, in the IR's order."""
+    for its own buffers. So the graph is cut at runtime ops; each stretch of compute
+    between them is compiled on its own, and the runtime's ops run between the compiled
+    pieces. A copy of the graph is cut (``gm`` stays as it is: the profiler runs it).
+
+    Fewer cuts mean fewer calls into compiled code (each costs some microseconds) and
+    more to fuse, so runtime ops that need not split a stretch are moved to its edge
+    (``_arrange``), keeping the order of every runtime op that has an effect:
+
+    * to its start: reads of state (``param.get``: a reference to a stored tensor, which
+      only ``param.set`` and the optimizer change, and those cut), the picking of a
+      result already made, and a ``comm.wait`` on a collective that an earlier wait has
+      finished (the wait of one result of a coalesced transfer finishes all of them:
+      the others return at once);
+    * to its end, or to just before the first compute that reads its result: any other
+      ``comm.wait`` (waiting later blocks less; its buffer is allocated already),
+      ``mem.free`` (nothing reads a freed value after the free, the verifier proves it,
+      so only the release comes later: the stretch's compute keeps its memory that long)
+      and ``grad.set`` (a dict entry);
+    * never: collective starts (their place is the schedule's: moving one earlier
+      allocates its buffer earlier, later starts the transfer later, and the input must
+      be computed before), ``param.set`` (compute after it reads the new value), and the
+      optimizer-state store's calls (reloads, copies home, the step).
+
+    A stretch with fewer than ``MIN_COMPILED_OPS`` ops Inductor could fuse (views and
+    matmuls aside: Inductor calls the same library kernels for those) runs as it is:
+    there is nothing to fuse, and the call would cost more than it saves."""
     from torch.fx.passes.split_module import split_module
 
+    arranged = fx.GraphModule(gm, _arrange(gm.graph))
     runtime: set = set()
     part: dict = {}
-    compute_parts: set = set()
+    compute_parts: dict[int, int] = {}  # stretch -> its ops Inductor could fuse
     current, last = 0, None
-    for n in gm.graph.nodes:
+    for n in arranged.graph.nodes:
         if n.op in ("placeholder", "output"):
             continue
         in_runtime = _runs_in_runtime(n, runtime)
@@ -529,27 +553,141 @@ def compile_compute(gm: fx.GraphModule) -> fx.GraphModule:
             current, last = current + 1, in_runtime
         part[n] = current
         if not in_runtime:
-            compute_parts.add(current)
-    split = split_module(gm, torch.nn.Module(), lambda n: part[n], keep_original_order=True)
+            compute_parts[current] = compute_parts.get(current, 0) + _fusible(n)
+    split = split_module(arranged, torch.nn.Module(), lambda n: part[n], keep_original_order=True)
     for name, sub in list(split.named_children()):
-        if int(name.rsplit("_", 1)[1]) in compute_parts:
-            setattr(split, name, _Contiguous(torch.compile(sub, dynamic=False)))
+        if compute_parts.get(int(name.rsplit("_", 1)[1]), 0) >= MIN_COMPILED_OPS:
+            setattr(split, name, _Compiled(sub))
     return split
 
 
-class _Contiguous(torch.nn.Module):
-    """A compiled stretch whose tensor results are made contiguous.
+#: the fewest ops Inductor could fuse (``_fusible``) a stretch needs to be compiled
+MIN_COMPILED_OPS = 2
+#: ops Inductor hands to the same library kernels eager calls: nothing to fuse
+_LIBRARY_KERNELS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
+                              torch.ops.aten.baddbmm.default, torch.ops.aten.convolution.default})
 
-    Inductor may lay a result out differently from eager (a pointwise result keeps its
-    input's permuted strides); a later stretch that ``aten.view``s it, as the IR says,
-    then fails. Every view of a contiguous tensor is valid, and the captured graphs are
-    functional, so a copy changes no value."""
 
-    def __init__(self, compiled):
+def _fusible(node: fx.Node) -> int:
+    """1 for an op Inductor could fuse with others, 0 for a view, the picking of a
+    result, or a library kernel (a matmul)."""
+    t = node.target
+    return int(t is not _item and t not in _LIBRARY_KERNELS and not getattr(t, "is_view", False))
+
+
+_HOIST, _SINK, _FIXED = "hoist", "sink", "fixed"
+
+
+def _crossing(node: fx.Node, finished: set, placed: set) -> str:
+    """Where runtime op ``node`` may go in its stretch (``compile_compute``): ``finished``
+    holds the collectives a placed wait has finished, ``placed`` the nodes already
+    placed before the stretch's compute."""
+    t, runtime_op = node.target, _runtime_op(node)
+    if t is _state_get or runtime_op == "get_shard":
+        return _HOIST
+    if t is _item:
+        return _HOIST if node.args[0] in placed else _SINK
+    if t is _grad_set or runtime_op == "free":
+        return _SINK
+    if runtime_op == "wait":
+        return _HOIST if _collective(node) in finished and node.args[0] in placed else _SINK
+    return _FIXED
+
+
+def _runtime_op(node: fx.Node) -> str:
+    """The name of the runtime's op (``torch.ops.dcir.*``) a node calls, or ``""``."""
+    name = getattr(node.target, "_qualified_op_name", "")
+    return name[len("dcir::"):] if name.startswith("dcir::") else ""
+
+
+def _collective(wait: fx.Node) -> fx.Node:
+    """The collective a ``comm.wait`` node finishes (a coalesced one's results are picked)."""
+    pending = wait.args[0]
+    return pending.args[0] if pending.target is _item else pending
+
+
+def _arrange(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` with the runtime ops that may cross compute moved to the edges
+    of their stretch (``compile_compute``)."""
+    order: list[fx.Node] = []
+    head: list[fx.Node] = []
+    body: list[fx.Node] = []
+    tail: list[fx.Node] = []
+    placed, finished, runtime, waiting = set(), set(), set(), set()  # waiting: the tail's nodes
+
+    def flush():
+        for n in (*head, *body, *tail):
+            order.append(n)
+            placed.add(n)
+            if _runtime_op(n) == "wait":
+                finished.add(_collective(n))
+        head.clear(), body.clear(), tail.clear(), waiting.clear()
+
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            order.append(n)
+            placed.add(n)
+            continue
+        if n.op == "output":
+            flush()
+            continue
+        if not _runs_in_runtime(n, runtime):
+            if any(a in waiting for a in n.all_input_nodes):
+                flush()
+            body.append(n)
+            continue
+        runtime.add(n)
+        where = _crossing(n, finished, placed)
+        if where == _HOIST:  # placed before the stretch's compute
+            head.append(n)
+            placed.add(n)
+        elif where == _SINK:
+            tail.append(n)
+            waiting.add(n)
+        else:
+            flush()
+            order.append(n)
+            placed.add(n)
+    out = fx.Graph()
+    env: dict = {}
+    for n in [*order, *[m for m in graph.nodes if m.op == "output"]]:
+        env[n] = out.node_copy(n, lambda a: env[a])
+    return out
+
+
+#: the views a compiled stretch reshapes instead (``_Compiled``)
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+class _Compiled(torch.nn.Module):
+    """A stretch compiled by Inductor at its first call (``compile_fx`` with the call's
+    tensors as the example: a program's shapes are fixed, and Inductor's code checks
+    each input's size and strides), its tensor results made contiguous.
+
+    Straight to Inductor, not ``torch.compile``: Dynamo would check its guards on every
+    call (about 15 us on this CPU, hundreds of stretches a step) for a graph that has no
+    Python to trace. Inductor may lay a result out differently from eager (a pointwise
+    result keeps its input's permuted strides); a later stretch that ``aten.view``s it,
+    as the IR says, then fails. Every view of a contiguous tensor is valid, and the
+    captured graphs are functional, so a copy changes no value (``contiguous`` copies
+    only what is not). For the same reason the stretch's own ``aten.view``s are
+    reshapes: Inductor traces with meta strides, which can differ from eager's (a
+    ``cat`` with an empty operand keeps the other's permuted strides on meta, a
+    contiguous result in eager), and a view the eager strides allow would fail there."""
+
+    def __init__(self, gm: fx.GraphModule):
         super().__init__()
-        self.compiled = compiled
+        for n in gm.graph.nodes:  # the same values; see the class's docstring
+            if n.target in _VIEWS:
+                n.target = torch.ops.aten.reshape.default
+        gm.recompile()
+        self.gm, self.compiled = gm, None
 
     def forward(self, *args):
+        if self.compiled is None:
+            from torch._inductor.compile_fx import compile_fx
+            with torch.no_grad():
+                self.compiled = compile_fx(self.gm, list(args))
         out = self.compiled(*args)
         if isinstance(out, torch.Tensor):
             return out.contiguous()

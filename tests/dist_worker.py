@@ -98,6 +98,9 @@ CASES = {
     "mlp_accumulate2": (mlp, _mlp_batch, _squared, {"gradient_accumulation_steps": 2}),
     "transformer": (TinyTransformer, _transformer_batch, None, {}),
     "transformer_inductor": (TinyTransformer, _transformer_batch, None, {"inductor": True}),
+    # Inductor on a planned schedule (coalesced transfers: waits that return at once)
+    "transformer_inductor_schedule": (TinyTransformer, _transformer_batch, None,
+                                      {"inductor": True, "passes": ["prefetch", "unshard", "bucket"]}),
     "tied_frozen": (Tied, _tied_batch, None, {}),
     "hf_llama": (tiny_llama, _llama_batch, lambda out: out.loss, {}),
     "hf_llama_accumulate2": (tiny_llama, _llama_batch, lambda out: out.loss, {"gradient_accumulation_steps": 2}),

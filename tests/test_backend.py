@@ -104,6 +104,72 @@ def test_llama_gradients_through_inductor():
         assert _close(p.grad, q.grad, 1e-5), name
 
 
+def _runtime_calls(gm) -> list[str]:
+    """The runtime's ops a lowered (or cut) function calls, in the order it calls them,
+    without the reads of state (which may run earlier: ``compile_compute``)."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), torch.fx.GraphModule):
+            out += _runtime_calls(gm.get_submodule(n.target))
+        name = getattr(n.target, "_qualified_op_name", "")
+        if n.op == "call_function" and name.startswith("dcir::") and name != "dcir::get_shard":
+            out.append(f"{name}({', '.join(str(a) for a in n.args if isinstance(a, torch.fx.Node))})")
+    return out
+
+
+def test_inductor_cuts_a_zero3_program_only_at_collectives(monkeypatch):
+    """A parameter's state read, the free after its last use and a gradient's hand-over
+    no longer cut a stretch of compute (they run at its edges); a wait runs just before
+    the compute that reads its result. The forward of examples/mlp_zero3.dcir was cut
+    into four stretches of compute, its backward into six; now two and five, with the
+    runtime's ops (state reads aside) in the IR's order. A stretch with fewer than
+    ``MIN_COMPILED_OPS`` ops to fuse runs eagerly (this MLP's have one each at most)."""
+    from dcir_lowering import backend
+    from dcir_runtime import native
+
+    native.load()
+    module = dcir.parse((ROOT / "examples" / "mlp_zero3.dcir").read_text(), "examples/mlp_zero3.dcir")
+    expected = {"forward": [["t", "addmm", "relu"], ["t", "addmm", "mse_loss"]],
+                "backward": [["mse_loss_backward"], ["mm", "t", "mm"], ["sum", "view"],
+                             ["threshold_backward", "t", "mm"], ["sum", "view"]]}
+
+    def ops(gm):
+        return [n.target.__name__.split(".")[0] for n in gm.graph.nodes if n.op == "call_function"]
+
+    for name, stretches in expected.items():
+        gm = backend.lower_function(module, name, group="0")
+        split = backend.compile_compute(gm)
+        assert not any(isinstance(m, backend._Compiled) for m in split.children())
+        assert [s for s in map(ops, split.children()) if not any(o in _RUNTIME for o in s)] == stretches, split.code
+        assert _runtime_calls(split) == _runtime_calls(gm), name
+    monkeypatch.setattr(backend, "MIN_COMPILED_OPS", 1)
+    split = backend.compile_compute(backend.lower_function(module, "forward", group="0"))
+    assert [ops(m.gm) for m in split.children() if isinstance(m, backend._Compiled)] == expected["forward"]
+
+
+#: the names of the runtime's ops and state calls, as ``ops`` above gives them
+_RUNTIME = {"get_shard", "all_gather", "all_gather_coalesced", "wait", "free", "reduce_scatter", "_item",
+            "_grad_set", "_state_get"}
+
+
+def test_inductor_reshapes_what_its_meta_strides_cannot_view():
+    """``cat`` with an empty operand keeps the other's permuted strides on meta tensors,
+    where eager returns a contiguous tensor: the IR's view of it is valid eagerly and
+    Inductor's trace would fail on it (Llama's empty cache before the keys)."""
+    from dcir_lowering.backend import compile_compute
+
+    a = torch.ops.aten
+    g = torch.fx.Graph()
+    _, _, x = g.placeholder("state"), g.placeholder("grads"), g.placeholder("x")
+    t = g.call_function(a.transpose.int, (x, 1, 2))
+    cat = g.call_function(a.cat.default, ([g.call_function(a.zeros.default, ([4, 4, 0, 64],)), t], -2))
+    view = g.call_function(a.view.default, (g.call_function(a.expand.default, (cat, [4, 4, 128, 64])), [16, 128, 64]))
+    g.output((g.call_function(a.mul.Tensor, (view, 2.0)),))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    x = torch.randn(4, 128, 4, 64)
+    assert torch.equal(compile_compute(gm)({}, {}, x)[0], gm({}, {}, x)[0])
+
+
 def test_an_edited_module_runs_as_edited():
     torch.manual_seed(0)
     model = mlp()
