@@ -207,8 +207,8 @@ def calibrate(module: Module, machine: Machine | None = None) -> Machine:
         return machine
     pts, steps = [], []
     for _, op in module.ops():
-        t = op.attrs.get(TIME)
-        if not is_transfer(op) or is_host_copy(op) or not isinstance(t, (int, float)):
+        t = profiled_us(op)
+        if not is_transfer(op) or is_host_copy(op) or t is None:
             continue
         n, passes = ranks(op, machine), 2 if ring_kind(op) == "all_reduce" else 1
         pts.append((payload(op) * passes * (n - 1) / n, t * 1e-6))
@@ -247,10 +247,21 @@ def outside_s(module: Module, machine: Machine) -> float:
     return t * 1e-6
 
 
+def profiled_us(op: Op) -> float | None:
+    """The profile's microseconds of ``op`` (None: not profiled); for an async op, its
+    transfer alone: the profiler times a transfer from its start to the end of the wait
+    right after it, so ``prof.time_us`` holds the launch (``prof.launch_us``) as well."""
+    t = op.attrs.get(TIME)
+    if not isinstance(t, (int, float)) or isinstance(t, bool):
+        return None
+    launch = op.attrs.get(LAUNCH) if is_transfer(op) else None
+    return max(t - launch, 0.0) if isinstance(launch, (int, float)) and not isinstance(launch, bool) else t
+
+
 def op_seconds(op: Op, machine: Machine) -> tuple[float, bool]:
     """(seconds, from the profile?) for one op: host time, or an async op's transfer."""
-    t = op.attrs.get(TIME)
-    if machine.use_profile and isinstance(t, (int, float)) and not isinstance(t, bool):
+    t = profiled_us(op) if machine.use_profile else None
+    if t is not None:
         return t * 1e-6, True
     return analytic_s(op, machine), False
 
