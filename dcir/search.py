@@ -23,6 +23,7 @@ is not allowed (an order it must keep, the memory budget, a size cap).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -92,8 +93,6 @@ def pipelines(passes: list) -> list[list]:
     gathers left in ``@forward`` are then the ones prefetch places), and ``prefetch``
     without its own fusion when ``bucket`` follows (``bucket`` then groups the
     hoisted gathers, not only those that start together)."""
-    import dataclasses
-
     out = [list(passes)]
     names = [p.name for p in passes]
     if "prefetch" in names and "unshard" in names and names.index("unshard") > names.index("prefetch"):
@@ -137,8 +136,6 @@ def best_pipeline(module, candidates: list[list], micro_steps: int = 1, budget: 
 
 def _options(p) -> str:
     """The options of pass ``p`` that differ from its defaults, as a pipeline spec writes them."""
-    import dataclasses
-
     def text(v) -> str:
         return str(v).lower() if isinstance(v, bool) else str(v)
 

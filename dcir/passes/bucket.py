@@ -97,6 +97,10 @@ class Bucket(Pass):
     #: groupings kept per collective by the search (``dcir.search.beam``); 1: the greedy walk
     beam: int = 4
 
+    def __post_init__(self):
+        if self.beam < 1:
+            raise ValueError(f"beam is {self.beam}; it keeps at least 1 grouping (1: the greedy walk)")
+
     def run(self, module: Module, stats: Counter) -> None:
         machine = calibrate(module)
         note_source(module, stats, "bucket")
