@@ -131,6 +131,8 @@ class Planner:
                       reason="memory" if forced else "faster" if take else "kept",
                       predicted_peak=memory_peaks(module if take else running))
         self.log.append(record)
+        if steps in self.config.optimize["profile_at"]:  # this step is listed too: profile the next one
+            self.profile = Profile(module if take else running)
         return module if take else None
 
     def check_budget(self, fixed: int, scheduled: int, running: dcir.Module) -> None:
