@@ -211,3 +211,19 @@ def test_the_planner_tries_the_joint_alternatives_and_keeps_the_fastest(llama_ze
     # within a budget below every candidate's peak, the smallest peak wins
     _, tight, _ = best_pipeline(m, candidates, budget=1)
     assert tight.peak == min(c.peak for c in tried)
+
+
+def test_consecutive_profile_steps_each_profile_the_next_step():
+    """``profile_at: [1, 2, 3]`` profiles three steps in a row and plans after each,
+    every plan named by the pipeline the search chose."""
+    from dcir_runtime import initialize
+    from models import mlp, squared
+
+    torch.manual_seed(0)
+    engine = initialize(mlp(), optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), loss_fn=squared,
+                        config={"optimize": {"passes": ["prefetch", "unshard", "bucket"], "profile_at": [1, 2, 3]}})
+    for _ in range(6):
+        engine.backward(engine(torch.randn(4, 8)))
+        engine.step()
+    assert [r["step"] for r in engine.optimize_log] == [2, 3, 4]
+    assert all(r["pipeline"].startswith(("prefetch", "unshard")) for r in engine.optimize_log)
