@@ -168,9 +168,10 @@ class _Func:
         self.async_reads: dict[str, list[str]] = {}  # pending value -> storage roots its async op reads
 
     # values
-    def arg(self, name: str, typ: str, freeable: str | bool = False) -> str:
+    def arg(self, name: str, typ: str, kind: str, freeable: str | bool = False) -> str:
+        """An argument of signature kind ``kind`` (``input``, ``saved``, ``grad``: dcir/signature.py)."""
         self.ns.used.add(name)
-        self.args.append((name, typ))
+        self.args.append((name, f"{typ} {{{kind}}}"))
         self.types[name] = typ
         self.root[name] = name
         self.freeable[name] = freeable
@@ -255,11 +256,12 @@ class _Func:
         self.ops = [([], "mem.free", None, op[1], "", []) if op[0] == "free" else op for op in out]
 
     def text(self, returns: list[str], result_types: list[str]) -> list[str]:
+        """The function's lines; ``result_types`` carry their signature kinds."""
         args = ", ".join(f"%{n}: {t}" for n, t in self.args)
         head = f"  func @{self.name}({args})"
         if result_types:
             head += " -> (" + ", ".join(result_types) + ")"
-        lines = [head + " {"]
+        lines = [head + f" role {self.name} {{"]  # the function's name is its role
         for results, op, sym, operands, attrs, types in self.ops:
             s = "    "
             if results:
@@ -666,8 +668,8 @@ class _Llama:
         f = _Func(self.ns, "forward")
         ids, labels = [], []
         for _ in range(M):  # AOTAutograd's placeholders: primals_1, primals_2, ...
-            ids.append(f.arg(f"primals_{2 * len(ids) + 1}", tensor_t("i64", (B, S))))
-            labels.append(f.arg(f"primals_{2 * len(labels) + 2}", tensor_t("i64", (B, S))))
+            ids.append(f.arg(f"primals_{2 * len(ids) + 1}", tensor_t("i64", (B, S)), "input"))
+            labels.append(f.arg(f"primals_{2 * len(labels) + 2}", tensor_t("i64", (B, S)), "input"))
         emb_w = self._Gathered(self, f, ["model.embed_tokens.weight"])["model.embed_tokens.weight"]
         xs = [f.aten("aten.embedding.default", [emb_w, ids[k]], (), (cd, (B, S, H))) for k in range(M)]
         # rotary tables (once; CSE shares them between layers and micro-batches)
@@ -731,8 +733,8 @@ class _Llama:
         self.pending_grads, self.grad_parts = [], {}
         ids, cos, sin, mask, layer_inputs, head_saved = self._layout
         for v in saved:  # saved activations belong to @backward now (the token ids stay the caller's)
-            f.arg(v, fwd_types[v], freeable=(v not in ids and "act"))
-        tangent = f.arg("tangents_1", tensor_t("f32", ()))
+            f.arg(v, fwd_types[v], "saved", freeable=(v not in ids and "act"))
+        tangent = f.arg("tangents_1", tensor_t("f32", ()), "grad = 0")
         g_loss = tangent if M == 1 else f.aten("aten.div.Scalar", [tangent], {"other": M}, ("f32", ()))
         W = self._Gathered(self, f, ["lm_head.weight", "model.norm.weight"])
         gs = [self.head_backward(f, W, g_loss, head_saved[k]) for k in range(M)]
@@ -766,7 +768,8 @@ class _Llama:
             lines.append(f"  param @{pname} : {shard_t(tensor_t(self.pd, shape), self.ws)} {{trainable}}")
         lines.append(f"  buffer @{self.inv_freq} : {tensor_t('f32', (self.hd // 2,))}")
         lines.append("")
-        lines += fwd.text(returns, [fwd.types[v] for v in returns])
+        kinds = ["output"] + ["saved"] * (len(returns) - 1)
+        lines += fwd.text(returns, [f"{fwd.types[v]} {{{k}}}" for v, k in zip(returns, kinds)])
         lines.append("")
         lines += bwd.text([], [])
         lines.append("}")

@@ -19,6 +19,8 @@ def test_generated_module_is_valid_and_canonical():
     module = dcir.parse(text, "bench.dcir")
     dcir.verify(module, shapes=True)
     assert dcir.print(module) == text
+    # roles and signature kinds declared: the simulator runs @forward and @backward once per micro-step
+    assert [f.role for f in module.functions.values()] == ["forward", "backward"]
     assert bench_compiler.op_count(module) > 2000
 
 
