@@ -69,8 +69,9 @@ under ``torch.device("meta")`` and ``dcir.initialize`` initializes each rank's s
 FSDP2 runs its recipe (``fully_shard``, ``to_empty``, ``initialize_weights()``);
 DeepSpeed ZeRO-3 builds under ``deepspeed.zero.Init``. ``floor``, ``eager`` (one
 process, nothing sharded) and DeepSpeed ZeRO-1/2 build the model with its values as
-with ``--init real`` (train_worker.py). "x fsdp2 RSS" is a row's peak RSS over
-``fsdp2``'s in the same run; "start RSS MiB" the peak before the first step (building,
+with ``--init real`` (train_worker.py). "x fsdp2 speed" is ``fsdp2``'s median step
+over a row's (above 1: faster than FSDP2), "x fsdp2 RSS" a row's peak RSS over
+``fsdp2``'s, both in the same run; "start RSS MiB" the peak before the first step (building,
 sharding and initializing the model, and DCIR's capture; the largest rank's); "first
 step s" the time from a rank's process start to the end of its first step (start-up,
 model, capture, first step; the slowest rank's, median over rounds). ``--rss-trace``
@@ -174,8 +175,10 @@ def summarize(runs: dict[str, list[dict]], ns) -> dict:
         }
     floor = rows.get("floor", {}).get("step_s")
     fsdp2 = rows.get("fsdp2", {}).get("peak_rss_mib")
+    fsdp2_step = rows.get("fsdp2", {}).get("step_s")
     for system, row in rows.items():
         row["x_floor"] = row["step_s"] / floor if floor else None
+        row["x_fsdp2_speed"] = fsdp2_step / row["step_s"] if fsdp2_step else None
         row["x_fsdp2_rss"] = row["peak_rss_mib"] / fsdp2 if fsdp2 else None
         fp32 = rows.get(system.removesuffix("-bf16")) if system.endswith("-bf16") else None
         row["x_fp32"] = row["step_s"] / fp32["step_s"] if fp32 else None
@@ -184,12 +187,13 @@ def summarize(runs: dict[str, list[dict]], ns) -> dict:
 
 def table(rows: dict, unavailable: dict) -> str:
     cuda = any(r.get("peak_cuda_mib") is not None for r in rows.values())
-    head = (f"{'system':<16}{'init':<6}{'step s':>9}{'x floor':>9}{'tok/s/rank':>12}{'peak RSS MiB':>14}"
+    head = (f"{'system':<16}{'init':<6}{'step s':>9}{'x floor':>9}{'x fsdp2 speed':>15}{'tok/s/rank':>12}{'peak RSS MiB':>14}"
             + (f"{'peak CUDA MiB':>15}" if cuda else "") + f"{'exposed comm s':>16}{'predicted s':>13}"
             + f"{'sent MiB/step':>15}{'x fp32':>8}{'x fsdp2 RSS':>12}{'start RSS MiB':>15}{'first step s':>14}")
     lines = [head, "-" * len(head)]
     for system, r in rows.items():
         x = f"{r['x_floor']:.2f}" if r["x_floor"] else "-"
+        speed = f"{r['x_fsdp2_speed']:.2f}" if r.get("x_fsdp2_speed") else "-"
         comm = f"{r['exposed_comm_s']:.3f}" if r["exposed_comm_s"] is not None else "n/a"
         pred = f"{r['predicted_s']:.3f}" if r.get("predicted_s") is not None else "n/a"
         gpu = f"{r['peak_cuda_mib']:>15,.0f}" if cuda and r.get("peak_cuda_mib") is not None else (
@@ -199,7 +203,7 @@ def table(rows: dict, unavailable: dict) -> str:
         rss = f"{r['x_fsdp2_rss']:.3f}" if r.get("x_fsdp2_rss") else "-"
         first = f"{r['first_step_s']:.1f}" if r.get("first_step_s") is not None else "n/a"
         start = f"{r['start_rss_mib']:,.0f}" if r.get("start_rss_mib") is not None else "n/a"
-        lines.append(f"{system:<16}{r.get('init', 'real'):<6}{r['step_s']:>9.3f}{x:>9}"
+        lines.append(f"{system:<16}{r.get('init', 'real'):<6}{r['step_s']:>9.3f}{x:>9}{speed:>15}"
                      f"{r['tokens_per_s_per_rank']:>12,.0f}{r['peak_rss_mib']:>14,.0f}{gpu}{comm:>16}{pred:>13}"
                      f"{sent:>15}{vs32:>8}{rss:>12}{start:>15}{first:>14}")
     for system, why in unavailable.items():

@@ -74,6 +74,7 @@ class Sweep:
     graph: object = None                               # the dependency DAG (dcir.analysis)
     storage: dict = field(default_factory=dict)        # value -> the value whose storage it shares (dcir.memory)
     waits: dict = field(default_factory=dict)          # pending value -> the wait that joins it
+    slack: float = 1.0                                 # a transfer counts as hidden behind slack x its time
 
     def __post_init__(self):
         ops = self.func.ops
@@ -151,11 +152,11 @@ def budget_limit(move: "Move") -> Limit:
 
 
 def run_moves(module: Module, func: Function, moves: list[Move], machine: Machine, budget: int | None,
-              stats: Counter, prefix: str) -> None:
+              stats: Counter, prefix: str, slack: float = 1.0) -> None:
     """Apply ``moves`` to ``func`` one after the other; each decides its groups in
     schedule order against a fresh analysis, then applies them together."""
     for move in moves:
-        sweep = Sweep(func, machine, budget, timelines(module)[func.name].during)
+        sweep = Sweep(func, machine, budget, timelines(module)[func.name].during, slack=slack)
         limits = move.limits + ((budget_limit(move),) if move.cost is not None and budget is not None else ())
         plan: list[tuple[list[int], int]] = []
         for i, op in enumerate(list(func.ops)):

@@ -46,6 +46,8 @@ def test_meta_init_reports_rss_against_fsdp2_and_first_step(tmp_path, capfd):
     # the sharded systems built the model on the meta device; eager (one process) with its values
     assert rows["dcir"]["init"] == rows["fsdp2"]["init"] == "meta" and rows["eager"]["init"] == "real"
     assert rows["fsdp2"]["x_fsdp2_rss"] == 1.0
+    assert rows["fsdp2"]["x_fsdp2_speed"] == 1.0
+    assert rows["dcir"]["x_fsdp2_speed"] == rows["fsdp2"]["step_s"] / rows["dcir"]["step_s"]
     assert rows["dcir"]["x_fsdp2_rss"] == rows["dcir"]["peak_rss_mib"] / rows["fsdp2"]["peak_rss_mib"]
     # process start to the end of the first step: more than a step, less than the run
     assert all(r["step_s"] < r["first_step_s"] < 300 for r in rows.values())
@@ -53,7 +55,7 @@ def test_meta_init_reports_rss_against_fsdp2_and_first_step(tmp_path, capfd):
     assert report["workload"]["init"] == "meta" and report["workload"]["parameters"] == 2 * 256 * 64 + 4 * 64 * 64 \
         + 3 * 64 * 256 + 3 * 64
     text = capfd.readouterr().out
-    assert "x fsdp2 RSS" in text and "first step s" in text and "init meta" in text
+    assert "x fsdp2 RSS" in text and "x fsdp2 speed" in text and "first step s" in text and "init meta" in text
     assert "start RSS MiB" in text
 
 
