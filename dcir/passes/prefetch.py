@@ -24,6 +24,11 @@ cost model predicts a faster function: each collective pays a fixed latency, and
 gathers stacked at one point by ``gathers keep their order`` would pay it one after
 the other. Nothing moves for that; ``bucket`` also merges collectives further apart.
 
+A transfer counts as hidden (``transfer hidden``, ``transfer done``) once the compute
+beside it lasts ``slack`` times the transfer by the model (default 8): the model sees
+neither jitter nor a rank that reaches the collective late, and a wait placed exactly
+where the transfer should end stalls on both (``docs/passes.md`` has the measurements).
+
 Costs are the profile's (``prof.time_us``) when the module has one, else the analytic
 model's (``dcir.cost``); ``--pass-statistics`` counts, per move, which limit
 stopped it. ``budget`` is per rank, for the bytes the memory model counts (see
