@@ -306,3 +306,38 @@ def test_predict_at_scale_runs_quickly(capsys):
     assert abs(float(row[-1].rstrip("%"))) < 5  # the layer fit matches ZeRO-3's direct simulation
     # a step of 4 micro-steps runs forward and backward 4 times (the generated functions declare their roles)
     assert 3.5 * zero3 < float(rows["4"][1]) < 4.5 * zero3
+
+
+def _trace(waits_us: list[float], compute_us: list[float], predicted_us: list[float] = ()) -> list[dict]:
+    """One rank's trace events: before each wait, one compute slice; the predicted row's waits."""
+    events, t = [], 0.0
+    for k, (w, c) in enumerate(zip(waits_us, compute_us)):
+        events.append({"ph": "X", "tid": 1, "name": "aten.mm.default %x", "ts": t, "dur": c})
+        events.append({"ph": "X", "tid": 1, "name": f"comm.wait %g{k}", "ts": t + c, "dur": w})
+        t += c + w
+    events += [{"ph": "X", "tid": 11, "name": f"comm.wait %g{k}", "ts": 1e6 + k, "dur": w}
+               for k, w in enumerate(predicted_us)]
+    return events
+
+
+def test_trace_lateness_separates_the_transfer_from_the_late_peer(capsys):
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks.trace_lateness import lateness, main
+    finally:
+        sys.path.remove(str(ROOT))
+    compute = [100.0, 1000.0, 3000.0, 500.0]
+    transfer = [50.0, 400.0, 200.0, 80.0]
+    late = [200 + 0.1 * c for c in compute]  # rank 0 arrives first at every wait
+    report = lateness({0: _trace([t + l for t, l in zip(transfer, late)], compute, [60.0, 390.0, 210.0, 70.0]),
+                       1: _trace(transfer, compute)})
+    assert report.count == 4
+    assert report.fastest_s == pytest.approx(sum(transfer) * 1e-6)
+    assert report.predicted_s == pytest.approx(730e-6)
+    assert report.late_s == pytest.approx([sum(late) * 1e-6, 0.0])
+    # the ranks' mean lateness is half of rank 0's: 100 us + 0.05 x the compute
+    assert report.fixed_s == pytest.approx(100e-6) and report.per_compute == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="different numbers of waits"):
+        lateness({0: _trace([1.0], [1.0]), 1: _trace([1.0, 2.0], [1.0, 1.0])})
+    assert main([str(ROOT / "no-such-dir")]) == 2
+    assert "no rank<N>.json traces" in capsys.readouterr().err
