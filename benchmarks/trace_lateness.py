@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dcir.trace import MEASURED_ROWS, PREDICTED_ROWS
 from dcir.sim import COMPUTE
+from dcir.trace import MEASURED_ROWS, PREDICTED_ROWS
 
 WAIT = "comm.wait"
 
@@ -95,7 +95,7 @@ def lateness(traces: dict[int, list[dict]]) -> Lateness:
 
 
 def load(directory: Path) -> dict[int, list[dict]]:
-    files = sorted(directory.glob("rank*.json"))
+    files = sorted(directory.glob("rank[0-9]*.json"))
     if not files:
         raise ValueError(f"{directory}: no rank<N>.json traces (dcir-train --trace {directory})")
     return {int(f.stem.removeprefix("rank")): json.loads(f.read_text())["traceEvents"] for f in files}

@@ -19,6 +19,7 @@ from dcir.hardware import HardwareError, dump, fit, load, shipped
 from dcir.ops import WAITS, has_trait
 from dcir.schedule import Sweep
 from dcir.sim import COLLECTIVE, COMPUTE, COPY, simulate, simulate_module
+from dcir.trace import MEASURED_ROWS, PREDICTED_ROWS
 from test_schedule import GATHER_AND_COPY  # the same program: a gather beside a host copy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -269,7 +270,7 @@ def test_simulate_module_counts_micro_steps_and_held_state():
     assert one.peak_bytes > simulate_module(m, Machine(), 1, state_bytes=False).peak_bytes
 
 
-def test_dcir_train_writes_a_perfetto_trace_per_rank(tmp_path):
+def test_dcir_train_writes_a_perfetto_trace_per_rank(tmp_path, capsys):
     """A real 2-rank run: one Chrome trace per rank, with measured and predicted rows
     for compute, communication and host copies, and memory counters."""
     argv = [sys.executable, "-m", "dcir_runtime.train", "--nproc", "2", "--steps", "2", "--layers", "1",
@@ -289,6 +290,15 @@ def test_dcir_train_writes_a_perfetto_trace_per_rank(tmp_path):
         assert all(e["dur"] > 0 and e["ts"] >= 0 for e in slices)
         counters = {e["name"] for e in events if e["ph"] == "C"}
         assert counters == {"live bytes", "predicted live bytes"}
+    # the ranks' traces line up wait by wait: trace_lateness reads them
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks.trace_lateness import main
+    finally:
+        sys.path.remove(str(ROOT))
+    assert main([str(tmp_path / "trace")]) == 0
+    out = capsys.readouterr().out
+    assert "waits per rank" in out and "(predicted: n/a)" not in out and "lateness per rank: " in out, out
 
 
 def test_predict_at_scale_runs_quickly(capsys):
@@ -312,10 +322,10 @@ def _trace(waits_us: list[float], compute_us: list[float], predicted_us: list[fl
     """One rank's trace events: before each wait, one compute slice; the predicted row's waits."""
     events, t = [], 0.0
     for k, (w, c) in enumerate(zip(waits_us, compute_us)):
-        events.append({"ph": "X", "tid": 1, "name": "aten.mm.default %x", "ts": t, "dur": c})
-        events.append({"ph": "X", "tid": 1, "name": f"comm.wait %g{k}", "ts": t + c, "dur": w})
+        events.append({"ph": "X", "tid": MEASURED_ROWS[COMPUTE], "name": "aten.mm.default %x", "ts": t, "dur": c})
+        events.append({"ph": "X", "tid": MEASURED_ROWS[COMPUTE], "name": f"comm.wait %g{k}", "ts": t + c, "dur": w})
         t += c + w
-    events += [{"ph": "X", "tid": 11, "name": f"comm.wait %g{k}", "ts": 1e6 + k, "dur": w}
+    events += [{"ph": "X", "tid": PREDICTED_ROWS[COMPUTE], "name": f"comm.wait %g{k}", "ts": 1e6 + k, "dur": w}
                for k, w in enumerate(predicted_us)]
     return events
 
@@ -337,6 +347,8 @@ def test_trace_lateness_separates_the_transfer_from_the_late_peer(capsys):
     assert report.late_s == pytest.approx([sum(late) * 1e-6, 0.0])
     # the ranks' mean lateness is half of rank 0's: 100 us + 0.05 x the compute
     assert report.fixed_s == pytest.approx(100e-6) and report.per_compute == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="lateness needs the traces of at least 2 ranks, got 1"):
+        lateness({0: _trace([1.0], [1.0])})
     with pytest.raises(ValueError, match="different numbers of waits"):
         lateness({0: _trace([1.0], [1.0]), 1: _trace([1.0, 2.0], [1.0, 1.0])})
     assert main([str(ROOT / "no-such-dir")]) == 2
