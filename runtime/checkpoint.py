@@ -55,7 +55,6 @@ FORMAT = 1
 #: shards are written and before the commit, the way a job killed mid-save dies.
 KILL_IN_SAVE = "DCIR_TEST_KILL_IN_SAVE"
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
-_MESHES: dict[int, object] = {}
 
 
 def _error(message: str) -> DcirError:
@@ -63,11 +62,14 @@ def _error(message: str) -> DcirError:
 
 
 def _mesh(world: int):
+    """The 1-D mesh over the default group, made for one save or load and not kept: a
+    mesh holds its process group, and one kept past ``destroy_process_group`` keeps
+    gloo's worker threads alive into interpreter shutdown, where a worker releasing a
+    finished collective's tensors needs the GIL and aborts the process ("terminate
+    called without an active exception")."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if world not in _MESHES:
-        _MESHES[world] = init_device_mesh("cpu", (world,))
-    return _MESHES[world]
+    return init_device_mesh("cpu", (world,))
 
 
 def _check_tag(tag: str) -> str:
@@ -89,17 +91,17 @@ def _local(engine, name: str, padded: torch.Tensor) -> torch.Tensor:
     return padded.reshape(-1)[:max(0, min(chunk, n - engine.rank * chunk))]
 
 
-def _dtensor(engine, name: str, padded: torch.Tensor):
+def _dtensor(engine, name: str, padded: torch.Tensor, mesh):
     from torch.distributed.tensor import DTensor, Shard
 
     n = _numel(engine, name)
-    return DTensor.from_local(_local(engine, name, padded.detach()).cpu(), _mesh(engine.world), [Shard(0)],
+    return DTensor.from_local(_local(engine, name, padded.detach()).cpu(), mesh, [Shard(0)],
                               run_check=False, shape=torch.Size([n]), stride=(1,))
 
 
-def _empty_dtensor(engine, name: str, dtype: torch.dtype):
+def _empty_dtensor(engine, name: str, dtype: torch.dtype, mesh):
     chunk = -(-_numel(engine, name) // engine.world)
-    return _dtensor(engine, name, torch.empty(chunk, dtype=dtype))  # DCP fills every element
+    return _dtensor(engine, name, torch.empty(chunk, dtype=dtype), mesh)  # DCP fills every element
 
 
 def _blob(obj) -> bytes:
@@ -117,13 +119,14 @@ def _accumulating(engine) -> bool:
 
 def _state_dict(engine, client_state) -> dict:
     sd: dict = {}
+    mesh = _mesh(engine.world)
     for name, shard in engine.shards.items():
-        sd[name] = _dtensor(engine, name, shard)
+        sd[name] = _dtensor(engine, name, shard, mesh)
         if _accumulating(engine) and shard.grad is not None:
-            sd[f"grad.{name}"] = _dtensor(engine, name, shard.grad)
+            sd[f"grad.{name}"] = _dtensor(engine, name, shard.grad, mesh)
         for key, value in engine.optimizer.state.get(shard, {}).items():
             if isinstance(value, torch.Tensor) and value.shape == shard.shape:
-                sd[f"optim.{name}.{key}"] = _dtensor(engine, name, value)
+                sd[f"optim.{name}.{key}"] = _dtensor(engine, name, value, mesh)
             elif isinstance(value, torch.Tensor):
                 sd[f"optim.{name}.{key}"] = value.detach().cpu()
             else:
@@ -359,19 +362,20 @@ def _load_dict(engine, meta: dict, marker: dict) -> dict:
             return None
         return torch.empty(m.size, dtype=m.properties.dtype)
 
+    mesh = _mesh(engine.world)
     for name, shard in engine.shards.items():
-        sd[name] = _empty_dtensor(engine, name, shard.dtype)
+        sd[name] = _empty_dtensor(engine, name, shard.dtype, mesh)
         prefix = f"optim.{name}."
         for key in meta:
             if not key.startswith(prefix):
                 continue
             m = meta[key]
             if key in elementwise:
-                sd[key] = _empty_dtensor(engine, name, m.properties.dtype)
+                sd[key] = _empty_dtensor(engine, name, m.properties.dtype, mesh)
             else:
                 sd[key] = plain(key)
         if f"grad.{name}" in meta and marker["micro_steps"] % marker["gradient_accumulation_steps"]:
-            sd[f"grad.{name}"] = _empty_dtensor(engine, name, shard.dtype)
+            sd[f"grad.{name}"] = _empty_dtensor(engine, name, shard.dtype, mesh)
     for name in _persistent_buffers(engine.model):
         sd[name] = plain(name)
     for key in ("optim.param_groups", "dcir.engine", "dcir.client_state", "dcir.lr_scheduler", "dcir.loss_scaler",

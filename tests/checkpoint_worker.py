@@ -9,9 +9,10 @@ SIGKILL (``die``: no clean shutdown) or, with ``kill_in_save``, in the middle of
 save. ``save_tag``: the tag of every save (default ``step<N>``). ``evaluate_first``:
 a forward without backward before the load, so the load meets a captured program. With
 ``lr_scheduler`` the engine steps a StepLR (``initialize(..., lr_scheduler=)``). The data
-generator's state travels in the checkpoint's ``client_state``. At the end each rank writes ``out``
-``.rank<r>.pt``: the full parameters, this rank's optimizer state, the counters and
-where it resumed from.
+generator's state travels in the checkpoint's ``client_state``. At the end each rank destroys the
+process group and writes ``out`` ``.rank<r>.pt``: the full parameters, this rank's optimizer
+state, the counters, where it resumed from, and its native threads (not Python's) before the
+engine and after the destroy: gloo's, if anything still held the group.
 
 ``python checkpoint_worker.py errors SPEC.json``: each bad load is a DcirError on every
 rank, and the engine's state is unchanged afterwards.
@@ -23,6 +24,8 @@ import json
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -81,8 +84,22 @@ def _snapshot(engine) -> dict:
             "lr": engine.optimizer.param_groups[0]["lr"], "memory": engine.memory()}
 
 
+def _native_threads(at_most: int | None = None) -> int:
+    """This process's threads that Python did not start (gloo's workers and its loop).
+    With ``at_most``, polled for up to 5 s until there are no more than that: a thread
+    that just ended can linger in /proc for a moment, a kept group's threads stay."""
+    deadline = time.monotonic() + 5
+    while True:
+        python = {t.native_id for t in threading.enumerate()}
+        n = len({int(t) for t in os.listdir("/proc/self/task")} - python)
+        if at_most is None or n <= at_most or time.monotonic() > deadline:
+            return n
+        time.sleep(0.05)
+
+
 def train(spec: dict) -> None:
     rank = int(os.environ["RANK"])
+    threads_before = _native_threads()
     engine = _engine(spec)
     world = engine.world
     _, batch_of, _ = MODELS[spec["model"]]
@@ -110,7 +127,11 @@ def train(spec: dict) -> None:
             engine.save_checkpoint(spec["save"], spec.get("save_tag"), client_state={"data": g.get_state()})
             if spec.get("die") and engine.micro_steps == spec["save_at"][-1]:
                 os.kill(os.getpid(), signal.SIGKILL)  # every process dies hard right after the save
-    torch.save({**_snapshot(engine), "resumed": resumed}, f"{spec['out']}.rank{rank}.pt")
+    snapshot = _snapshot(engine)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    threads = (threads_before, _native_threads(at_most=threads_before))
+    torch.save({**snapshot, "resumed": resumed, "native_threads": threads}, f"{spec['out']}.rank{rank}.pt")
 
 
 def errors(spec: dict) -> None:
