@@ -76,7 +76,10 @@ sharding and initializing the model, and DCIR's capture; the largest rank's); "f
 step s" the time from a rank's process start to the end of its first step (start-up,
 model, capture, first step; the slowest rank's, median over rounds). ``--rss-trace``
 makes every rank log its resident and peak memory at each stage (in
-``bench_train_logs/*.log``).
+``bench_train_logs/*.log``). ``--trace`` makes every DCIR run trace one more step after
+its measured ones (not measured): ``bench_train_logs/<system>-<round>-trace/rank<N>.json``,
+Chrome traces with the measured and predicted schedule (``docs/simulator.md``, "Reading
+a trace"; ``benchmarks/trace_lateness.py`` reads them).
 """
 
 from __future__ import annotations
@@ -117,6 +120,8 @@ def _run(system: str, ns, out: Path) -> dict | None:
     for name, _ in WORKLOAD:
         args += [f"--{name}", str(getattr(ns, name))]
     args += ["--device", ns.device, "--init", ns.init] + (["--rss-trace"] if ns.rss_trace else [])
+    if ns.trace and system.startswith("dcir"):
+        args += ["--trace", str(out.with_name(out.stem + "-trace"))]
     world = 1 if system in ("floor", "eager") else ns.world
     env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     with open(out.with_suffix(".log"), "w") as log:
@@ -259,6 +264,9 @@ def parser() -> argparse.ArgumentParser:
                     help="real: every rank builds the model with its values; meta: the sharded systems build it on "
                          "the meta device and initialize only their shards (default real)")
     ap.add_argument("--rss-trace", action="store_true", help="each rank logs its RSS at each stage")
+    ap.add_argument("--trace", action="store_true",
+                    help="each DCIR run traces one more step after the measured ones (Chrome JSON per rank in "
+                         "bench_train_logs/<system>-<round>-trace/)")
     ap.add_argument("--world", type=int, default=2, help="ranks of the distributed systems (default 2)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu (gloo, 1 thread per rank) or cuda (one GPU per rank, NCCL); default cpu")

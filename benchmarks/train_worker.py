@@ -17,7 +17,9 @@ and DeepSpeed ZeRO-3 builds it under ``deepspeed.zero.Init``. ``floor`` and ``ea
 (one process, nothing to shard) and DeepSpeed ZeRO-1/2 build it with its values as with
 ``--init real``. Every rank also reports its process's age at the end of the first
 step (``first_step_s``: start-up, model, capture and the first step). ``--rss-trace``
-prints each rank's resident and peak memory at each stage to stderr.
+prints each rank's resident and peak memory at each stage to stderr. ``--trace DIR``
+(DCIR systems): after the measured steps, one more optimizer step runs traced
+(``Engine.trace``), each rank writing ``DIR/rank<N>.json``; it is not among the measured.
 """
 
 from __future__ import annotations
@@ -159,6 +161,10 @@ class Dcir:
                 f.write(str(profiled))
             with open(path.removesuffix(".dcir") + "-planned.dcir", "w") as f:
                 f.write(str(self.engine.module))
+
+    def trace(self, path: str) -> None:
+        """Trace the next optimizer step into ``path`` (Chrome JSON, ``Engine.trace``)."""
+        self.engine.trace(path)
 
     def predicted_s(self) -> float | None:
         log = self.engine.optimize_log
@@ -319,6 +325,7 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--init", choices=("real", "meta"), default="real")
     ap.add_argument("--rss-trace", action="store_true")
+    ap.add_argument("--trace", default=None, help="trace one more step after the measured ones into DIR/rank<N>.json")
     ns = ap.parse_args()
     torch.set_num_threads(1)
     rss_trace(ns, "start")
@@ -347,6 +354,11 @@ def main() -> None:
             times.append(elapsed)
             waits.append(waited)
             sent.append(runner.sent_bytes() - sent0 if sent0 is not None else None)
+    if ns.trace and hasattr(runner, "trace"):  # one more step, traced, not measured
+        os.makedirs(ns.trace, exist_ok=True)
+        runner.trace(os.path.join(ns.trace, f"rank{rank}.json"))
+        for _ in range(ns.accumulate):
+            runner.micro_step(next(data))
     predicted = runner.predicted_s() if hasattr(runner, "predicted_s") else None
     per_rank = {"times": times, "waits": waits, "sent": sent, "peak_rss_mib": peak_rss_mib(), "predicted_s": predicted,
                 "first_step_s": first_step, "start_rss_mib": start_rss,

@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_train  # noqa: E402
+import trace_lateness  # noqa: E402
 
 
 def test_tiny_run_reports_every_system(tmp_path, capfd):
@@ -18,10 +19,17 @@ def test_tiny_run_reports_every_system(tmp_path, capfd):
     code = bench_train.main(["--layers", "1", "--hidden", "64", "--seq", "16", "--batch", "2", "--vocab", "256",
                              "--steps", "2", "--warmup", "2", "--rounds", "1", "--systems",
                              "floor,dcir,dcir-optimized,dcir-zero1,dcir-offload,fsdp2",
-                             "--json", str(out), "--chart", str(tmp_path / "bench.png"), "--timeout", "300"])
+                             "--json", str(out), "--chart", str(tmp_path / "bench.png"), "--timeout", "300",
+                             "--trace"])
     assert code == 0
     report = json.loads(out.read_text())
     rows = report["results"]
+    # --trace: every DCIR run traced one more step, each rank a Chrome trace the lateness tool reads
+    logs = tmp_path / "bench_train_logs"
+    assert sorted(p.name for p in logs.glob("*-trace")) == [
+        "dcir-0-trace", "dcir-offload-0-trace", "dcir-optimized-0-trace", "dcir-zero1-0-trace"]
+    late = trace_lateness.lateness(trace_lateness.load(logs / "dcir-optimized-0-trace"))
+    assert late.count > 0 and len(late.waits_s) == 2 and late.predicted_s is not None
     assert set(rows) == {"floor", "dcir", "dcir-optimized", "dcir-zero1", "dcir-offload", "fsdp2"}, capfd.readouterr()
     assert rows["floor"]["x_floor"] == 1.0
     assert rows["dcir"]["exposed_comm_s"] is not None and rows["fsdp2"]["exposed_comm_s"] is None
