@@ -503,45 +503,6 @@ def native_ops() -> None:
     print(f"rank {rank}: ops ok", flush=True)
 
 
-def _gathers_finish_in_order(name: str) -> None:
-    """A small gather issued right after a large one over the group ``name`` finishes
-    after it: the large one is complete by the time the small one's wait returns."""
-    group = torch._C._distributed_c10d._resolve_process_group(name)
-    world = group.size()
-    big, small = torch.ones(8 << 20), torch.ones(1024)
-    for _ in range(3):
-        large = torch.distributed.all_gather_into_tensor(torch.empty(world * big.numel()), big, group=group,
-                                                         async_op=True)
-        torch.distributed.all_gather_into_tensor(torch.empty(world * small.numel()), small, group=group,
-                                                 async_op=True).wait()
-        assert large.is_completed(), "a gather issued later finished first"
-        large.wait()
-
-
-def collective_group(store_path: str) -> None:
-    """The runtime's collectives run over a one-thread gloo group of the runtime's own;
-    a second engine uses the same one, and an engine after the groups were destroyed and
-    made again gets a new one that works."""
-    from dcir_runtime.group import FIFO_DESC
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    first = dcir.initialize(mlp(), loss_fn=lambda y: y.sum())
-    assert first.group != torch.distributed.group.WORLD.group_name
-    assert torch._C._distributed_c10d._resolve_process_group(first.group).group_desc == FIFO_DESC
-    _gathers_finish_in_order(first.group)
-    assert dcir.initialize(mlp(), loss_fn=lambda y: y.sum()).group == first.group
-    torch.distributed.destroy_process_group()
-    torch.distributed.init_process_group("gloo", store=torch.distributed.FileStore(store_path, world), rank=rank,
-                                         world_size=world)
-    again = dcir.initialize(mlp(), loss_fn=lambda y: y.sum())
-    assert torch._C._distributed_c10d._resolve_process_group(again.group).group_desc == FIFO_DESC
-    _gathers_finish_in_order(again.group)
-    again.backward(again(torch.randn(2, 8)))
-    again.step()
-    torch.distributed.destroy_process_group()
-    print(f"rank {rank}: collective group ok", flush=True)
-
-
 if __name__ == "__main__":
     if sys.argv[1] == "equivalence":
         equivalence(sys.argv[2], sys.argv[3:])
@@ -553,5 +514,3 @@ if __name__ == "__main__":
         initialize_fails()
     elif sys.argv[1] == "ops":
         native_ops()
-    elif sys.argv[1] == "collective-group":
-        collective_group(sys.argv[2])

@@ -60,14 +60,6 @@ def test_collectives_match_their_definition(capfd):
     assert out.count("ops ok") == 3
 
 
-def test_collectives_run_in_issue_order_over_the_runtimes_own_group(capfd, tmp_path):
-    """Over gloo the runtime's group has one worker thread, as the simulator's
-    collective lane assumes (gloo's default group runs two transfers at once)."""
-    code, out = _run(capfd, 2, "collective-group", str(tmp_path / "store"), timeout_s=120)
-    assert code == 0, out
-    assert out.count("collective group ok") == 2, out
-
-
 def _check_memory(case: str, r: dict, world: int) -> None:
     """What each rank holds, by the runtime's accounting, against what the stage promises."""
     m = r["memory"]
