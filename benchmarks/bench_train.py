@@ -119,7 +119,8 @@ def _run(system: str, ns, out: Path) -> dict | None:
     args = [str(HERE / "train_worker.py"), system, str(out), "--steps", str(ns.steps), "--warmup", str(ns.warmup)]
     for name, _ in WORKLOAD:
         args += [f"--{name}", str(getattr(ns, name))]
-    args += ["--device", ns.device, "--init", ns.init] + (["--rss-trace"] if ns.rss_trace else [])
+    args += ["--device", ns.device, "--init", ns.init, "--transport", ns.transport]
+    args += ["--rss-trace"] if ns.rss_trace else []
     if ns.trace and system.startswith("dcir"):
         args += ["--trace", str(out.with_name(out.stem + "-trace"))]
     world = 1 if system in ("floor", "eager") else ns.world
@@ -267,6 +268,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--trace", action="store_true",
                     help="each DCIR run traces one more step after the measured ones (Chrome JSON per rank in "
                          "bench_train_logs/<system>-<round>-trace/)")
+    ap.add_argument("--transport", choices=("auto", "shared_memory", "process_group"), default="auto",
+                    help="the DCIR systems' transport for gathers and reduce-scatters (the Engine's config key "
+                         "'transport'; default auto: shared memory with every rank on one CPU host)")
     ap.add_argument("--world", type=int, default=2, help="ranks of the distributed systems (default 2)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu (gloo, 1 thread per rank) or cuda (one GPU per rank, NCCL); default cpu")

@@ -143,6 +143,7 @@ class Dcir:
         model = llama(ns, meta=ns.init == "meta")  # on meta: initialize() gives each rank its shards
         rss_trace(ns, "model")
         config = {"gradient_accumulation_steps": ns.accumulate, "inductor": inductor, "timeout_s": 600,
+                  "transport": ns.transport,
                   "optimize": {"passes": list(passes), "profile_at": PROFILE_AT}}
         config.update(extra or {})
         if offload_half:
@@ -325,6 +326,8 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--init", choices=("real", "meta"), default="real")
     ap.add_argument("--rss-trace", action="store_true")
+    ap.add_argument("--transport", choices=("auto", "shared_memory", "process_group"), default="auto",
+                    help="DCIR's transport for gathers and reduce-scatters (the Engine's config key)")
     ap.add_argument("--trace", default=None, help="trace one more step after the measured ones into DIR/rank<N>.json")
     ns = ap.parse_args()
     torch.set_num_threads(1)

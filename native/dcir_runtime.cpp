@@ -29,8 +29,18 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -214,6 +224,284 @@ void start(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>&
 
 int64_t chunk_of(int64_t numel, int64_t world) { return (numel + world - 1) / world; }
 
+// ---- shared-memory transport ------------------------------------------------------------
+//
+// Over gloo on one host, a transfer goes through the kernel's loopback: copied into a
+// socket and out again by gloo's worker threads, on the cores the ranks compute on.
+// When every rank of a group is on one host, the runtime moves the bytes of its
+// gathers and reduce-scatters through shared memory instead: each rank owns a segment
+// (its outbox) that every rank maps. A collective's start copies this rank's part into
+// its outbox and publishes the op's sequence number; its wait copies (or, for a
+// reduce-scatter, sums in rank order, as the gloo path does) straight out of the peers'
+// outboxes, then acknowledges. One copy in, one out, no kernel, no thread.
+//
+// Every rank runs the same program, so its collectives start and are waited in one
+// order everywhere, and the outbox is allocated the same way on every rank: a ring, in
+// start order. A region is reused only when the op that held it has been waited on
+// here (so, in program order, on every rank): its start then waits for the peers'
+// acknowledgements, which they give at that wait, and cannot deadlock. An op whose
+// region would overlap one not yet waited on, or that is larger than the outbox, goes
+// over the process group instead: the decision depends only on the program, so every
+// rank takes it alike.
+
+constexpr int64_t kAckSlots = 4096;  // acknowledgements kept per outbox, by sequence number
+constexpr int64_t kAlign = 64;
+
+struct Region {
+  int64_t offset, bytes, seq;
+  bool waited;
+};
+
+struct Shm {
+  int64_t rank = 0, world = 0, capacity = 0, header = 0;
+  std::vector<char*> base;       // each rank's outbox, mapped here
+  std::vector<size_t> mapped;
+  std::string own_name;          // this rank's segment, until unlinked
+  int64_t seq = 0;               // ops started over shared memory
+  int64_t head = 0;              // where the next region starts
+  std::deque<Region> live;       // in start order, not yet acknowledged by every peer
+
+  ~Shm() {
+    for (size_t r = 0; r < base.size(); ++r) {
+      if (base[r] != nullptr) munmap(base[r], mapped[r]);
+    }
+  }
+  std::vector<pid_t> pids;       // each rank's process, to notice one that exited (0: not checked)
+  std::chrono::steady_clock::time_point checked{};
+
+  std::atomic<int64_t>& written(int64_t r) { return *reinterpret_cast<std::atomic<int64_t>*>(base[r]); }
+  std::atomic<int64_t>& pid_of(int64_t r) { return *reinterpret_cast<std::atomic<int64_t>*>(base[r] + 8); }
+  // A peer that exited fails the wait now, not after the timeout (gloo notices a closed
+  // connection as fast); checked at most every 50 ms of waiting.
+  void check_alive() {
+    auto now = std::chrono::steady_clock::now();
+    if (now - checked < std::chrono::milliseconds(50)) return;
+    checked = now;
+    for (int64_t p = 0; p < world; ++p) {
+      TORCH_CHECK(pids[p] == 0 || kill(pids[p], 0) == 0 || errno != ESRCH, "rank ", p, " (process ", pids[p],
+                  ") has exited");
+    }
+  }
+  // in `owner`'s outbox: the latest op `reader` has read from it, for op `seq`'s slot
+  std::atomic<int64_t>& ack(int64_t owner, int64_t seq, int64_t reader) {
+    auto* slots = reinterpret_cast<std::atomic<int64_t>*>(base[owner] + kAlign);
+    return slots[(seq % kAckSlots) * world + reader];
+  }
+  char* data(int64_t r, int64_t offset) { return base[r] + header + offset; }
+
+  bool acknowledged(const Region& g) {
+    for (int64_t p = 0; p < world; ++p) {
+      if (p != rank && ack(rank, g.seq, p).load(std::memory_order_acquire) < g.seq) return false;
+    }
+    return true;
+  }
+  void await_acknowledged(const Region& g, const std::string& what) {
+    auto deadline = std::chrono::steady_clock::now() + timeout;
+    auto pause = std::chrono::microseconds(5);
+    while (!acknowledged(g)) {
+      check_alive();
+      TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "timed out after ", timeout.count() / 1000,
+                  " s: a peer has not read the shared memory this transfer reuses (a rank that crashed or runs a "
+                  "different program leaves the others waiting here)");
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(200));
+    }
+  }
+  // A region of `bytes` for the next op and its sequence number, or -1: send it over the
+  // process group (see above). Waits for the peers to have read what it reuses.
+  std::pair<int64_t, int64_t> reserve(int64_t bytes, const std::string& what) {
+    bytes = (bytes + kAlign - 1) / kAlign * kAlign;
+    if (bytes > capacity) return {-1, -1};
+    int64_t next = seq + 1;
+    int64_t offset = head + bytes > capacity ? 0 : head;
+    for (const auto& g : live) {
+      bool overlaps = g.offset < offset + bytes && offset < g.offset + g.bytes;
+      if ((overlaps || g.seq <= next - kAckSlots) && !g.waited) return {-1, -1};
+    }
+    for (auto it = live.begin(); it != live.end();) {
+      bool overlaps = it->offset < offset + bytes && offset < it->offset + it->bytes;
+      if (overlaps || it->seq <= next - kAckSlots) await_acknowledged(*it, what);
+      it = it->waited && acknowledged(*it) ? live.erase(it) : std::next(it);
+    }
+    seq = next;
+    head = offset + bytes;
+    live.push_back({offset, bytes, seq, false});
+    return {offset, seq};
+  }
+  void publish(int64_t s) { written(rank).store(s, std::memory_order_release); }
+  bool arrived(int64_t s) {
+    for (int64_t p = 0; p < world; ++p) {
+      if (written(p).load(std::memory_order_acquire) < s) return false;
+    }
+    return true;
+  }
+  void done(int64_t s) {
+    for (int64_t p = 0; p < world; ++p) {
+      if (p != rank) ack(p, s, rank).store(s, std::memory_order_release);
+    }
+    for (auto& g : live) {
+      if (g.seq == s) g.waited = true;
+    }
+  }
+};
+
+std::unordered_map<std::string, std::shared_ptr<Shm>> transports;  // by process group name
+std::unordered_map<std::string, std::shared_ptr<Shm>> staged;      // being set up
+
+std::shared_ptr<Shm> transport_of(const std::string& group_name, const at::Tensor& t) {
+  if (t.device().type() != at::kCPU) return nullptr;
+  std::lock_guard<std::mutex> g(mu);
+  auto it = transports.find(group_name);
+  return it == transports.end() ? nullptr : it->second;
+}
+
+// A collective over shared memory: complete when every rank has published op `seq`;
+// its wait runs `receive` (reading the peers' outboxes), then acknowledges.
+class ShmWork : public Work {
+ public:
+  ShmWork(std::shared_ptr<Shm> shm, int64_t seq, std::function<void()> receive)
+      : shm_(std::move(shm)), seq_(seq), receive_(std::move(receive)) {}
+  bool isCompleted() override {
+    if (shm_->arrived(seq_)) return true;
+    shm_->check_alive();
+    return false;
+  }
+  bool wait(std::chrono::milliseconds) override {
+    auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (!isCompleted()) {
+      TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "timed out");
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    receive_();
+    std::lock_guard<std::mutex> g(mu);
+    shm_->done(seq_);
+    return true;
+  }
+
+ private:
+  std::shared_ptr<Shm> shm_;
+  int64_t seq_;
+  std::function<void()> receive_;
+};
+
+// `bytes` of `shm`'s outbox at `offset` of rank `r`, as a flat tensor like `like`
+at::Tensor outbox(Shm& shm, int64_t r, int64_t offset, int64_t numel, const at::Tensor& like) {
+  return at::from_blob(shm.data(r, offset), {numel}, like.options());
+}
+
+// Starts a collective over `shm`: reserves its region (nullptr: it does not fit, use the
+// process group), lets `send` fill this rank's part of it, publishes it.
+intrusive_ptr<Work> shm_start(Shm& shm, const std::shared_ptr<Shm>& owner, int64_t bytes, const std::string& what,
+                              const std::function<void(int64_t)>& send,
+                              const std::function<std::function<void()>(int64_t)>& receive) {
+  int64_t offset, seq;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    std::tie(offset, seq) = shm.reserve(bytes, what);
+  }
+  if (seq < 0) return nullptr;
+  send(offset);
+  shm.publish(seq);
+  return c10::make_intrusive<ShmWork>(owner, seq, receive(offset));
+}
+
+// Sets up this rank's outbox of `capacity` bytes as shared memory `name` + rank;
+// false (and why, on stderr) when the host cannot give it.
+bool shm_create(const std::string& group_name, const std::string& name, int64_t rank, int64_t world,
+                int64_t capacity) {
+  auto shm = std::make_shared<Shm>();
+  shm->rank = rank, shm->world = world, shm->capacity = capacity;
+  shm->header = (kAlign + kAckSlots * world * 8 + 4095) / 4096 * 4096;
+  shm->base.assign(world, nullptr);
+  shm->mapped.assign(world, 0);
+  shm->own_name = name + "-" + std::to_string(rank);
+  size_t size = static_cast<size_t>(shm->header + capacity);
+  int fd = shm_open(shm->own_name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) return false;
+  // fallocate, not only ftruncate: a /dev/shm too small fails here, not with SIGBUS later
+  int err = ftruncate(fd, static_cast<off_t>(size)) == 0 ? posix_fallocate(fd, 0, static_cast<off_t>(size)) : errno;
+  void* p = err == 0 ? mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+  close(fd);
+  if (p == MAP_FAILED) {
+    shm_unlink(shm->own_name.c_str());
+    return false;
+  }
+  std::memset(p, 0, static_cast<size_t>(shm->header));
+  shm->base[rank] = static_cast<char*>(p);
+  shm->pids.assign(world, 0);
+  shm->pid_of(rank).store(getpid(), std::memory_order_release);
+  shm->mapped[rank] = size;
+  std::lock_guard<std::mutex> g(mu);
+  staged[group_name] = shm;
+  return true;
+}
+
+// Maps every peer's outbox (after every rank created its own); false if one is missing
+// (a peer on another host).
+bool shm_attach(const std::string& group_name, const std::string& name) {
+  std::shared_ptr<Shm> shm;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    auto it = staged.find(group_name);
+    if (it == staged.end()) return false;
+    shm = it->second;
+  }
+  size_t size = static_cast<size_t>(shm->header + shm->capacity);
+  for (int64_t r = 0; r < shm->world; ++r) {
+    if (r == shm->rank) continue;
+    int fd = shm_open((name + "-" + std::to_string(r)).c_str(), O_RDWR, 0600);
+    if (fd < 0) return false;
+    struct stat st;
+    void* p = fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == size
+                  ? mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                  : MAP_FAILED;
+    close(fd);
+    if (p == MAP_FAILED) return false;
+    shm->base[r] = static_cast<char*>(p);
+    shm->mapped[r] = size;
+    // a peer's process id means something here only in the same process namespace
+    auto pid = static_cast<pid_t>(shm->pid_of(r).load(std::memory_order_acquire));
+    shm->pids[r] = pid > 0 && kill(pid, 0) == 0 ? pid : 0;
+  }
+  return true;
+}
+
+// After every rank attached (or one failed): removes this rank's segment name (the
+// mappings stay) and, if `use`, runs the group's gathers and reduce-scatters over it.
+void shm_commit(const std::string& group_name, bool use) {
+  std::lock_guard<std::mutex> g(mu);
+  auto it = staged.find(group_name);
+  if (it != staged.end()) {
+    shm_unlink(it->second->own_name.c_str());
+    if (use) transports[group_name] = it->second;
+    staged.erase(it);
+  }
+  if (!use) transports.erase(group_name);
+}
+
+// Starts a collective over the group's shared memory when it has one and the op fits
+// (see above); nullptr: run it over the process group.
+intrusive_ptr<Work> try_shm(const std::string& group_name, const at::Tensor& like, int64_t bytes,
+                            const std::string& what, const std::function<void(Shm&, int64_t)>& send,
+                            const std::function<std::function<void()>(const std::shared_ptr<Shm>&, int64_t)>& receive) {
+  auto shm = transport_of(group_name, like);
+  if (!shm) return nullptr;
+  try {
+    return shm_start(*shm, shm, bytes, what, [&](int64_t offset) { send(*shm, offset); },
+                     [&](int64_t offset) { return receive(shm, offset); });
+  } catch (const c10::Error& e) {
+    fail(what, group_name, e.what_without_backtrace());
+  }
+}
+
+// In writer `r`'s outbox, the slot of the chunk it sends to rank `p` (no slot for itself).
+int64_t slot_of(int64_t p, int64_t r) { return p < r ? p : p - 1; }
+
+bool shm_active(const std::string& group_name) {
+  std::lock_guard<std::mutex> g(mu);
+  return transports.count(group_name) > 0;
+}
+
 c10d::ReduceOp reduce_op(const std::string& op) {
   if (op == "sum" || op == "avg") return c10d::ReduceOp::SUM;  // avg: SUM, then 1/N on wait
   if (op == "max") return c10d::ReduceOp::MAX;
@@ -237,7 +525,16 @@ at::Tensor all_gather(const at::Tensor& shard, at::IntArrayRef size, const std::
   auto result = buffer.narrow(0, 0, numel).view(size);
   auto input = shard.contiguous();
   track_gathered(buffer);
-  start({input}, {result}, [&] { return gather_into(*pg, buffer, input); }, [buffer] {},
+  int64_t n = input.numel();
+  auto work = try_shm(group_name, input, nbytes(input), "all_gather of " + tag,
+      [&](Shm& shm, int64_t at) { outbox(shm, shm.rank, at, n, input).copy_(input); },
+      [&](const std::shared_ptr<Shm>& shm, int64_t at) -> std::function<void()> {
+        return [shm, at, n, buffer, input] {
+          auto rows = buffer.view({shm->world, n});
+          for (int64_t r = 0; r < shm->world; ++r) rows[r].copy_(outbox(*shm, r, at, n, input));
+        };
+      });
+  start({input}, {result}, [&] { return work ? work : gather_into(*pg, buffer, input); }, [buffer] {},
         "all_gather of " + tag, group_name);
   return result;
 }
@@ -265,9 +562,32 @@ std::vector<at::Tensor> all_gather_coalesced(at::TensorList shards, at::IntArray
     total += shards[i].numel();
     results.push_back(at::empty(sz, shards[i].options()));
   }
+  for (const auto& r : results) track_gathered(r);
+  // over shared memory only when the shards share one dtype (the outbox is read as one tensor)
+  bool one_dtype = std::all_of(flat.begin(), flat.end(), [&](const at::Tensor& f) { return f.dtype() == flat[0].dtype(); });
+  intrusive_ptr<Work> work;
+  if (one_dtype) work = try_shm(group_name, flat[0], total * flat[0].element_size(), "all_gather_coalesced of " + tag,
+      [&](Shm& shm, int64_t at) {
+        auto mine = outbox(shm, shm.rank, at, total, flat[0]);
+        for (size_t i = 0; i < flat.size(); ++i) mine.narrow(0, offsets[i], flat[i].numel()).copy_(flat[i]);
+      },
+      [&](const std::shared_ptr<Shm>& shm, int64_t at) -> std::function<void()> {
+        return [shm, at, total, results, offsets, flat] {
+          for (int64_t r = 0; r < shm->world; ++r) {
+            auto theirs = outbox(*shm, r, at, total, flat[0]);
+            for (size_t i = 0; i < results.size(); ++i) {
+              int64_t n = flat[i].numel(), len = std::min(n, results[i].numel() - r * n);
+              if (len > 0) results[i].view(-1).narrow(0, r * n, len).copy_(theirs.narrow(0, offsets[i], len));
+            }
+          }
+        };
+      });
+  if (work) {
+    start(flat, results, [&] { return work; }, [] {}, "all_gather_coalesced of " + tag, group_name);
+    return results;
+  }
   auto send = at::cat(flat);
   auto buffer = at::empty({total * world}, send.options());
-  for (const auto& r : results) track_gathered(r);
   auto copy_out = [buffer, results, offsets, flat, total, world] {
     auto per_rank = buffer.view({world, total});
     for (size_t i = 0; i < results.size(); ++i) {
@@ -291,10 +611,10 @@ std::vector<at::Tensor> all_gather_coalesced_meta(at::TensorList shards, at::Int
   return out;
 }
 
-// Sums (or max/min) the rows of `rows` ([world, n]) into `out` in rank order, then
+// Sums (or max/min) `rows` (one per rank, each [n]) into `out` in rank order, then
 // divides by the world size for an average. The first two rows combine straight into
 // `out` (no copy of row 0 first): one pass fewer over the shard, the same bits.
-void reduce_rows(const at::Tensor& rows, const at::Tensor& out, const std::string& op, int64_t world) {
+void reduce_rows(const std::vector<at::Tensor>& rows, const at::Tensor& out, const std::string& op, int64_t world) {
   auto& into = const_cast<at::Tensor&>(out);
   if (world == 1) into.copy_(rows[0]);
   for (int64_t r = 1; r < world; ++r) {
@@ -332,6 +652,28 @@ void start_reduce_scatter(const at::Tensor& send, const at::Tensor& received, co
           epilogue, what, group_name);
     return;
   }
+  int64_t n = received.numel();
+  auto work = try_shm(group_name, send, (world - 1) * n * send.element_size(), what,
+      [&](Shm& shm, int64_t at) {
+        for (int64_t p = 0; p < world; ++p) {
+          if (p != shm.rank) outbox(shm, shm.rank, at + slot_of(p, shm.rank) * n * send.element_size(), n, send)
+                                 .copy_(send.narrow(0, p * n, n));
+        }
+      },
+      [&](const std::shared_ptr<Shm>& shm, int64_t at) -> std::function<void()> {
+        return [shm, at, n, send, received, op, world] {
+          std::vector<at::Tensor> rows;
+          for (int64_t r = 0; r < world; ++r) {
+            rows.push_back(r == shm->rank ? send.narrow(0, r * n, n)
+                                          : outbox(*shm, r, at + slot_of(shm->rank, r) * n * send.element_size(), n, send));
+          }
+          reduce_rows(rows, received, op, world);
+        };
+      });
+  if (work) {
+    start({send}, results, [&] { return work; }, [] {}, what, group_name);
+    return;
+  }
   auto rows = at::empty({world, received.numel()}, send.options());
   c10d::AllToAllOptions opts;
   opts.timeout = timeout;
@@ -339,7 +681,7 @@ void start_reduce_scatter(const at::Tensor& send, const at::Tensor& received, co
           auto flat = rows.view(-1);
           return all_to_all_into(*pg, flat, const_cast<at::Tensor&>(send), opts);
         },
-        [rows, received, op, world] { reduce_rows(rows, received, op, world); }, what, group_name);
+        [rows, received, op, world] { reduce_rows(rows.unbind(0), received, op, world); }, what, group_name);
 }
 
 // Reduces `full` across the ranks; this rank keeps its flat shard.
@@ -583,6 +925,10 @@ TORCH_LIBRARY(dcir, m) {
   m.def("reset_peak() -> ()", &reset_peak);
   m.def("set_timeout(int ms) -> ()", &set_timeout);
   m.def("has_cuda() -> bool", &has_cuda);
+  m.def("shm_create(str group, str name, int rank, int world, int capacity) -> bool", &shm_create);
+  m.def("shm_attach(str group, str name) -> bool", &shm_attach);
+  m.def("shm_commit(str group, bool use) -> ()", &shm_commit);
+  m.def("shm_active(str group) -> bool", &shm_active);
 }
 
 TORCH_LIBRARY_IMPL(dcir, CompositeExplicitAutograd, m) {

@@ -39,6 +39,8 @@ class MemoryStats(Mapping):
     sent: int                    # bytes handed to them
     wait_s: float                # host seconds blocked in comm.wait of a collective
     copy_wait_s: float           # ... of a host copy (offload)
+    transport: int = 0           # this rank's shared-memory outbox (dcir_runtime.transport); like the
+    #                              process group's own buffers, outside the memory budget
 
     def __getitem__(self, key: str):
         if key not in self._names():
@@ -61,10 +63,10 @@ def _bytes(tensors) -> int:
 
 
 def measure(shards: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer, store: StateStore | None,
-            model: torch.nn.Module, module: Module | None, full_bytes: int) -> MemoryStats:
+            model: torch.nn.Module, module: Module | None, full_bytes: int, transport: int = 0) -> MemoryStats:
     """The accounting of one engine: its ``shards`` and their ``optimizer`` (with its
-    offload ``store``, if any), the ``model``'s buffers, and the buffers the running
-    ``module`` keeps (None before capture)."""
+    offload ``store``, if any), the ``model``'s buffers, the buffers the running
+    ``module`` keeps (None before capture), and the ``transport``'s outbox bytes."""
     stats = runtime_stats()
     tensors = [t for st in optimizer.state.values() for t in st.values()
                if isinstance(t, torch.Tensor) and t.dim() > 0]
@@ -82,7 +84,7 @@ def measure(shards: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimi
         replicas=held[UNSHARD_OF], gradient_accumulators=held[GRAD_ACC_OF],
         gathered_now=stats.gathered_now, gathered_peak=stats.gathered_peak, full_parameters=full_bytes,
         collectives=stats.collectives, sent=stats.sent, wait_s=stats.wait_ns / 1e9,
-        copy_wait_s=store.wait_s if store is not None else 0.0)
+        copy_wait_s=store.wait_s if store is not None else 0.0, transport=transport)
 
 
 def fixed_bytes(m: MemoryStats, shards: dict[str, torch.nn.Parameter]) -> int:

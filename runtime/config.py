@@ -57,6 +57,10 @@ class Config:
     #: programs kept at once, one per input shape (and mode: training, evaluation), like
     #: Dynamo's recompile limit; a new shape beyond it is an error that says so
     max_programs: int = 8
+    #: how gathers and reduce-scatters move their bytes (``dcir_runtime.transport``):
+    #: ``"auto"`` (shared memory when every rank is on one host and the model on the
+    #: CPU, else the process group), ``"shared_memory"`` or ``"process_group"``
+    transport: str = "auto"
 
     def __post_init__(self):
         given = [k for k in ("mixed_precision", "bf16", "fp16") if getattr(self, k) is not None]
@@ -169,6 +173,13 @@ def _precision(check: str):
     return run
 
 
+def _transport(v):
+    from dcir_runtime.transport import MODES
+    if v not in MODES:
+        raise ValueError(f"{v!r}; one of {', '.join(MODES)}")
+    return v
+
+
 def _bool(v):
     if not isinstance(v, bool):
         raise ValueError(f"{v!r}; true or false")
@@ -179,7 +190,8 @@ _CHECKS = {"zero_stage": _stage, "passes": _passes, "gradient_accumulation_steps
            "memory_budget": _budget, "timeout_s": _seconds, "inductor": _bool,
            "optimize": _optimize, "offload": _offload, "gradient_clipping": _max_norm,
            "mixed_precision": _precision("check_policy"), "bf16": _precision("check_bf16"),
-           "fp16": _precision("check_fp16"), "max_programs": _positive_int}
+           "fp16": _precision("check_fp16"), "max_programs": _positive_int,
+           "transport": _transport}
 
 
 def _error(message: str) -> DcirError:

@@ -39,7 +39,7 @@ from dcir_runtime import native
 from dcir_runtime.accounting import MemoryStats, fixed_bytes, measure, scheduled_bytes
 from dcir_runtime.capture import source_name
 from dcir_runtime.config import Config
-from dcir_runtime import materialize, programs
+from dcir_runtime import materialize, programs, transport
 from dcir_runtime.execution import Execution, Installed, RankFailure
 from dcir_runtime.group import ProcessGroup
 from dcir_runtime.plan import Planner
@@ -113,6 +113,7 @@ class Engine:
         self.ops.set_timeout(int(config.timeout_s * 1000))
         self.sharded = ShardedParameters(model, group.rank, group.world,
                                          materialize.take_shards(model, group, self.device, **start))
+        self.transport_bytes = transport.set_up(group, config.transport, self.device, self.sharded.shards)
         self._optim = ShardOptimizer.build(optimizer, model, self.sharded.trainable(), lr_scheduler,
                                            config.offload is not None, self.device)
         self.planner = Planner(config, group, self.sharded.store_prefix, source_name(model, group.world))
@@ -329,14 +330,11 @@ class Engine:
         return self.module
 
     def memory(self) -> MemoryStats:
-        """Bytes this rank holds, as the runtime accounts them, by name (``m.parameters``,
-        or ``m["parameters"]``): this engine's parameter shards, gradient shards,
-        optimizer state on the device (now and at its peak, which ``offload`` bounds)
-        and in host memory, replicated buffers, the program's gathered copies of
-        parameters (``replicas``: ``zero1``/``zero2``, ``unshard`` across micro-steps)
-        and gradient accumulators (``zero1``), gathered parameters now and at their peak
-        (the runtime's, for the process); plus the full model's parameter bytes for
-        comparison, and the runtime's counters: collectives started, bytes sent, seconds
-        blocked in ``comm.wait`` of a collective (``wait_s``) and of a host copy
-        (``copy_wait_s``, ``offload``). See ``dcir_runtime.accounting.MemoryStats``."""
-        return measure(self.shards, self.optimizer, self.state_store, self.model, self.module, self.full_bytes)
+        """Bytes this rank holds, as the runtime accounts them, and its counters, by name
+        (``m.parameters``, or ``m["parameters"]``): parameter and gradient shards, optimizer
+        state (on the device now and at its peak, in host memory), replicated buffers, the
+        program's replicas and accumulators, gathered parameters (now, peak), the transport's
+        outbox; collectives, bytes sent, seconds blocked in waits. Each field is described in
+        ``dcir_runtime.accounting.MemoryStats``."""
+        return measure(self.shards, self.optimizer, self.state_store, self.model, self.module, self.full_bytes,
+                       self.transport_bytes)

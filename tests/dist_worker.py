@@ -18,7 +18,8 @@ middle of the second step; the others must fail with RankFailure (exit code 17).
 ``python dist_worker.py initialize-fails``: the job's first initialize fails; the engine
 leaves the process group it created.
 
-``python dist_worker.py ops``: each collective of the C++ runtime against its definition.
+``python dist_worker.py ops TRANSPORT``: each collective of the C++ runtime against its
+definition, over ``shared_memory`` or the ``process_group``.
 
 With ``DCIR_TEST_DEVICE=cuda`` in the environment, ``equivalence`` and ``ops`` run on
 the GPU of the rank's ``LOCAL_RANK`` over NCCL (``tests/test_gpu.py``).
@@ -161,6 +162,15 @@ CASES.update({
     "mlp_offload_clip": (mlp, _mlp_batch, _squared, {"offload": {"budget": 520}, "gradient_clipping": 0.05}),
     "transformer_clip_call": (TinyTransformer, _transformer_batch, None, {"gradient_accumulation_steps": 2}),
     "transformer_schedule": (TinyTransformer, _transformer_batch, None, {"gradient_clipping": 0.1}),
+})
+# the process group's transport (gloo's loopback), which the shared-memory transport
+# replaces on one host: the same training, every pass's kind of collective
+CASES.update({
+    "hf_llama_optimize_process_group": (tiny_llama, _llama_batch, lambda out: out.loss,
+                                        {"transport": "process_group",
+                                         "optimize": {"passes": _SCHEDULE, "profile_at": [1, 3]}}),
+    "transformer_prefetch_unshard_bucket_process_group": (TinyTransformer, _transformer_batch, None,
+                                                          {"transport": "process_group", "passes": _SCHEDULE}),
 })
 CASES.update({
     "transformer_groups_schedule": (TinyTransformer, _transformer_batch, None, {}),
@@ -462,12 +472,14 @@ def initialize_fails() -> None:
     print("left the group", flush=True)
 
 
-def native_ops() -> None:
-    """The collectives against their definition, on a tensor that splits unevenly."""
+def native_ops(transport: str) -> None:
+    """The collectives against their definition, on a tensor that splits unevenly, over
+    ``transport`` (the Engine's config key)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     where = device()
-    engine = dcir.initialize(mlp().to(where))  # joins the group, loads the runtime
+    engine = dcir.initialize(mlp().to(where), config={"transport": transport})  # joins the group, loads the runtime
     d, g = torch.ops.dcir, engine.group
+    assert d.shm_active(g) == (transport == "shared_memory"), (transport, engine.transport_bytes)
     full = torch.arange(10.0, device=where).reshape(2, 5)
     chunk = -(-10 // world)
     flat = F.pad(full.reshape(-1), (0, chunk * world - 10))
@@ -494,6 +506,7 @@ def native_ops() -> None:
     assert runtime_stats().gathered_now - before.gathered_now == chunk * world * 4  # the gathered buffer, accounted
     d.free(x)
     assert x.untyped_storage().nbytes() == 0 and runtime_stats().gathered_now == before.gathered_now
+    _many_in_flight(d, g, rank, world, engine.transport_bytes, where)
     try:
         d.reduce_scatter(grad, "mean", g, "t")
     except RuntimeError as e:
@@ -501,6 +514,29 @@ def native_ops() -> None:
     else:
         raise AssertionError("an unknown reduction started")
     print(f"rank {rank}: ops ok", flush=True)
+
+
+def _many_in_flight(d, g, rank: int, world: int, outbox: int, where: torch.device) -> None:
+    """More transfers in flight than the shared-memory outbox holds, and one larger than
+    all of it, waited out of order: the ones that do not fit go over the process group
+    (every rank decides alike), and every value is right."""
+    n = max(outbox // 4 // 6, 1024)  # elements per shard: 6 of them fill the outbox
+    shards = [torch.full((n,), float(rank * 100 + i), device=where) for i in range(8)]
+    shards.append(torch.full((outbox // 4 + 1,), -1.0 - rank, device=where))
+    gathers = [d.all_gather(s, [s.numel() * world], g, "t") for s in shards]
+    grads = [torch.arange(world * 1000.0, device=where) * (rank + 1) + i for i in range(6)]
+    reduced = [d.reduce_scatter(x, "sum", g, "t") for x in grads]
+    for i, t in reversed(list(enumerate(gathers))):
+        d.wait(t)
+        rows = t.view(world, -1)
+        want = [-1.0 - r if i == 8 else float(r * 100 + i) for r in range(world)]
+        assert all(bool((rows[r] == want[r]).all()) for r in range(world)), (i, rows[:, 0])
+    ranks_sum = sum(range(1, world + 1))
+    for i, t in enumerate(reduced):
+        whole = torch.arange(world * 1000.0, device=where) * ranks_sum + i * world
+        assert torch.equal(d.wait(t), whole[rank * 1000:(rank + 1) * 1000]), i
+    for t in gathers:
+        d.free(t)
 
 
 if __name__ == "__main__":
@@ -513,4 +549,4 @@ if __name__ == "__main__":
     elif sys.argv[1] == "initialize-fails":
         initialize_fails()
     elif sys.argv[1] == "ops":
-        native_ops()
+        native_ops(sys.argv[2])

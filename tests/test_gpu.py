@@ -61,7 +61,7 @@ def test_training_on_cuda_matches_eager(tmp_path, world):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_collectives_over_nccl_match_their_definition(world):
-    assert _on_gpus(["ops"], world, timeout_s=300) == 0
+    assert _on_gpus(["ops", "process_group"], world, timeout_s=300) == 0
 
 
 def profile_on_cuda() -> None:

@@ -31,7 +31,9 @@ CASES = ["mlp", "mlp_accumulate2", "tied_frozen", "transformer", "hf_llama", "hf
          "mlp_clip", "transformer_zero1_accumulate4_clip", "transformer_zero2_clip", "mlp_offload_clip",
          "transformer_clip_call", "transformer_schedule",
          # parameter groups chosen by name (weight-decay exclusion) with a schedule; an optimizer built on the model
-         "transformer_groups_schedule", "transformer_zero1_groups_schedule", "tied_frozen_optimizer_instance"]
+         "transformer_groups_schedule", "transformer_zero1_groups_schedule", "tied_frozen_optimizer_instance",
+         # the process group's transport, beside the shared memory every other case runs over
+         "hf_llama_optimize_process_group", "transformer_prefetch_unshard_bucket_process_group"]
 # every combination of the schedule passes, and the optimization cycle within a budget (world 2)
 SCHEDULE_CASES = [f"transformer_{c}" for c in ("prefetch", "unshard", "bucket", "prefetch_unshard",
                                                 "prefetch_bucket", "unshard_bucket")] + [
@@ -54,8 +56,9 @@ def _run(capfd, nproc: int, *args: str, timeout_s: float = 300) -> tuple[int, st
     return code, out + err
 
 
-def test_collectives_match_their_definition(capfd):
-    code, out = _run(capfd, 3, "ops", timeout_s=120)
+@pytest.mark.parametrize("transport", ["shared_memory", "process_group"])
+def test_collectives_match_their_definition(transport, capfd):
+    code, out = _run(capfd, 3, "ops", transport, timeout_s=120)
     assert code == 0, out
     assert out.count("ops ok") == 3
 
@@ -209,7 +212,8 @@ def test_memory_is_named_fields_that_read_as_the_mapping_it_was():
     assert isinstance(m, MemoryStats)
     assert m.parameters == m["parameters"] == (8 * 4 + 4) * 4 == m.full_parameters
     assert m.gradients == m.parameters and m.optimizer_state == 0  # before the first step
-    assert list(m)[:3] == ["parameters", "gradients", "optimizer_state"] and len(m) == 15
+    assert list(m)[:3] == ["parameters", "gradients", "optimizer_state"] and len(m) == 16
+    assert m.transport == 0  # one rank: no shared-memory outbox
     assert {**m} == dict(m) and dict(m)["wait_s"] == m.wait_s
     with pytest.raises(KeyError):
         m["params"]
@@ -251,11 +255,22 @@ def test_meta_kernels_trace_the_ops():
     ({"optimize": {"profile_at": [0]}}, "bad value for 'optimize': 'profile_at' is [0]; a non-empty list of optimizer steps >= 1"),
     ({"optimize": ["prefetch"]}, "bad value for 'optimize': ['prefetch']; an object like"),
     ([1, 2], "the config must be a JSON object (a dict), not list"),
+    ({"transport": "tcp"}, "bad value for 'transport': 'tcp'; one of auto, shared_memory, process_group"),
 ])
 def test_bad_config_names_the_key_and_the_valid_values(config, message):
     with pytest.raises(dcir.DcirError) as e:
         Config.load(config)
     assert message in e.value.render()
+
+
+def test_shared_memory_where_it_cannot_be_is_an_error_and_auto_falls_back():
+    """One rank has no one to share memory with: "shared_memory" says so, "auto" runs
+    over the process group (``test_collectives_match_their_definition`` has both at 3 ranks)."""
+    engine = dcir.initialize(torch.nn.Linear(4, 4), config={"transport": "auto"})
+    assert engine.transport_bytes == 0 and not torch.ops.dcir.shm_active(engine.group)
+    with pytest.raises(dcir.DcirError) as e:
+        dcir.initialize(torch.nn.Linear(4, 4), config={"transport": "shared_memory"})
+    assert 'transport "shared_memory" is not possible here: one rank' in e.value.render()
 
 
 def test_config_from_a_json_file(tmp_path):
