@@ -10,7 +10,7 @@ AdamW steps (lr 1e-2), as AdamW turns rounding noise in small gradients into ful
 steps, which would hide any real difference. Rank 0 writes, per case, the largest
 relative parameter difference and the runtime's memory accounting.
 
-``python dist_worker.py faulty-rank exit|hang TIMEOUT``: rank 1 dies or stalls in the
+``python dist_worker.py faulty-rank exit|hang TIMEOUT TRANSPORT``: rank 1 dies or stalls in the
 middle of the second step; the others must fail with RankFailure (exit code 17).
 
 ``python dist_worker.py errors``: a user's mistakes, each a located message on every rank.
@@ -163,14 +163,14 @@ CASES.update({
     "transformer_clip_call": (TinyTransformer, _transformer_batch, None, {"gradient_accumulation_steps": 2}),
     "transformer_schedule": (TinyTransformer, _transformer_batch, None, {"gradient_clipping": 0.1}),
 })
-# the process group's transport (gloo's loopback), which the shared-memory transport
-# replaces on one host: the same training, every pass's kind of collective
+# the shared-memory transport (the others run over the process group): the same
+# training, every pass's kind of collective
 CASES.update({
-    "hf_llama_optimize_process_group": (tiny_llama, _llama_batch, lambda out: out.loss,
-                                        {"transport": "process_group",
+    "hf_llama_optimize_shared_memory": (tiny_llama, _llama_batch, lambda out: out.loss,
+                                        {"transport": "shared_memory",
                                          "optimize": {"passes": _SCHEDULE, "profile_at": [1, 3]}}),
-    "transformer_prefetch_unshard_bucket_process_group": (TinyTransformer, _transformer_batch, None,
-                                                          {"transport": "process_group", "passes": _SCHEDULE}),
+    "transformer_prefetch_unshard_bucket_shared_memory": (TinyTransformer, _transformer_batch, None,
+                                                          {"transport": "shared_memory", "passes": _SCHEDULE}),
 })
 CASES.update({
     "transformer_groups_schedule": (TinyTransformer, _transformer_batch, None, {}),
@@ -351,14 +351,14 @@ def equivalence(out: str, cases: list[str]) -> None:
         Path(out).write_text(json.dumps(results, indent=1))
 
 
-def faulty_rank(how: str, timeout_s: float) -> None:
+def faulty_rank(how: str, timeout_s: float, transport: str) -> None:
     """Rank 1 dies (``exit``) or stalls (``hang``) between forward and backward of the
     second step; the others must raise RankFailure, which exits 17 here."""
     rank = int(os.environ["RANK"])
     if how == "hang":  # the user's own group, with a long timeout: the runtime bounds the wait itself
         torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     torch.manual_seed(0)
-    engine = dcir.initialize(mlp(), config={"timeout_s": timeout_s}, loss_fn=_squared)
+    engine = dcir.initialize(mlp(), config={"timeout_s": timeout_s, "transport": transport}, loss_fn=_squared)
     x = torch.randn(2, 8)
     try:
         for step in range(3):
@@ -543,7 +543,7 @@ if __name__ == "__main__":
     if sys.argv[1] == "equivalence":
         equivalence(sys.argv[2], sys.argv[3:])
     elif sys.argv[1] == "faulty-rank":
-        faulty_rank(sys.argv[2], float(sys.argv[3]))
+        faulty_rank(sys.argv[2], float(sys.argv[3]), sys.argv[4])
     elif sys.argv[1] == "errors":
         user_errors()
     elif sys.argv[1] == "initialize-fails":

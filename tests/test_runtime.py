@@ -32,8 +32,8 @@ CASES = ["mlp", "mlp_accumulate2", "tied_frozen", "transformer", "hf_llama", "hf
          "transformer_clip_call", "transformer_schedule",
          # parameter groups chosen by name (weight-decay exclusion) with a schedule; an optimizer built on the model
          "transformer_groups_schedule", "transformer_zero1_groups_schedule", "tied_frozen_optimizer_instance",
-         # the process group's transport, beside the shared memory every other case runs over
-         "hf_llama_optimize_process_group", "transformer_prefetch_unshard_bucket_process_group"]
+         # the shared-memory transport, beside the process group every other case runs over
+         "hf_llama_optimize_shared_memory", "transformer_prefetch_unshard_bucket_shared_memory"]
 # every combination of the schedule passes, and the optimization cycle within a budget (world 2)
 SCHEDULE_CASES = [f"transformer_{c}" for c in ("prefetch", "unshard", "bucket", "prefetch_unshard",
                                                 "prefetch_bucket", "unshard_bucket")] + [
@@ -146,12 +146,13 @@ def test_sharded_training_matches_eager(world, tmp_path, capfd):
     assert opt.stdout == ir.read_text()
 
 
+@pytest.mark.parametrize("transport", ["process_group", "shared_memory"])
 @pytest.mark.parametrize("how,limit", [("exit", 5), ("hang", 4)])
-def test_a_faulty_rank_fails_the_others_fast(how, limit, capfd):
+def test_a_faulty_rank_fails_the_others_fast(how, limit, transport, capfd):
     """Rank 1 dies (or stalls) between forward and backward; rank 0's next collective
     fails with a message naming the op, within the configured timeout."""
     begin = time.monotonic()
-    code, out = _run(capfd, 2, "faulty-rank", how, str(limit), timeout_s=120)
+    code, out = _run(capfd, 2, "faulty-rank", how, str(limit), transport, timeout_s=120)
     elapsed = time.monotonic() - begin
     assert "RankFailure: rank 0 of 2: step 2 failed in @backward: dcir runtime: " in out, out
     assert "a rank that crashed or runs a different program" in out
