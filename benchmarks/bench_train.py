@@ -255,6 +255,8 @@ def chart(rows: dict, path: Path, title: str) -> str | None:
 
 
 def parser() -> argparse.ArgumentParser:
+    from dcir_runtime.config import TRANSPORTS  # imports torch: not at the script's start
+
     ap = argparse.ArgumentParser(prog="bench_train.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     for name, default in WORKLOAD:
@@ -268,7 +270,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--trace", action="store_true",
                     help="each DCIR run traces one more step after the measured ones (Chrome JSON per rank in "
                          "bench_train_logs/<system>-<round>-trace/)")
-    ap.add_argument("--transport", choices=("auto", "shared_memory", "process_group"), default="auto",
+    ap.add_argument("--transport", choices=TRANSPORTS, default="auto",
                     help="the DCIR systems' transport for gathers and reduce-scatters (the Engine's config key "
                          "'transport'; default auto: shared memory with every rank on one CPU host)")
     ap.add_argument("--world", type=int, default=2, help="ranks of the distributed systems (default 2)")

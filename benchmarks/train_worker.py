@@ -35,6 +35,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from dcir_runtime.config import TRANSPORTS
+
 
 def device(ns) -> torch.device:
     if ns.device == "cuda":
@@ -326,7 +328,7 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--init", choices=("real", "meta"), default="real")
     ap.add_argument("--rss-trace", action="store_true")
-    ap.add_argument("--transport", choices=("auto", "shared_memory", "process_group"), default="auto",
+    ap.add_argument("--transport", choices=TRANSPORTS, default="auto",
                     help="DCIR's transport for gathers and reduce-scatters (the Engine's config key)")
     ap.add_argument("--trace", default=None, help="trace one more step after the measured ones into DIR/rank<N>.json")
     ns = ap.parse_args()

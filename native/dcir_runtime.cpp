@@ -260,14 +260,14 @@ struct Shm {
   int64_t seq = 0;               // ops started over shared memory
   int64_t head = 0;              // where the next region starts
   std::deque<Region> live;       // in start order, not yet acknowledged by every peer
+  std::vector<pid_t> pids;       // each rank's process, to notice one that exited (0: not checked)
+  std::chrono::steady_clock::time_point checked{};
 
   ~Shm() {
     for (size_t r = 0; r < base.size(); ++r) {
       if (base[r] != nullptr) munmap(base[r], mapped[r]);
     }
   }
-  std::vector<pid_t> pids;       // each rank's process, to notice one that exited (0: not checked)
-  std::chrono::steady_clock::time_point checked{};
 
   std::atomic<int64_t>& written(int64_t r) { return *reinterpret_cast<std::atomic<int64_t>*>(base[r]); }
   std::atomic<int64_t>& pid_of(int64_t r) { return *reinterpret_cast<std::atomic<int64_t>*>(base[r] + 8); }
@@ -295,7 +295,7 @@ struct Shm {
     }
     return true;
   }
-  void await_acknowledged(const Region& g, const std::string& what) {
+  void await_acknowledged(const Region& g) {
     auto deadline = std::chrono::steady_clock::now() + timeout;
     auto pause = std::chrono::microseconds(5);
     while (!acknowledged(g)) {
@@ -309,18 +309,20 @@ struct Shm {
   }
   // A region of `bytes` for the next op and its sequence number, or -1: send it over the
   // process group (see above). Waits for the peers to have read what it reuses.
-  std::pair<int64_t, int64_t> reserve(int64_t bytes, const std::string& what) {
+  std::pair<int64_t, int64_t> reserve(int64_t bytes) {
     bytes = (bytes + kAlign - 1) / kAlign * kAlign;
     if (bytes > capacity) return {-1, -1};
     int64_t next = seq + 1;
     int64_t offset = head + bytes > capacity ? 0 : head;
+    // a region this op reuses: its memory, or its acknowledgement slot
+    auto reused = [&](const Region& g) {
+      return (g.offset < offset + bytes && offset < g.offset + g.bytes) || g.seq <= next - kAckSlots;
+    };
     for (const auto& g : live) {
-      bool overlaps = g.offset < offset + bytes && offset < g.offset + g.bytes;
-      if ((overlaps || g.seq <= next - kAckSlots) && !g.waited) return {-1, -1};
+      if (reused(g) && !g.waited) return {-1, -1};
     }
     for (auto it = live.begin(); it != live.end();) {
-      bool overlaps = it->offset < offset + bytes && offset < it->offset + it->bytes;
-      if (overlaps || it->seq <= next - kAckSlots) await_acknowledged(*it, what);
+      if (reused(*it)) await_acknowledged(*it);
       it = it->waited && acknowledged(*it) ? live.erase(it) : std::next(it);
     }
     seq = next;
@@ -384,29 +386,13 @@ class ShmWork : public Work {
   std::function<void()> receive_;
 };
 
-// `bytes` of `shm`'s outbox at `offset` of rank `r`, as a flat tensor like `like`
+// `numel` elements of rank `r`'s outbox from byte `offset`, as a flat tensor like `like`
 at::Tensor outbox(Shm& shm, int64_t r, int64_t offset, int64_t numel, const at::Tensor& like) {
   return at::from_blob(shm.data(r, offset), {numel}, like.options());
 }
 
-// Starts a collective over `shm`: reserves its region (nullptr: it does not fit, use the
-// process group), lets `send` fill this rank's part of it, publishes it.
-intrusive_ptr<Work> shm_start(Shm& shm, const std::shared_ptr<Shm>& owner, int64_t bytes, const std::string& what,
-                              const std::function<void(int64_t)>& send,
-                              const std::function<std::function<void()>(int64_t)>& receive) {
-  int64_t offset, seq;
-  {
-    std::lock_guard<std::mutex> g(mu);
-    std::tie(offset, seq) = shm.reserve(bytes, what);
-  }
-  if (seq < 0) return nullptr;
-  send(offset);
-  shm.publish(seq);
-  return c10::make_intrusive<ShmWork>(owner, seq, receive(offset));
-}
-
-// Sets up this rank's outbox of `capacity` bytes as shared memory `name` + rank;
-// false (and why, on stderr) when the host cannot give it.
+// Sets up this rank's outbox of `capacity` bytes as shared memory `name` + rank; false
+// when the host cannot give it (dcir_runtime.transport says why).
 bool shm_create(const std::string& group_name, const std::string& name, int64_t rank, int64_t world,
                 int64_t capacity) {
   auto shm = std::make_shared<Shm>();
@@ -480,15 +466,23 @@ void shm_commit(const std::string& group_name, bool use) {
 }
 
 // Starts a collective over the group's shared memory when it has one and the op fits
-// (see above); nullptr: run it over the process group.
+// (see above): reserves its region, lets `send` fill this rank's part, publishes it.
+// nullptr: run it over the process group.
 intrusive_ptr<Work> try_shm(const std::string& group_name, const at::Tensor& like, int64_t bytes,
                             const std::string& what, const std::function<void(Shm&, int64_t)>& send,
                             const std::function<std::function<void()>(const std::shared_ptr<Shm>&, int64_t)>& receive) {
   auto shm = transport_of(group_name, like);
   if (!shm) return nullptr;
   try {
-    return shm_start(*shm, shm, bytes, what, [&](int64_t offset) { send(*shm, offset); },
-                     [&](int64_t offset) { return receive(shm, offset); });
+    int64_t offset, seq;
+    {
+      std::lock_guard<std::mutex> g(mu);
+      std::tie(offset, seq) = shm->reserve(bytes);
+    }
+    if (seq < 0) return nullptr;
+    send(*shm, offset);
+    shm->publish(seq);
+    return c10::make_intrusive<ShmWork>(shm, seq, receive(shm, offset));
   } catch (const c10::Error& e) {
     fail(what, group_name, e.what_without_backtrace());
   }

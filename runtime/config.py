@@ -173,10 +173,13 @@ def _precision(check: str):
     return run
 
 
+#: the values of ``transport`` (``dcir_runtime.transport``)
+TRANSPORTS = ("auto", "shared_memory", "process_group")
+
+
 def _transport(v):
-    from dcir_runtime.transport import MODES
-    if v not in MODES:
-        raise ValueError(f"{v!r}; one of {', '.join(MODES)}")
+    if v not in TRANSPORTS:
+        raise ValueError(f"{v!r}; one of {', '.join(TRANSPORTS)}")
     return v
 
 

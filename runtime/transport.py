@@ -35,7 +35,6 @@ import torch.distributed as dist
 
 from dcir.diagnostics import DcirError, Diagnostic
 
-MODES = ("auto", "shared_memory", "process_group")
 MIN_OUTBOX = 16 << 20
 MAX_OUTBOX = 256 << 20
 
@@ -57,8 +56,9 @@ def set_up(group, mode: str, device: torch.device, shards: dict[str, torch.Tenso
         why = f"the model is on {device}"
     elif group.world == 1:
         why = "one rank"
-    capacity = outbox_bytes(sum(s.numel() * s.element_size() for s in shards.values()))
+    capacity = 0
     if why is None:
+        capacity = outbox_bytes(sum(s.numel() * s.element_size() for s in shards.values()))
         token = [f"/dcir-{secrets.token_hex(6)}" if group.rank == 0 else None]
         dist.broadcast_object_list(token, src=0)
         ok = _everyone(ops.shm_create(group.name, token[0], group.rank, group.world, capacity))
