@@ -39,6 +39,10 @@ from dcir.memory import device_bytes
 #: The profile's attributes: host time of an op (for an async op, its transfer time)
 #: and the host time spent starting an async op.
 TIME, LAUNCH = "prof.time_us", "prof.launch_us"
+#: An op's host time in the program as it ran lowered with Inductor: its share of its
+#: compiled stretch's time (the stretch's time split over its ops as ``prof.time_us``,
+#: measured op by op, splits their sum). What the simulator takes, where present.
+COMPILED = "prof.compiled_us"
 #: The profile's module attributes: the device kind the step ran on ("cpu", "cuda") and the
 #: host time of the optimizer step the runtime runs outside the program (torch.optim on the
 #: shards, when the module has no ``@step``), once per optimizer step.
@@ -248,10 +252,11 @@ def outside_s(module: Module, machine: Machine) -> float:
 
 
 def profiled_us(op: Op) -> float | None:
-    """The profile's microseconds of ``op`` (None: not profiled); for an async op, its
-    transfer alone: the profiler times a transfer from its start to the end of the wait
-    right after it, so ``prof.time_us`` holds the launch (``prof.launch_us``) as well."""
-    t = op.attrs.get(TIME)
+    """The profile's microseconds of ``op`` (None: not profiled): in a program lowered
+    with Inductor, its share of its compiled stretch (``prof.compiled_us``); for an async
+    op, its transfer alone: the profiler times a transfer from its start to the end of
+    the wait right after it, so ``prof.time_us`` holds the launch (``prof.launch_us``) as well."""
+    t = op.attrs.get(COMPILED, op.attrs.get(TIME))
     if not isinstance(t, (int, float)) or isinstance(t, bool):
         return None
     launch = op.attrs.get(LAUNCH) if is_transfer(op) else None

@@ -33,6 +33,9 @@ from __future__ import annotations
 import functools
 import keyword
 import re
+import statistics
+import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -673,7 +676,13 @@ class _Compiled(torch.nn.Module):
     only what is not). For the same reason the stretch's own ``aten.view``s are
     reshapes: Inductor traces with meta strides, which can differ from eager's (a
     ``cat`` with an empty operand keeps the other's permuted strides on meta, a
-    contiguous result in eager), and a view the eager strides allow would fail there."""
+    contiguous result in eager), and a view the eager strides allow would fail there.
+
+    Each call is timed (``times``: the profiler prices the stretch's ops from them). The
+    first run of a compiled kernel loads it, which took up to 10 times its later runs
+    here, so after compiling, the stretch runs once untimed; its result is dropped (the
+    stretch has no effect but its results: state is written by ``param.set``, which
+    cuts stretches)."""
 
     def __init__(self, gm: fx.GraphModule):
         super().__init__()
@@ -682,18 +691,31 @@ class _Compiled(torch.nn.Module):
                 n.target = torch.ops.aten.reshape.default
         gm.recompile()
         self.gm, self.compiled = gm, None
+        self.ops = sorted({n.meta[OP_INDEX] for n in gm.graph.nodes if OP_INDEX in n.meta})  # the IR ops it runs
+        self.times: deque = deque(maxlen=5)  # seconds of its last calls, compiling aside (``stretch_times``)
 
     def forward(self, *args):
         if self.compiled is None:
             from torch._inductor.compile_fx import compile_fx
             with torch.no_grad():
                 self.compiled = compile_fx(self.gm, list(args))
+            self.compiled(*args)  # untimed: a kernel's first run costs up to 10x its next (stretch_times)
+        begin = time.perf_counter()
         out = self.compiled(*args)
         if isinstance(out, torch.Tensor):
-            return out.contiguous()
-        if isinstance(out, (tuple, list)):
-            return type(out)(x.contiguous() if isinstance(x, torch.Tensor) else x for x in out)
+            out = out.contiguous()
+        elif isinstance(out, (tuple, list)):
+            out = type(out)(x.contiguous() if isinstance(x, torch.Tensor) else x for x in out)
+        self.times.append(time.perf_counter() - begin)
         return out
+
+
+def stretch_times(runner) -> list[tuple[list[int], float]]:
+    """The compiled stretches of a function's runner (``Program.runs``) that have run:
+    (the IR ops each runs, the median seconds of its last calls). The profiler prices
+    the ops of a program lowered with ``inductor`` from them (``dcir_runtime.profiler``)."""
+    children = runner.children() if isinstance(runner, torch.nn.Module) else ()
+    return [(c.ops, statistics.median(c.times)) for c in children if isinstance(c, _Compiled) and c.times]
 
 
 def constants(module: Module, device: torch.device | str = "cpu") -> dict:

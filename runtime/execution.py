@@ -119,7 +119,7 @@ class Execution:
         if installed.program is not self.program:
             return fn
         if self.profile is not None:
-            return functools.partial(self.profile.run, which, gm)
+            return functools.partial(self.profile.run, which, gm, compiled=fn if fn is not gm else None)
         if self.tracer is not None and (self.tracer.recorded or first):
             return functools.partial(self.tracer.run, which, gm)
         return fn

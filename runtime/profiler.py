@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from dcir.cost import DEVICE, LAUNCH, OPTIMIZER, TIME, is_transfer
+from dcir.cost import COMPILED, DEVICE, LAUNCH, OPTIMIZER, TIME, is_transfer
 from dcir.ir import Function, Module
-from dcir_lowering.backend import OP_INDEX, OPTIMIZER_STATE, reads_state, store_call
+from dcir_lowering.backend import OP_INDEX, OPTIMIZER_STATE, reads_state, store_call, stretch_times
 
 MEM, PEAK, RUNS = "prof.mem", "prof.peak_bytes", "prof.runs"
 
@@ -152,9 +152,15 @@ class Profile:
         self.module = module
         self.runs: dict[str, list[_Recorder]] = {}
         self.optimizer_s: list[float] = []  # the optimizer steps run outside the program (torch.optim)
+        self.stretches: dict[str, list[tuple[list[int], float]]] = {}  # Inductor's, timed in earlier steps
 
-    def run(self, name: str, gm: fx.GraphModule, *args, sync: bool = True):
-        """Run function ``name`` (lowered as ``gm``) on ``args``, measuring; returns its result."""
+    def run(self, name: str, gm: fx.GraphModule, *args, sync: bool = True, compiled=None):
+        """Run function ``name`` (lowered as ``gm``) on ``args``, measuring; returns its result.
+        ``compiled``: what runs the function outside the profile, when that is Inductor's
+        compiled stretches (``dcir_lowering.backend.stretch_times``): its stretches' times
+        in the steps before price its ops (``prof.compiled_us``)."""
+        if compiled is not None and stretch_times(compiled):
+            self.stretches[name] = stretch_times(compiled)
         state = args[0]  # a lowered function takes (state, grads, *args)
         rec = _Recorder(gm, len(self.module.functions[name].ops), state.get(OPTIMIZER_STATE), sync)
         out = rec.run(*args)
@@ -173,11 +179,15 @@ class Profile:
             mem = [max(r.mem[k] for r in recs) for k in range(len(func.ops))]
             cuda = [max(r.cuda_mem[k] for r in recs) for k in range(len(func.ops))]
             transfer = [k for k, op in enumerate(func.ops) if is_transfer(op)]
-            time_s, launch, mem, cuda = _agree(func, time_s, launch, mem, cuda, set(transfer), group, device)
+            compiled = _compiled_shares(time_s, self.stretches.get(name, ()))
+            time_s, launch, mem, cuda, compiled = _agree(func, time_s, launch, mem, cuda, compiled, set(transfer),
+                                                         group, device)
             for k, op in enumerate(func.ops):
                 for key in [key for key in op.attrs if key.startswith("prof.")]:
                     del op.attrs[key]
                 op.attrs[TIME] = round(time_s[k] * 1e6, 2)
+                if compiled[k] >= 0:
+                    op.attrs[COMPILED] = round(compiled[k] * 1e6, 2)
                 if k in transfer:
                     op.attrs[LAUNCH] = round(launch[k] * 1e6, 2)
                 op.attrs[MEM] = int(mem[k])
@@ -207,14 +217,29 @@ class Profile:
         attrs[OPTIMIZER] = round(t.item() * 1e6, 2)
 
 
-def _agree(func: Function, time_s, launch, mem, cuda, transfer: set[int], group, device):
-    """Every rank takes the same numbers: compute, the ranks' mean; transfers, the fastest's; bytes, the most."""
+def _compiled_shares(time_s: list[float], stretches) -> list[float]:
+    """Per op, its share of the compiled stretch it ran in (``prof.compiled_us``): the
+    stretch's time split over its ops as their op-by-op times split their sum; -1 for an
+    op outside every timed stretch (its own time stands)."""
+    out = [-1.0] * len(time_s)
+    for ops, seconds in stretches:
+        eager = sum(time_s[k] for k in ops)
+        if eager > 0:
+            for k in ops:
+                out[k] = time_s[k] * seconds / eager
+    return out
+
+
+def _agree(func: Function, time_s, launch, mem, cuda, compiled, transfer: set[int], group, device):
+    """Every rank takes the same numbers: compute, the ranks' mean (a compiled share, where
+    every rank has one); transfers, the fastest's; bytes, the most."""
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return time_s, launch, mem, cuda
+        return time_s, launch, mem, cuda, compiled
     n, world = len(func.ops), dist.get_world_size(group)
-    mean = torch.tensor([*(0.0 if k in transfer else t for k, t in enumerate(time_s)), *launch],
+    mean = torch.tensor([*(0.0 if k in transfer else t for k, t in enumerate(time_s)), *launch,
+                         *(max(c, 0.0) for c in compiled)], dtype=torch.float64, device=device)
+    most = torch.tensor([*map(float, mem), *map(float, cuda), *(float(c < 0) for c in compiled)],
                         dtype=torch.float64, device=device)
-    most = torch.tensor([*map(float, mem), *map(float, cuda)], dtype=torch.float64, device=device)
     fast = torch.tensor([t if k in transfer else 0.0 for k, t in enumerate(time_s)], dtype=torch.float64,
                         device=device)
     dist.all_reduce(mean, op=dist.ReduceOp.SUM, group=group)
@@ -222,7 +247,8 @@ def _agree(func: Function, time_s, launch, mem, cuda, transfer: set[int], group,
     dist.all_reduce(fast, op=dist.ReduceOp.MIN, group=group)
     mean, most, fast = (mean / world).tolist(), most.tolist(), fast.tolist()
     times = [fast[k] if k in transfer else mean[k] for k in range(n)]
-    return times, mean[n:], most[:n], most[n:]
+    compiled = [-1.0 if most[2 * n + k] else mean[2 * n + k] for k in range(n)]
+    return times, mean[n:2 * n], most[:n], most[n:2 * n], compiled
 
 
 def _op_key(op) -> tuple:
@@ -245,7 +271,7 @@ class ProfileHistory:
     it does not depend on the order the profiles came in, so the same profiles give
     the same plan."""
 
-    _MEDIAN = (TIME, LAUNCH)
+    _MEDIAN = (TIME, LAUNCH, COMPILED)
     _MOST = (MEM, "prof.cuda_mem")
 
     def __init__(self):

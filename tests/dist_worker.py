@@ -102,6 +102,10 @@ CASES = {
     # Inductor on a planned schedule (coalesced transfers: waits that return at once)
     "transformer_inductor_schedule": (TinyTransformer, _transformer_batch, None,
                                       {"inductor": True, "passes": ["prefetch", "unshard", "bucket"]}),
+    # ... planned by the optimization cycle, priced from the compiled stretches' times
+    "transformer_inductor_optimize": (TinyTransformer, _transformer_batch, None,
+                                      {"inductor": True, "optimize": {"passes": ["prefetch", "unshard", "bucket"],
+                                                                      "profile_at": [1, 3]}}),
     "tied_frozen": (Tied, _tied_batch, None, {}),
     "hf_llama": (tiny_llama, _llama_batch, lambda out: out.loss, {}),
     "hf_llama_accumulate2": (tiny_llama, _llama_batch, lambda out: out.loss, {"gradient_accumulation_steps": 2}),
@@ -341,7 +345,8 @@ def run_case(name: str, rank: int, world: int) -> dict:
             "norms": [norms, ref_norms], "lrs": lrs,
             "groups": [[g.get("param_names"), g["weight_decay"]] for g in engine.optimizer.param_groups],
             "full_optimizer_state": 2 * sum(p.numel() * 4 for p in ref.parameters() if p.requires_grad),
-            "ir": ir_text if rank == 0 else "", "optimize": engine.optimize_log, "config": config}
+            "ir": ir_text if rank == 0 else "", "optimize": engine.optimize_log, "config": config,
+            "profiled": str(engine.profiled_ir()) if rank == 0 and engine.profiled_ir() is not None else ""}
 
 
 def equivalence(out: str, cases: list[str]) -> None:

@@ -42,7 +42,8 @@ SCHEDULE_CASES = [f"transformer_{c}" for c in ("prefetch", "unshard", "bucket", 
 # Inductor reassociates float sums inside its fused kernels, so gradients differ from
 # eager in the last bits and AdamW turns that into ~2e-5 of a weight's scale in 5 steps
 # (1.7e-5 measured); the eager lowering runs the captured ops as they are (bit for bit).
-INDUCTOR_CASES = {"transformer_inductor": 1e-4, "transformer_inductor_schedule": 1e-4}
+INDUCTOR_CASES = {"transformer_inductor": 1e-4, "transformer_inductor_schedule": 1e-4,
+                  "transformer_inductor_optimize": 1e-4}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -117,6 +118,11 @@ def test_sharded_training_matches_eager(world, tmp_path, capfd):
             assert r["grad_norm_rel_err"] <= 1e-6 and r["clipped"], (case, r["norms"])
         for engine_lr, ref_lr in r["lrs"]:  # the engine's schedule is the reference's
             assert engine_lr == ref_lr, (case, r["lrs"])
+    if world == 2:  # Inductor's programs are priced from their compiled stretches, collectives as they ran
+        profiled = dcir.parse(results["transformer_inductor_optimize"]["profiled"])
+        compiled = [op for _, op in profiled.ops() if "prof.compiled_us" in op.attrs]
+        assert compiled and not any(op.name.startswith("comm.") for op in compiled), profiled
+        assert all("prof.compiled_us" not in op.attrs for _, op in dcir.parse(results["hf_llama_optimize"]["profiled"]).ops())
     for case in ("transformer_groups_schedule", "tied_frozen_optimizer_instance"):  # the groups keep their names
         (decay, wd), (plain, no_wd) = results[case]["groups"]
         assert (wd, no_wd) == (0.1, 0.0) and plain and all(n.endswith("bias") or "norm" in n for n in plain), case

@@ -116,6 +116,52 @@ def test_the_profile_records_the_optimizer_step_and_the_device():
     assert plan.attrs[OPTIMIZER] == 20000.0 and dcir.parse(dcir.print(plan)).attrs[DEVICE] == "cpu"
 
 
+COMPUTE_ONLY = """
+module @m {
+  func @forward(%x: f32[64, 64] {input}, %w: f32[64, 64] {input}) -> (f32[] {output}) role forward {
+    %y = aten.mm.default(%x, %w) : f32[64, 64]
+    %a = aten.relu.default(%y) : f32[64, 64]
+    %b = aten.mul.Tensor(%a, %a) : f32[64, 64]
+    %loss = aten.sum.default(%b) : f32[]
+    return %loss
+  }
+}
+"""
+
+
+def test_a_compiled_stretch_prices_its_ops_by_their_share_of_it():
+    """Lowered with Inductor, the ops of a compiled stretch are priced at their share of
+    the stretch's time (``prof.compiled_us``), split as the op-by-op profile splits it;
+    the simulator takes it over ``prof.time_us``, and later profiles keep it (the median)."""
+    import torch
+
+    from dcir.cost import COMPILED
+    from dcir_runtime import native
+    from dcir_runtime.profiler import Profile, ProfileHistory
+
+    native.load()  # the profiler waits on transfers with the runtime's ops
+    m = dcir.parse(COMPUTE_ONLY)
+    program = dcir.lower(m, {})
+    profile = Profile(m)
+    x = torch.randn(64, 64)
+    profile.run("forward", program.graphs["forward"], {}, {}, x, x)
+    profile.stretches["forward"] = [([1, 2, 3], 30e-6)]  # relu, mul and sum compiled into one: 30 us
+    profile.annotate()
+    ops = m.functions["forward"].ops
+    assert COMPILED not in ops[0].attrs  # the matmul ran as it is
+    shares = [ops[k].attrs[COMPILED] for k in (1, 2, 3)]
+    assert sum(shares) == pytest.approx(30.0, abs=0.02)
+    eager = [ops[k].attrs[TIME] for k in (1, 2, 3)]
+    assert shares[0] / shares[1] == pytest.approx(eager[0] / eager[1], rel=0.01)
+    compiled_s = estimate(m.functions["forward"], Machine()).compute_s
+    assert compiled_s == pytest.approx((ops[0].attrs[TIME] + 30.0) * 1e-6, rel=1e-3)
+    plan = dcir.parse(COMPUTE_ONLY)
+    history = ProfileHistory()
+    history.add(dcir.parse(dcir.print(m)))
+    history.write(plan)
+    assert [op.attrs.get(COMPILED) for op in plan.functions["forward"].ops] == [None, *shares]
+
+
 def test_fit_describes_the_machine_a_profile_ran_on():
     fitted = fit(dcir.parse(GATHER_AND_COPY), "here")
     # the offload moves the 8 KiB shard in its 80 us less a dispatch
