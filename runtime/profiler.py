@@ -34,6 +34,7 @@ import torch.fx as fx
 
 from dcir.cost import COMPILED, DEVICE, LAUNCH, OPTIMIZER, TIME, is_transfer
 from dcir.ir import Function, Module
+from dcir.ops import COMPUTE, has_trait
 from dcir_lowering.backend import OP_INDEX, OPTIMIZER_STATE, reads_state, store_call, stretch_times
 
 MEM, PEAK, RUNS = "prof.mem", "prof.peak_bytes", "prof.runs"
@@ -179,7 +180,8 @@ class Profile:
             mem = [max(r.mem[k] for r in recs) for k in range(len(func.ops))]
             cuda = [max(r.cuda_mem[k] for r in recs) for k in range(len(func.ops))]
             transfer = [k for k, op in enumerate(func.ops) if is_transfer(op)]
-            compiled = _compiled_shares(time_s, self.stretches.get(name, ()))
+            computes = [has_trait(op, COMPUTE) for op in func.ops]
+            compiled = _compiled_shares(time_s, computes, self.stretches.get(name, ()))
             time_s, launch, mem, cuda, compiled = _agree(func, time_s, launch, mem, cuda, compiled, set(transfer),
                                                          group, device)
             for k, op in enumerate(func.ops):
@@ -217,12 +219,14 @@ class Profile:
         attrs[OPTIMIZER] = round(t.item() * 1e6, 2)
 
 
-def _compiled_shares(time_s: list[float], stretches) -> list[float]:
-    """Per op, its share of the compiled stretch it ran in (``prof.compiled_us``): the
-    stretch's time split over its ops as their op-by-op times split their sum; -1 for an
-    op outside every timed stretch (its own time stands)."""
+def _compiled_shares(time_s: list[float], computes: list[bool], stretches) -> list[float]:
+    """Per compute op, its share of the compiled stretch it ran in (``prof.compiled_us``):
+    the stretch's time split over its compute ops as their op-by-op times split their
+    sum; -1 for any other op (its own time stands: a ``comm.wait`` whose result a stretch
+    picks apart is the runtime's, not Inductor's)."""
     out = [-1.0] * len(time_s)
     for ops, seconds in stretches:
+        ops = [k for k in ops if computes[k]]
         eager = sum(time_s[k] for k in ops)
         if eager > 0:
             for k in ops:
