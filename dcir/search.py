@@ -106,12 +106,15 @@ def pipelines(passes: list) -> list[list]:
     return out
 
 
-def best_pipeline(module, candidates: list[list], micro_steps: int = 1, budget: int | None = None):
+def best_pipeline(module, candidates: list[list], micro_steps: int = 1, budget: int | None = None,
+                  extra: Callable | None = None):
     """Run every candidate pipeline on a copy of ``module``; returns (the planned module
     whose simulated optimizer step (``dcir.cost.estimate_module``) is shortest among
     those whose memory peak stays within ``budget``, its ``Candidate``, every
     ``Candidate``). When none fits, the one with the smallest peak. Ties go to the
-    earlier candidate, so the same profiles give the same plan."""
+    earlier candidate, so the same profiles give the same plan. ``extra(planned)``:
+    bytes a plan holds beside its functions' peak (the runtime's shared-memory outbox
+    sized for it, ``dcir_runtime.transport.outbox_bytes``)."""
     from dcir.cost import estimate_module
     from dcir.memory import peaks
     from dcir.passes import PassManager
@@ -123,7 +126,7 @@ def best_pipeline(module, candidates: list[list], micro_steps: int = 1, budget: 
         planned.append(m)
         tried.append(Candidate(",".join(p.name + _options(p) for p in pipe),
                                estimate_module(m, micro_steps=micro_steps).seconds,
-                               max(peaks(m).values(), default=0)))
+                               max(peaks(m).values(), default=0) + (extra(m) if extra else 0)))
 
     def rank(k: int) -> tuple:
         c = tried[k]

@@ -67,6 +67,7 @@ struct Stats {
   int64_t collectives = 0;
   int64_t sent_bytes = 0;           // payload handed to the process group
   int64_t wait_ns = 0;              // host time blocked in dcir::wait
+  int64_t shm_fallbacks = 0;        // collectives that did not fit the shared-memory outbox (sent over the group)
 };
 
 std::mutex mu;
@@ -313,6 +314,9 @@ struct Shm {
     bytes = (bytes + kAlign - 1) / kAlign * kAlign;
     if (bytes > capacity) return {-1, -1};
     int64_t next = seq + 1;
+    // nothing in flight (every op waited here, so on every rank): start at the ring's
+    // start, so each function of a program lays its transfers out alike (transport.py sizes it so)
+    if (std::all_of(live.begin(), live.end(), [](const Region& g) { return g.waited; })) head = 0;
     int64_t offset = head + bytes > capacity ? 0 : head;
     // a region this op reuses: its memory, or its acknowledgement slot
     auto reused = [&](const Region& g) {
@@ -478,6 +482,7 @@ intrusive_ptr<Work> try_shm(const std::string& group_name, const at::Tensor& lik
     {
       std::lock_guard<std::mutex> g(mu);
       std::tie(offset, seq) = shm->reserve(bytes);
+      if (seq < 0) stats.shm_fallbacks += 1;
     }
     if (seq < 0) return nullptr;
     send(*shm, offset);
@@ -873,7 +878,7 @@ std::vector<int64_t> memory_stats() {
   for (const auto& kv : shards) shard_bytes += nbytes(kv.second);
   return {shard_bytes,        stats.gathered_bytes, stats.peak_gathered_bytes,
           stats.freed_bytes,  stats.collectives,    stats.sent_bytes,
-          stats.wait_ns,      static_cast<int64_t>(pending.size())};
+          stats.wait_ns,      static_cast<int64_t>(pending.size()), stats.shm_fallbacks};
 }
 
 void reset_peak() {

@@ -39,8 +39,8 @@ class MemoryStats(Mapping):
     sent: int                    # bytes handed to them
     wait_s: float                # host seconds blocked in comm.wait of a collective
     copy_wait_s: float           # ... of a host copy (offload)
-    transport: int = 0           # this rank's shared-memory outbox (dcir_runtime.transport); like the
-    #                              process group's own buffers, outside the memory budget
+    transport: int = 0           # this rank's shared-memory outbox (dcir_runtime.transport), sized
+    #                              from the program: counted with what the schedule holds
 
     def __getitem__(self, key: str):
         if key not in self._names():
@@ -95,7 +95,7 @@ def fixed_bytes(m: MemoryStats, shards: dict[str, torch.nn.Parameter]) -> int:
 
 
 def scheduled_bytes(m: MemoryStats) -> int:
-    """What the schedule holds: the program's replicas and accumulators, and the peak
-    of gathered parameters (the memory model counts these, so a pass's budget leaves
-    them out of the fixed part)."""
-    return m.replicas + m.gradient_accumulators + m.gathered_peak
+    """What the schedule holds: the program's replicas and accumulators, the peak of
+    gathered parameters (the memory model counts these, so a pass's budget leaves them
+    out of the fixed part), and the shared-memory outbox sized for it."""
+    return m.replicas + m.gradient_accumulators + m.gathered_peak + m.transport

@@ -58,9 +58,9 @@ class Config:
     #: Dynamo's recompile limit; a new shape beyond it is an error that says so
     max_programs: int = 8
     #: how gathers and reduce-scatters move their bytes (``dcir_runtime.transport``):
-    #: ``"process_group"``, ``"shared_memory"`` (every rank on one host, a CPU model) or
-    #: ``"auto"`` (shared memory where it can be set up, else the process group)
-    transport: str = "process_group"
+    #: ``"auto"`` (shared memory where it can be set up, else the process group),
+    #: ``"shared_memory"`` (every rank on one host, a CPU model) or ``"process_group"``
+    transport: str = "auto"
 
     def __post_init__(self):
         given = [k for k in ("mixed_precision", "bf16", "fp16") if getattr(self, k) is not None]

@@ -113,7 +113,7 @@ class Engine:
         self.ops.set_timeout(int(config.timeout_s * 1000))
         self.sharded = ShardedParameters(model, group.rank, group.world,
                                          materialize.take_shards(model, group, self.device, **start))
-        self.transport_bytes = transport.set_up(group, config.transport, self.device, self.sharded.shards)
+        self.transport_bytes = transport.set_up(group, config.transport, self.device)
         self._optim = ShardOptimizer.build(optimizer, model, self.sharded.trainable(), lr_scheduler,
                                            config.offload is not None, self.device)
         self.planner = Planner(config, group, self.sharded.store_prefix, source_name(model, group.world))
@@ -205,6 +205,7 @@ class Engine:
         program = self._lowered(module)
         self.execution.install(module, program)
         self.programs.replace_base(module, program)
+        self.transport_bytes = transport.fit(self.process_group, self.config.transport, self.transport_bytes, module)
 
     def _lowered(self, module: dcir.Module):
         """``module`` lowered over this engine's state."""
@@ -229,7 +230,8 @@ class Engine:
     def _after_step(self) -> None:
         """The optimization cycle's turn after an optimizer step, then the budget."""
         if self.planner.after_step(self.steps, self.module):
-            module = self.planner.replan(self.module, self.steps, lambda: self._fixed_bytes(self.memory()))
+            module = self.planner.replan(self.module, self.steps, lambda: self._fixed_bytes(self.memory()),
+                                         transport.outbox_bytes if self.transport_bytes else None)
             if module is not None:
                 self._install(module)
                 self.ops.reset_peak()  # the new schedule's gathered peak is measured afresh

@@ -196,6 +196,7 @@ class RuntimeStats(NamedTuple):
     sent: int             # bytes handed to them
     wait_ns: int          # host time blocked in comm.wait of a collective
     pending: int          # collectives started and not yet waited
+    shm_fallbacks: int    # gathers and reduce-scatters the shared-memory outbox could not place (dcir_runtime.transport)
 
 
 def runtime_stats() -> RuntimeStats:

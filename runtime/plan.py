@@ -89,9 +89,11 @@ class Planner:
             self.profile = Profile(running)  # the next step runs under the profiler
         return False
 
-    def replan(self, running: dcir.Module, steps: int, fixed_bytes: Callable[[], int]) -> dcir.Module | None:
+    def replan(self, running: dcir.Module, steps: int, fixed_bytes: Callable[[], int],
+               outbox: Callable[[dcir.Module], int] | None = None) -> dcir.Module | None:
         """Write the finished profile into ``running``, plan the configured passes from it
-        on the captured schedule; returns the module to switch to (None: keep running)."""
+        on the captured schedule; returns the module to switch to (None: keep running).
+        ``outbox(plan)``: the shared-memory outbox a plan needs, which its budget counts."""
         # the ranks agree on every figure, so each one's estimates below, and with them
         # whether to switch, come out the same: every rank must run the same program
         peaks = self.profile.annotate(dist.group.WORLD, self.group.collective_device())
@@ -113,7 +115,7 @@ class Planner:
         def plan() -> str:
             # the configured passes and their joint alternatives, each priced by the simulator
             passes = self.passes(self.config.optimize["passes"], budget)
-            planned, chosen, _ = search.best_pipeline(base, search.pipelines(passes), micro, budget)
+            planned, chosen, _ = search.best_pipeline(base, search.pipelines(passes), micro, budget, outbox)
             planned.attrs[PLANNED_BY] = chosen.spec
             return dcir.print(planned)
 
@@ -157,5 +159,5 @@ class Planner:
             return
         raise DcirError(Diagnostic(
             f"rank {self.group.rank} holds {format_bytes(held)} (parameters, gradients, optimizer state, buffers, "
-            f"replicas, accumulators and the peak of gathered parameters), over the memory budget of "
-            f"{format_bytes(budget)}"))
+            f"replicas, accumulators, the peak of gathered parameters and the shared-memory outbox), over the memory "
+            f"budget of {format_bytes(budget)}"))

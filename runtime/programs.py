@@ -22,6 +22,7 @@ from dcir import ops as registry
 from dcir import signature
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import TensorType
+from dcir_runtime import transport
 
 
 def key(training: bool, grad: bool, args: tuple, kwargs: dict) -> tuple:
@@ -142,6 +143,9 @@ def capture_program(engine, args: tuple, kwargs: dict, k: tuple, training: bool)
     if training and engine.program is None:
         engine.planner.start(captured.text, captured.module)
         engine.execution.install(captured.module, installed.program)
+        # every rank installs it here: the shared-memory outbox is resized for it, together
+        engine.transport_bytes = transport.fit(engine.process_group, engine.config.transport, engine.transport_bytes,
+                                               captured.module)
     if not matches:  # rank 0's shapes; this rank's own are compiled here, against them
         return capture_program(engine, args, kwargs, k, training)
     return installed

@@ -11,19 +11,26 @@ numbers are the same bits either way.
 
 The config's ``transport`` chooses:
 
-* ``"process_group"`` (the default): the process group (gloo, or NCCL on GPUs) for everything;
+* ``"auto"`` (the default): shared memory when it can be set up (a CPU model, more
+  than one rank, every rank's outbox mapped by every other), else the process group;
 * ``"shared_memory"``: shared memory, or an error that says why not;
-* ``"auto"``: shared memory when it can be set up (a CPU model, more than one rank,
-  every rank's outbox mapped by every other), else the process group.
+* ``"process_group"``: the process group (gloo, or NCCL on GPUs) for everything.
 
-Each rank's outbox holds twice its parameter shards' bytes (at least 16 MiB, at most
-256 MiB): room for a step's gathers in flight. A collective that does not fit runs over
-the process group, which every rank decides alike. Every rank maps every outbox, so it
-costs memory: twice the shards per rank on the host, and each rank's resident set
-counts every outbox it touched (``tests/test_start.py``'s memory cap goes over with it;
-a quarter of the shards kept under the cap but sent too much over gloo to be worth it).
-That is why it is not the default yet; sizing the outbox from the planned schedule's
-bytes in flight is the way to make it one.
+Each rank's outbox is sized from the training program (``outbox_bytes``): the least
+ring that holds every gather and reduce-scatter the program has in flight at once,
+found by running the runtime's ring allocator over the program's collectives (the
+bytes come from the IR: the same on every rank). ``initialize`` opens a 64 KiB outbox;
+the first training program, and every plan the optimization cycle switches to,
+resize it (``fit``, with every rank, between steps). So plain ZeRO-3, which waits for
+each transfer before the next, needs its largest parameter's shard; a planned program
+that gathers ahead needs what it gathers ahead. The outbox counts against the memory
+budget (``MemoryStats.transport``; among the plans the cycle weighs, what each needs:
+``dcir.search.best_pipeline``'s ``extra``). A collective that does not fit (more than
+``MAX_OUTBOX``, or a program of other shapes that waits later than the one it was
+sized for) runs over the process group, which every rank decides alike.
+
+Every rank maps every outbox, so each rank's resident set counts every outbox it has
+touched (world times its own), though the host holds each once.
 """
 
 from __future__ import annotations
@@ -33,22 +40,19 @@ import secrets
 import torch
 import torch.distributed as dist
 
+from dcir import ops as registry
 from dcir.diagnostics import DcirError, Diagnostic
+from dcir.ir import DTYPE_BYTES
 
-MIN_OUTBOX = 16 << 20
-MAX_OUTBOX = 256 << 20
-
-
-def outbox_bytes(shard_bytes: int) -> int:
-    """The outbox a rank gets for ``shard_bytes`` of parameter shards (module docstring)."""
-    return max(MIN_OUTBOX, min(MAX_OUTBOX, 2 * shard_bytes))
+MIN_OUTBOX = 64 << 10   # before the first program sizes it, and the least it gets
+MAX_OUTBOX = 256 << 20  # beyond it, the program's largest transfers go over the process group
+ALIGN = 64              # a region's alignment in the ring (kAlign in native/dcir_runtime.cpp)
 
 
-def set_up(group, mode: str, device: torch.device, shards: dict[str, torch.Tensor]) -> int:
+def set_up(group, mode: str, device: torch.device) -> int:
     """Chooses the transport of ``group`` (``runtime.group.ProcessGroup``) for ``mode``,
-    with an outbox sized for this rank's parameter ``shards``; collective: every rank
-    calls it. Returns the outbox bytes per rank (0: none)."""
-    ops = torch.ops.dcir
+    with an outbox of ``MIN_OUTBOX`` until a program sizes it (``fit``); collective:
+    every rank calls it. Returns the outbox bytes per rank (0: none)."""
     why = None
     if mode == "process_group":
         why = "the config says process_group"
@@ -56,15 +60,30 @@ def set_up(group, mode: str, device: torch.device, shards: dict[str, torch.Tenso
         why = f"the model is on {device}"
     elif group.world == 1:
         why = "one rank"
-    capacity = 0
+    return _open(group, mode, MIN_OUTBOX, why)
+
+
+def fit(group, mode: str, current: int, module) -> int:
+    """Resizes this rank's outbox (``current`` bytes; 0: none) to what ``module`` needs
+    (``outbox_bytes``); collective: every rank calls it, between steps, when the
+    training program is installed. Returns the outbox bytes."""
+    if current == 0:
+        return 0
+    need = outbox_bytes(module)
+    return current if need == current else _open(group, mode, need, None)
+
+
+def _open(group, mode: str, capacity: int, why: str | None) -> int:
+    """Every rank's outbox of ``capacity`` bytes, mapped by every rank, replacing the
+    one before (unless ``why`` says why not); the process group where that fails."""
+    ops = torch.ops.dcir
     if why is None:
-        capacity = outbox_bytes(sum(s.numel() * s.element_size() for s in shards.values()))
         token = [f"/dcir-{secrets.token_hex(6)}" if group.rank == 0 else None]
         dist.broadcast_object_list(token, src=0)
         ok = _everyone(ops.shm_create(group.name, token[0], group.rank, group.world, capacity))
         ok = ok and _everyone(ops.shm_attach(group.name, token[0]))
         if not ok:
-            why = (f"a rank could not map every rank's outbox of {capacity >> 20} MiB (ranks on different hosts, "
+            why = (f"a rank could not map every rank's outbox of {capacity / 2**20:.1f} MiB (ranks on different hosts, "
                    "or too little space in /dev/shm)")
     ops.shm_commit(group.name, why is None)
     if why is not None and mode == "shared_memory":
@@ -77,3 +96,90 @@ def _everyone(ok: bool) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def outbox_bytes(module) -> int:
+    """The outbox ``module``'s gathers and reduce-scatters need (module docstring): the
+    least capacity at which the runtime's ring places each of them without touching
+    one not yet waited, in every function; between ``MIN_OUTBOX`` and ``MAX_OUTBOX``."""
+    need = MIN_OUTBOX
+    for func in module.functions.values():
+        events = _ring_events(func)
+        sizes = [b for kind, _, b in events if kind == "start"]
+        if not sizes:
+            continue
+        # the in-flight peak is the least; wrapping round can waste up to one region more,
+        # tried in steps of 1/64 of the peak, then doubling (everything, unwrapped, always fits)
+        low, high = max(_in_flight(events), MIN_OUTBOX), sum(sizes)
+        step = -(-low // 64 // ALIGN) * ALIGN
+        tries = [*range(low, low + max(sizes) + step, step), *(low << k for k in range(1, 8))]
+        need = max(need, next((c for c in tries if c < high and _places_all(events, c)), high))
+    return min(need, MAX_OUTBOX)
+
+
+def _ring_events(func) -> list[tuple[str, int, int]]:
+    """The function's transfers over shared memory, in order: ("start", op, region bytes)
+    and ("wait", op, 0), the first wait on a result of the op (it finishes them all)."""
+    events, started, waited = [], {}, set()
+    for k, op in enumerate(func.ops):
+        if registry.has_trait(op, registry.WAITS):
+            start = started.get(id(op.operands[0].owner))
+            if start is not None and start not in waited:
+                waited.add(start)
+                events.append(("wait", start, 0))
+            continue
+        nbytes = _region_bytes(op)
+        if nbytes:
+            started[id(op)] = k
+            events.append(("start", k, -(-nbytes // ALIGN) * ALIGN))
+    return events
+
+
+def _region_bytes(op) -> int:
+    """What ``op`` puts in this rank's outbox (``native/dcir_runtime.cpp``): a gather, its
+    shards (one dtype, else it goes over the process group); a reduce-scatter, the chunks
+    the other ranks keep. 0: not over shared memory (an all-reduce, another group)."""
+    if "group" in op.attrs:
+        return 0
+    if registry.has_trait(op, registry.GATHERS):
+        types = [v.type for v in op.operands]
+        return sum(t.nbytes for t in types) if len({t.dtype for t in types}) == 1 else 0
+    if registry.has_trait(op, registry.SCATTERS):
+        shards = [v.type.inner for v in op.results]
+        width = max(DTYPE_BYTES[v.type.dtype] for v in op.operands)
+        return (shards[0].parts - 1) * sum(t.numel for t in shards) * width
+    return 0
+
+
+def _in_flight(events) -> int:
+    """The most bytes started and not yet waited at once."""
+    held, most, sizes = 0, 0, {}
+    for kind, k, nbytes in events:
+        if kind == "start":
+            sizes[k] = nbytes
+            held += nbytes
+            most = max(most, held)
+        else:
+            held -= sizes[k]
+    return most
+
+
+def _places_all(events, capacity: int) -> bool:
+    """Whether the runtime's ring (``Shm::reserve``) of ``capacity`` bytes places every
+    start: at the head, or at 0 when it does not fit before the end, or at 0 when
+    nothing is in flight; never over a region not yet waited."""
+    head, live = 0, {}  # op -> (offset, bytes), not yet waited
+    for kind, k, nbytes in events:
+        if kind == "wait":
+            live.pop(k, None)
+            continue
+        if nbytes > capacity:
+            return False
+        if not live:
+            head = 0
+        offset = head if head + nbytes <= capacity else 0
+        if any(o < offset + nbytes and offset < o + b for o, b in live.values()):
+            return False
+        live[k] = (offset, nbytes)
+        head = offset + nbytes
+    return True

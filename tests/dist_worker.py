@@ -167,14 +167,14 @@ CASES.update({
     "transformer_clip_call": (TinyTransformer, _transformer_batch, None, {"gradient_accumulation_steps": 2}),
     "transformer_schedule": (TinyTransformer, _transformer_batch, None, {"gradient_clipping": 0.1}),
 })
-# the shared-memory transport (the others run over the process group): the same
-# training, every pass's kind of collective
+# over the process group (the others run over shared memory, the default on one CPU
+# host): the same training, every pass's kind of collective
 CASES.update({
-    "hf_llama_optimize_shared_memory": (tiny_llama, _llama_batch, lambda out: out.loss,
-                                        {"transport": "shared_memory",
+    "hf_llama_optimize_process_group": (tiny_llama, _llama_batch, lambda out: out.loss,
+                                        {"transport": "process_group",
                                          "optimize": {"passes": _SCHEDULE, "profile_at": [1, 3]}}),
-    "transformer_prefetch_unshard_bucket_shared_memory": (TinyTransformer, _transformer_batch, None,
-                                                          {"transport": "shared_memory", "passes": _SCHEDULE}),
+    "transformer_prefetch_unshard_bucket_process_group": (TinyTransformer, _transformer_batch, None,
+                                                          {"transport": "process_group", "passes": _SCHEDULE}),
 })
 CASES.update({
     "transformer_groups_schedule": (TinyTransformer, _transformer_batch, None, {}),
@@ -296,6 +296,7 @@ def run_case(name: str, rank: int, world: int) -> dict:
     engine = dcir.initialize(model, optimizer=optimizer, config={**config, "timeout_s": 60}, loss_fn=loss_fn,
                              lr_scheduler=SCHEDULERS.get(name))
     ENGINES.append(engine)
+    fallbacks = runtime_stats().shm_fallbacks
     opt = INSTANCES[name](ref) if name in INSTANCES else make_opt(ref.named_parameters())
     schedule = SCHEDULERS[name](opt) if name in SCHEDULERS else None
     clip = config.get("gradient_clipping") or CALL_CLIP.get(name)
@@ -346,7 +347,8 @@ def run_case(name: str, rank: int, world: int) -> dict:
             "groups": [[g.get("param_names"), g["weight_decay"]] for g in engine.optimizer.param_groups],
             "full_optimizer_state": 2 * sum(p.numel() * 4 for p in ref.parameters() if p.requires_grad),
             "ir": ir_text if rank == 0 else "", "optimize": engine.optimize_log, "config": config,
-            "profiled": str(engine.profiled_ir()) if rank == 0 and engine.profiled_ir() is not None else ""}
+            "profiled": str(engine.profiled_ir()) if rank == 0 and engine.profiled_ir() is not None else "",
+            "outbox": engine.transport_bytes, "shm_fallbacks": runtime_stats().shm_fallbacks - fallbacks}
 
 
 def equivalence(out: str, cases: list[str]) -> None:
@@ -484,7 +486,7 @@ def native_ops(transport: str) -> None:
     where = device()
     engine = dcir.initialize(mlp().to(where), config={"transport": transport})  # joins the group, loads the runtime
     d, g = torch.ops.dcir, engine.group
-    assert d.shm_active(g) == (transport == "shared_memory"), (transport, engine.transport_bytes)
+    assert d.shm_active(g) == (transport != "process_group"), (transport, engine.transport_bytes)
     full = torch.arange(10.0, device=where).reshape(2, 5)
     chunk = -(-10 // world)
     flat = F.pad(full.reshape(-1), (0, chunk * world - 10))
@@ -525,6 +527,7 @@ def _many_in_flight(d, g, rank: int, world: int, outbox: int, where: torch.devic
     """More transfers in flight than the shared-memory outbox holds, and one larger than
     all of it, waited out of order: the ones that do not fit go over the process group
     (every rank decides alike), and every value is right."""
+    fallbacks = runtime_stats().shm_fallbacks
     n = max(outbox // 4 // 6, 1024)  # elements per shard: 6 of them fill the outbox
     shards = [torch.full((n,), float(rank * 100 + i), device=where) for i in range(8)]
     shards.append(torch.full((outbox // 4 + 1,), -1.0 - rank, device=where))
@@ -542,6 +545,7 @@ def _many_in_flight(d, g, rank: int, world: int, outbox: int, where: torch.devic
         assert torch.equal(d.wait(t), whole[rank * 1000:(rank + 1) * 1000]), i
     for t in gathers:
         d.free(t)
+    assert (runtime_stats().shm_fallbacks > fallbacks) == (outbox > 0), "the outbox's overflow was not counted"
 
 
 if __name__ == "__main__":

@@ -65,7 +65,8 @@ def main() -> int:
     if group.rank == 0:
         Path(sys.argv[1]).write_text(json.dumps({
             "init_mib": [t[0].item() for t in everyone], "capture_mib": [t[1].item() for t in everyone],
-            "grown_mib": [t[2].item() for t in everyone], "params_mib": params, "state_mib": 4 * params}))
+            "grown_mib": [t[2].item() for t in everyone], "params_mib": params, "state_mib": 4 * params,
+            "outbox_mib": engine.memory().transport / 2**20}))
     dist.destroy_process_group()
     return 0
 

@@ -32,8 +32,8 @@ CASES = ["mlp", "mlp_accumulate2", "tied_frozen", "transformer", "hf_llama", "hf
          "transformer_clip_call", "transformer_schedule",
          # parameter groups chosen by name (weight-decay exclusion) with a schedule; an optimizer built on the model
          "transformer_groups_schedule", "transformer_zero1_groups_schedule", "tied_frozen_optimizer_instance",
-         # the shared-memory transport, beside the process group every other case runs over
-         "hf_llama_optimize_shared_memory", "transformer_prefetch_unshard_bucket_shared_memory"]
+         # the process group, beside shared memory every other case runs over (one CPU host)
+         "hf_llama_optimize_process_group", "transformer_prefetch_unshard_bucket_process_group"]
 # every combination of the schedule passes, and the optimization cycle within a budget (world 2)
 SCHEDULE_CASES = [f"transformer_{c}" for c in ("prefetch", "unshard", "bucket", "prefetch_unshard",
                                                 "prefetch_bucket", "unshard_bucket")] + [
@@ -57,7 +57,7 @@ def _run(capfd, nproc: int, *args: str, timeout_s: float = 300) -> tuple[int, st
     return code, out + err
 
 
-@pytest.mark.parametrize("transport", ["shared_memory", "process_group"])
+@pytest.mark.parametrize("transport", ["auto", "process_group"])
 def test_collectives_match_their_definition(transport, capfd):
     code, out = _run(capfd, 3, "ops", transport, timeout_s=120)
     assert code == 0, out
@@ -101,6 +101,8 @@ def test_sharded_training_matches_eager(world, tmp_path, capfd):
     for case in CASES + extra:
         r = results[case]
         assert r["max_rel_err"] <= INDUCTOR_CASES.get(case, 1e-5), (case, r["worst_param"], r["max_rel_err"])
+        # the outbox sized from the program holds every gather and reduce-scatter it runs
+        assert (r["outbox"] == 0) == case.endswith("_process_group") and r["shm_fallbacks"] == 0, (case, r)
         for cycle in r["optimize"]:
             # the memory model's peak of the profiled schedule against the measured one
             for fn, measured in cycle["measured_peak"].items():
@@ -183,7 +185,7 @@ def test_user_errors_are_messages_on_every_rank(capfd):
         "error: engine.backward(loss) ran twice for one forward: its backward has run already",
         "error: engine(...) was called after engine.backward(loss) without engine.step(): end each micro-step with engine.step()",
         "MISUSE CHANGED NOTHING: True",
-        " (parameters, gradients, optimizer state, buffers, replicas, accumulators and the peak of gathered parameters), over the memory budget of ",
+        " (parameters, gradients, optimizer state, buffers, replicas, accumulators, the peak of gathered parameters and the shared-memory outbox), over the memory budget of ",  # noqa: E501
         "error: /nonexistent/dcir.json: cannot read the config: No such file or directory",
         "error: clip_grad_norm_ clips a whole step's gradients: call it after its last micro-step's backward (every 2)",
         "error: engine.backward(loss): this loss was not computed from the outputs of the engine's last forward; nothing was changed",
@@ -278,6 +280,40 @@ def test_shared_memory_where_it_cannot_be_is_an_error_and_auto_falls_back():
     with pytest.raises(dcir.DcirError) as e:
         dcir.initialize(torch.nn.Linear(4, 4), config={"transport": "shared_memory"})
     assert 'transport "shared_memory" is not possible here: one rank' in e.value.render()
+
+
+TWO_GATHERS = """
+module @m attributes {world_size = 2} {
+  param @w1 : shard<f32[256, 256], 2> {trainable}
+  param @w2 : shard<f32[256, 256], 2> {trainable}
+  func @forward(%x: f32[256, 256] {input}) -> (f32[256, 256] {output}) role forward {
+    %s1 = param.get @w1 : shard<f32[256, 256], 2>
+    %s2 = param.get @w2 : shard<f32[256, 256], 2>
+    %p1 = comm.all_gather(%s1) : pending<f32[256, 256]>
+    WAIT1
+    %p2 = comm.all_gather(%s2) : pending<f32[256, 256]>
+    WAIT2
+    %y = aten.mm.default(%w1, %w2) : f32[256, 256]
+    %z = aten.mm.default(%x, %y) : f32[256, 256]
+    %pg = comm.reduce_scatter(%z) {op = "avg"} : pending<shard<f32[256, 256], 2>>
+    %g = comm.wait(%pg) : shard<f32[256, 256], 2>
+    grad.set @w1(%g)
+    return %z
+  }
+}
+"""
+
+
+def test_the_outbox_holds_what_the_program_has_in_flight():
+    """A shard of w1 or w2 is 128 KiB, and so are the chunks of the reduce-scatter the
+    other rank keeps: one at a time needs 128 KiB, both gathers in flight 256 KiB."""
+    from dcir_runtime.transport import outbox_bytes
+
+    wait1, wait2 = "%w1 = comm.wait(%p1) : f32[256, 256]", "%w2 = comm.wait(%p2) : f32[256, 256]"
+    one_at_a_time = dcir.parse(TWO_GATHERS.replace("WAIT1", wait1).replace("WAIT2", wait2))
+    assert outbox_bytes(one_at_a_time) == 128 << 10
+    ahead = dcir.parse(TWO_GATHERS.replace("WAIT1", "").replace("WAIT2", f"{wait1}\n    {wait2}"))
+    assert outbox_bytes(ahead) == 256 << 10
 
 
 def test_config_from_a_json_file(tmp_path):
