@@ -682,7 +682,8 @@ class _Compiled(torch.nn.Module):
     first run of a compiled kernel loads it, which took up to 10 times its later runs
     here, so after compiling, the stretch runs once untimed; its result is dropped (the
     stretch has no effect but its results: state is written by ``param.set``, which
-    cuts stretches)."""
+    cuts stretches; a stretch with random ops draws its seeds from torch's generator
+    once more then)."""
 
     def __init__(self, gm: fx.GraphModule):
         super().__init__()
