@@ -35,6 +35,7 @@ touched (world times its own), though the host holds each once.
 
 from __future__ import annotations
 
+import logging
 import secrets
 
 import torch
@@ -43,6 +44,8 @@ import torch.distributed as dist
 from dcir import ops as registry
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import DTYPE_BYTES
+
+log = logging.getLogger("dcir")
 
 MIN_OUTBOX = 64 << 10   # before the first program sizes it, and the least it gets
 MAX_OUTBOX = 256 << 20  # beyond it, the program's largest transfers go over the process group
@@ -70,7 +73,13 @@ def fit(group, mode: str, current: int, module) -> int:
     if current == 0:
         return 0
     need = outbox_bytes(module)
-    return current if need == current else _open(group, mode, need, None)
+    if need == current:
+        return current
+    capacity = _open(group, mode, need, None)
+    if capacity == 0 and group.rank == 0:  # "auto": it worked at a smaller size
+        log.warning("dcir: the shared-memory outbox could not grow to %.1f MiB for the training program; "
+                    "gathers and reduce-scatters go over the process group from now on", need / 2**20)
+    return capacity
 
 
 def _open(group, mode: str, capacity: int, why: str | None) -> int:
