@@ -4,6 +4,7 @@
     python benchmarks/bench_train.py --layers 24          # the 24-layer variant
     python benchmarks/bench_train.py --accumulate 4       # gradient accumulation 4
     python benchmarks/bench_train.py --systems dcir,fsdp2 --init meta --model 100m   # start from meta
+    python benchmarks/bench_train.py --malloc keep        # every system with freed memory kept for reuse
 
 Every system trains the same HF Llama (from a config, fp32) on the same batches
 (``--model 100m``: 12 layers, hidden 768, MLP 2048, 12 heads, vocabulary 32000,
@@ -64,6 +65,13 @@ have no such counter ("n/a"). Sent is the bytes a rank hands to collectives per 
 DCIR's runtime counts them (the largest rank's; "n/a" for the others), and "x fp32" a
 bf16 row's step time over its fp32 row's in the same run.
 
+``--malloc keep`` runs every system's processes alike with glibc malloc keeping freed
+memory for reuse (``MALLOC_MMAP_MAX_=0``, no trimming), as a GPU caching allocator
+does: no step after the first faults fresh pages in, which otherwise takes much of the
+time of the ops that write large tensors (22 ms for 64 MiB here) and depends on the
+allocator's history (docs/simulator.md, "page faults"); resident memory then stays at
+its peak. The default, ``system``, leaves malloc as the environment configures it.
+
 ``--init meta`` starts the sharded systems without the full model: the Llama is built
 under ``torch.device("meta")`` and ``dcir.initialize`` initializes each rank's shards;
 FSDP2 runs its recipe (``fully_shard``, ``to_empty``, ``initialize_weights()``);
@@ -95,6 +103,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+#: ``--malloc``: the environment every system's processes get alike (glibc malloc's tunables)
+MALLOC = {"system": {},
+          "keep": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}}
 SYSTEMS = ["floor", "eager", "dcir", "dcir-prefetch", "dcir-unshard", "dcir-optimized", "dcir-inductor",
            "dcir-zero1", "dcir-zero2", "dcir-offload", "dcir-bf16", "fsdp2", "fsdp2-offload", "fsdp2-bf16", "deepspeed-zero1", "deepspeed-zero2",
            "deepspeed", "deepspeed-offload"]
@@ -124,7 +135,7 @@ def _run(system: str, ns, out: Path) -> dict | None:
     if ns.trace and system.startswith("dcir"):
         args += ["--trace", str(out.with_name(out.stem + "-trace"))]
     world = 1 if system in ("floor", "eager") else ns.world
-    env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"} | MALLOC[ns.malloc]
     with open(out.with_suffix(".log"), "w") as log:
         code = _launch_quiet(launch, args, world, env, log, ns.timeout)
     if code != 0 or not out.exists():
@@ -273,6 +284,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--transport", choices=TRANSPORTS, default="auto",
                     help="the DCIR systems' transport for gathers and reduce-scatters (the Engine's config key "
                          "'transport'; default auto: shared memory with every rank on one CPU host)")
+    ap.add_argument("--malloc", choices=sorted(MALLOC), default="system",
+                    help="system: glibc malloc as configured (large blocks are mapped fresh, and their pages "
+                         "faulted in, each time); keep: every system's processes alike keep freed memory for "
+                         "reuse, as a GPU caching allocator does (MALLOC_MMAP_MAX_=0, no trimming; resident "
+                         "memory stays at its peak). Default system")
     ap.add_argument("--world", type=int, default=2, help="ranks of the distributed systems (default 2)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu (gloo, 1 thread per rank) or cuda (one GPU per rank, NCCL); default cpu")
@@ -302,7 +318,8 @@ def main(argv=None) -> int:
     workload = ", ".join(f"{n} {getattr(ns, n)}" for n, _ in WORKLOAD)
     where = "1 GPU per rank (NCCL)" if ns.device == "cuda" else "1 thread per rank"
     count = parameters(ns)
-    print(f"Llama {count / 1e6:.1f} M parameters ({workload}); init {ns.init}; world {ns.world}, {where}; "
+    print(f"Llama {count / 1e6:.1f} M parameters ({workload}); init {ns.init}; malloc {ns.malloc}; "
+          f"world {ns.world}, {where}; "
           f"{ns.rounds} rounds x {ns.steps} steps (+{ns.warmup} warm-up), interleaved")
     runs: dict[str, list[dict]] = {s: [] for s in runnable}
     begin = time.time()
@@ -325,9 +342,9 @@ def main(argv=None) -> int:
 
     if ns.device == "cuda":
         machine = f"{torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}; {machine}"
-    report = {"workload": {n: getattr(ns, n) for n, _ in WORKLOAD} | {"world": ns.world, "threads_per_rank": 1,
-                                                                       "device": ns.device, "init": ns.init,
-                                                                       "model": ns.model, "parameters": count},
+    setting = {"world": ns.world, "threads_per_rank": 1, "device": ns.device, "init": ns.init, "malloc": ns.malloc,
+               "model": ns.model, "parameters": count}
+    report = {"workload": {n: getattr(ns, n) for n, _ in WORKLOAD} | setting,
               "rounds": ns.rounds, "steps": ns.steps, "warmup": ns.warmup, "machine": machine,
               "torch": torch.__version__, "seconds": round(time.time() - begin), "results": rows,
               "unavailable": unavailable, "command": "python benchmarks/bench_train.py " + " ".join(argv or sys.argv[1:])}

@@ -24,6 +24,7 @@ passes its process group to ``annotate``).
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 import weakref
@@ -68,6 +69,13 @@ def _tensors(x):
             yield from _tensors(y)
 
 
+def _minor_faults() -> int:
+    """This process's minor page faults so far: a fresh block of host memory is faulted
+    in page by page when first written (on this machine 22 ms for 64 MiB against 2 ms
+    when the allocator hands back memory it kept), which is part of an op's time."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 class _Recorder(fx.Interpreter):
     """Runs a lowered function node by node, timing and sizing every op. ``sync``: wait
     for each transfer right after its start (the profile's transfer times); without it
@@ -83,6 +91,7 @@ class _Recorder(fx.Interpreter):
         self.launch = [0.0] * n_ops
         self.mem = [0] * n_ops
         self.cuda_mem = [0] * n_ops
+        self.faults = [0] * n_ops  # minor page faults while the op ran (the trace's args)
         self.storages: dict[int, weakref.ref] = {}
         self.ready: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # collectives already waited
         self.wait = torch.ops.dcir.wait if hasattr(torch.ops, "dcir") else None
@@ -116,6 +125,7 @@ class _Recorder(fx.Interpreter):
         name = _dcir_name(n)
         if k is not None:  # what the op's operands hold counts while it runs (a free's included)
             self.mem[k] = max(self.mem[k], self._live())
+        faults = _minor_faults()
         if name == "wait" and id(self.env[n.args[0]]) in self.ready:
             out = self.env[n.args[0]]  # finished when it started (profiling)
             begin = end = time.perf_counter()
@@ -138,6 +148,7 @@ class _Recorder(fx.Interpreter):
         if n.op == "placeholder" or (_counted(n) and not self._host(n, out)):
             self._track(out)
         if k is not None:
+            self.faults[k] += _minor_faults() - faults
             self.spans.append((k, begin, end))
             self.time[k] += end - begin
             self.mem[k] = max(self.mem[k], self._live())

@@ -70,14 +70,15 @@ class Tracer:
             us = {k: ((b - origin) * 1e6, (e - origin) * 1e6) for k, (b, e) in span.items()}
             if us:
                 starts.setdefault(name, min(b for b, _ in us.values()))
-            events += _measured(func, us, rec.mem, pid)
+            events += _measured(func, us, rec.mem, rec.faults, pid)
         events += chrome.predicted(self.module, None, pid, starts)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         chrome.write(self.path, events)
         return self.path
 
 
-def _measured(func, us: dict[int, tuple[float, float]], mem: list[int], pid: int) -> list[dict]:
+def _measured(func, us: dict[int, tuple[float, float]], mem: list[int], faults: list[int],
+              pid: int) -> list[dict]:
     rows, out = chrome.MEASURED_ROWS, []
     joined_at: dict = {}  # pending value -> end of the wait that joins it
     for k, op in enumerate(func.ops):
@@ -91,7 +92,7 @@ def _measured(func, us: dict[int, tuple[float, float]], mem: list[int], pid: int
         b, e = us[k]
         args = {"function": func.name, "op": k}
         out.append({"ph": "X", "pid": pid, "tid": rows[COMPUTE], "name": chrome.slice_name(op), "cat": "compute",
-                    "ts": b, "dur": max(e - b, 0.001), "args": args})
+                    "ts": b, "dur": max(e - b, 0.001), "args": args | {"page faults": faults[k]}})
         out.append({"ph": "C", "pid": pid, "name": "live bytes", "ts": b, "args": {"bytes": mem[k]}})
         lane = lane_of(op)
         if lane == COMPUTE:

@@ -162,6 +162,35 @@ def test_a_compiled_stretch_prices_its_ops_by_their_share_of_it():
     assert [op.attrs.get(COMPILED) for op in plan.functions["forward"].ops] == [None, *shares]
 
 
+BIG_OUTPUT = """
+module @m {
+  func @forward(%x: f32[4096, 4096] {input}) -> (f32[] {output}) role forward {
+    %y = aten.mul.Tensor(%x, %x) : f32[4096, 4096]
+    %loss = aten.sum.default(%y) : f32[]
+    return %loss
+  }
+}
+"""
+
+
+def test_the_profile_counts_the_page_faults_of_each_op():
+    """An op that writes a fresh 64 MiB tensor faults its pages in (16,384 of 4 KiB, or 32
+    huge pages); the sum that only reads it, none to speak of. The trace shows the count."""
+    import torch
+
+    from dcir_runtime import native
+    from dcir_runtime.profiler import Profile
+
+    native.load()
+    m = dcir.parse(BIG_OUTPUT)
+    profile = Profile(m)
+    x = torch.ones(4096, 4096)
+    (loss,) = profile.run("forward", dcir.lower(m, {}).graphs["forward"], {}, {}, x)
+    assert loss.item() == 4096 * 4096
+    faults = profile.runs["forward"][0].faults
+    assert faults[0] >= 32 and faults[1] < faults[0]
+
+
 def test_fit_describes_the_machine_a_profile_ran_on():
     fitted = fit(dcir.parse(GATHER_AND_COPY), "here")
     # the offload moves the 8 KiB shard in its 80 us less a dispatch
@@ -334,6 +363,7 @@ def test_dcir_train_writes_a_perfetto_trace_per_rank(tmp_path, capsys):
         assert {"compute", "communication", "predicted compute", "predicted communication"} <= used
         assert any(e["name"].startswith("comm.all_gather %") for e in slices if rows[e["tid"]] == "communication")
         assert all(e["dur"] > 0 and e["ts"] >= 0 for e in slices)
+        assert all(e["args"]["page faults"] >= 0 for e in slices if rows[e["tid"]] == "compute")
         counters = {e["name"] for e in events if e["ph"] == "C"}
         assert counters == {"live bytes", "predicted live bytes"}
     # the ranks' traces line up wait by wait: trace_lateness reads them
