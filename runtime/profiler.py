@@ -125,7 +125,7 @@ class _Recorder(fx.Interpreter):
         name = _dcir_name(n)
         if k is not None:  # what the op's operands hold counts while it runs (a free's included)
             self.mem[k] = max(self.mem[k], self._live())
-        faults = _minor_faults()
+        faults = _minor_faults() if k is not None else 0  # a syscall: only for the IR's ops
         if name == "wait" and id(self.env[n.args[0]]) in self.ready:
             out = self.env[n.args[0]]  # finished when it started (profiling)
             begin = end = time.perf_counter()

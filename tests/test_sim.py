@@ -175,7 +175,8 @@ module @m {
 
 def test_the_profile_counts_the_page_faults_of_each_op():
     """An op that writes a fresh 64 MiB tensor faults its pages in (16,384 of 4 KiB, or 32
-    huge pages); the sum that only reads it, none to speak of. The trace shows the count."""
+    huge pages); the sum that only reads it, none to speak of (a trace shows the counts:
+    ``test_dcir_train_writes_a_perfetto_trace_per_rank``)."""
     import torch
 
     from dcir_runtime import native
