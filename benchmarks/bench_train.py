@@ -19,6 +19,9 @@ Every system trains the same HF Llama (from a config, fp32) on the same batches
   with no passes, so every DCIR row has the cost model's predicted step time);
 * ``dcir-inductor``: ``dcir-optimized``'s planned program with the compute between
   collectives compiled by Inductor (the two differ only in the lowering);
+* ``dcir-fused``: ``dcir-optimized``'s passes and ``fuse``, planned jointly: which
+  stretches of compute are compiled is chosen with the simulator, together with the
+  bucketing and prefetching (``dcir.fusion``);
 * ``dcir-zero1``, ``dcir-zero2``: the Engine at ZeRO stage 1 (optimizer state
   sharded) and 2 (gradients too), with ``dcir-optimized``'s passes;
 * ``dcir-offload``: ``zero3`` with ``dcir-optimized``'s passes and optimizer-state
@@ -107,7 +110,7 @@ HERE = Path(__file__).resolve().parent
 MALLOC = {"system": {},
           "keep": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}}
 SYSTEMS = ["floor", "eager", "dcir", "dcir-prefetch", "dcir-unshard", "dcir-optimized", "dcir-inductor",
-           "dcir-zero1", "dcir-zero2", "dcir-offload", "dcir-bf16", "fsdp2", "fsdp2-offload", "fsdp2-bf16", "deepspeed-zero1", "deepspeed-zero2",
+           "dcir-fused", "dcir-zero1", "dcir-zero2", "dcir-offload", "dcir-bf16", "fsdp2", "fsdp2-offload", "fsdp2-bf16", "deepspeed-zero1", "deepspeed-zero2",
            "deepspeed", "deepspeed-offload"]
 WORKLOAD = [("layers", 6), ("hidden", 256), ("seq", 128), ("batch", 4), ("vocab", 32000), ("accumulate", 1),
             ("intermediate", 0)]  # intermediate 0: 4 x hidden

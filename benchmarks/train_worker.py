@@ -280,7 +280,8 @@ class Floor(_Plain):
 
 #: DCIR with profile-guided passes
 SCHEDULES = {"dcir-prefetch": ("prefetch",), "dcir-unshard": ("unshard",),
-             "dcir-optimized": ("prefetch", "unshard", "bucket")}
+             "dcir-optimized": ("prefetch", "unshard", "bucket"),
+             "dcir-fused": ("prefetch", "unshard", "bucket", "fuse")}
 #: DCIR's other ZeRO stages and offload, each with dcir-optimized's passes: config
 #: merged into the Engine's (dcir-offload's budget is filled in by ``Dcir``)
 ENGINE_FEATURES = {"dcir-zero1": {"zero_stage": 1}, "dcir-zero2": {"zero_stage": 2},

@@ -68,6 +68,10 @@ class Machine:
     #: too (``dcir.sim``): on a CPU whose cores also run the process group's copies (gloo over
     #: loopback), about half; 0 where transfers take no compute core (NCCL on a GPU)
     overlap_share: float = 0.0
+    #: a compiled stretch of compute (``dcir.fusion``): the host cost of one call into it,
+    #: and the share of their eager time the ops it fuses take (``benchmarks/calibrate_fusion.py``)
+    compiled_call_s: float = 2.5e-6
+    fused_share: float = 0.6
     world_size: int | None = None  # ranks, when the collective's types do not say
     memory: int | None = None      # bytes of device memory (none: not described)
     name: str = "default"
@@ -232,13 +236,16 @@ def calibrate(module: Module, machine: Machine | None = None) -> Machine:
 def _profiled_on(module: Module) -> Machine:
     """The default machine for ``module``: on a profile taken on a CPU, one whose transfers
     share the cores with compute as this machine's do (``dcir/machines/cpu-2core.toml``'s
-    ``links.overlap_share``, measured by ``benchmarks/calibrate_overlap.py``)."""
+    ``links.overlap_share``, measured by ``benchmarks/calibrate_overlap.py``), and whose
+    compiled stretches cost what its ``[compiler]`` table says."""
     machine = Machine(world_size=module.world_size)
     if module.attrs.get(DEVICE) != "cpu":
         return machine
     from dcir.hardware import load  # the descriptions are read with this module's Machine
 
-    return replace(machine, overlap_share=load("cpu-2core").overlap_share)
+    cpu = load("cpu-2core")
+    return replace(machine, overlap_share=cpu.overlap_share, compiled_call_s=cpu.compiled_call_s,
+                   fused_share=cpu.fused_share)
 
 
 def outside_s(module: Module, machine: Machine) -> float:
@@ -251,16 +258,33 @@ def outside_s(module: Module, machine: Machine) -> float:
     return t * 1e-6
 
 
-def profiled_us(op: Op) -> float | None:
+def _number(t) -> bool:
+    return isinstance(t, (int, float)) and not isinstance(t, bool)
+
+
+def compiled_us(op: Op) -> float | None:
+    """The profile's microseconds of ``op`` in a compiled stretch (``prof.compiled_us``), or None."""
+    t = op.attrs.get(COMPILED)
+    return t if _number(t) else None
+
+
+def profiled_us(op: Op, compiled: bool = True) -> float | None:
     """The profile's microseconds of ``op`` (None: not profiled): in a program lowered
-    with Inductor, its share of its compiled stretch (``prof.compiled_us``); for an async
-    op, its transfer alone: the profiler times a transfer from its start to the end of
-    the wait right after it, so ``prof.time_us`` holds the launch (``prof.launch_us``) as well."""
-    t = op.attrs.get(COMPILED, op.attrs.get(TIME))
-    if not isinstance(t, (int, float)) or isinstance(t, bool):
+    with Inductor, its share of its compiled stretch (``prof.compiled_us``; not with
+    ``compiled=False``); for an async op, its transfer alone: the profiler times a
+    transfer from its start to the end of the wait right after it, so ``prof.time_us``
+    holds the launch (``prof.launch_us``) as well."""
+    t = op.attrs.get(COMPILED, op.attrs.get(TIME)) if compiled else op.attrs.get(TIME)
+    if not _number(t):
         return None
     launch = op.attrs.get(LAUNCH) if is_transfer(op) else None
     return max(t - launch, 0.0) if isinstance(launch, (int, float)) and not isinstance(launch, bool) else t
+
+
+def eager_s(op: Op, machine: Machine) -> float:
+    """Seconds of ``op`` run on its own, not in a compiled stretch: profiled, else modelled."""
+    t = profiled_us(op, compiled=False) if machine.use_profile else None
+    return t * 1e-6 if t is not None else analytic_s(op, machine)
 
 
 def op_seconds(op: Op, machine: Machine) -> tuple[float, bool]:
@@ -294,12 +318,12 @@ def _source(profiled: int, total: int) -> str:
     return "analytic" if profiled == 0 else "profile+analytic"
 
 
-def estimate(func: Function, machine: Machine) -> Estimate:
-    """Simulate ``func``'s schedule (``dcir.sim``: a compute lane, a collective lane and a
-    copy lane) and sum it up."""
+def estimate(func: Function, machine: Machine, module: Module | None = None) -> Estimate:
+    """Simulate ``func`` (of ``module``, when given) (``dcir.sim``: a compute lane, a
+    collective lane and a copy lane) and sum it up."""
     from dcir.sim import simulate  # the simulator prices ops with this module
 
-    return simulate(func, machine).summary()
+    return simulate(func, machine, module=module).summary()
 
 
 def estimate_module(module: Module, machine: Machine | None = None, micro_steps: int = 1) -> Estimate:
@@ -311,7 +335,7 @@ def estimate_module(module: Module, machine: Machine | None = None, micro_steps:
     machine = calibrate(module, machine)
     total = None
     for name, calls in runs_per_step(module, micro_steps).items():
-        e = simulate(module.functions[name], machine).summary()
+        e = simulate(module.functions[name], machine, module=module).summary()
         for _ in range(calls):
             total = e if total is None else total + e
     total = total or Estimate(0.0, 0.0, 0.0, 0.0, "analytic")

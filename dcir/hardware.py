@@ -21,6 +21,10 @@ devices (``docs/simulator.md`` explains every key and how to add a machine)::
     inter_latency_s = 9.6e-6     # one ring step across nodes
     overlap_share = 0            # share of speed compute and a transfer lose beside each other
 
+    [compiler]
+    call_s = 2.5e-6              # host cost of one call into a compiled stretch (dcir.fusion)
+    fused_share = 0.6            # share of their eager time the ops a compiled stretch fuses take
+
 Shipped descriptions live in ``dcir/machines/``; ``load`` takes one of their names
 (``"h100-ib400"``) or a path.
 """
@@ -45,6 +49,7 @@ _KEYS = {
     ("links", "ranks_per_node"): "ranks_per_node", ("links", "intra_bw"): "link_bw",
     ("links", "intra_latency_s"): "link_latency_s", ("links", "inter_bw"): "inter_bw",
     ("links", "inter_latency_s"): "inter_latency_s", ("links", "overlap_share"): "overlap_share",
+    ("compiler", "call_s"): "compiled_call_s", ("compiler", "fused_share"): "fused_share",
     ("", "name"): "name", ("", "world_size"): "world_size",
 }
 
@@ -99,6 +104,8 @@ def _value(path: Path, field: str, value):
             raise HardwareError(f"{path}: device.memory: {e}") from None
     if field == "name":
         return str(value)
+    if field == "compiled_call_s" and not isinstance(value, bool) and isinstance(value, (int, float)) and value >= 0:
+        return float(value)
     if field == "overlap_share" and not isinstance(value, bool) and isinstance(value, (int, float)):
         if not 0 <= value < 1:
             raise HardwareError(f"{path}: 'overlap_share' must be at least 0 and below 1, got {value!r}")
@@ -114,7 +121,7 @@ def dump(machine: Machine, comment: str = "") -> str:
     lines += [f'name = "{machine.name}"']
     if machine.world_size:
         lines.append(f"world_size = {machine.world_size}")
-    for table in ("device", "links"):
+    for table in ("device", "links", "compiler"):
         lines.append(f"\n[{table}]")
         for (t, key), field in _KEYS.items():
             value = getattr(machine, field)

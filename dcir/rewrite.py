@@ -119,6 +119,21 @@ class Rewriter:
         """Move ``op`` just before ``anchor`` (None: to the end)."""
         self.move(op, len(self.func.ops) if anchor is None else self.position(anchor))
 
+    def set_attr(self, op: Op, key: str, value=None) -> None:
+        """Set attribute ``key`` of ``op`` to ``value`` (None: remove it)."""
+        had, old = key in op.attrs, op.attrs.get(key)
+        if value is None:
+            op.attrs.pop(key, None)
+        else:
+            op.attrs[key] = value
+
+        def undo():
+            if had:
+                op.attrs[key] = old
+            else:
+                op.attrs.pop(key, None)
+        self._undo.append(undo)
+
     # ---- values ----
 
     def set_operands(self, op: Op, values: Iterable[Value]) -> None:

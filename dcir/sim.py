@@ -34,7 +34,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from dcir import ops as registry, roles
+from dcir import fusion, ops as registry, roles
 from dcir.cost import (LAUNCH, Estimate, Machine, is_host_copy, is_transfer, op_seconds, outside_s, pack_s,
                        unpack_s)
 from dcir.ir import Function, Module, Op
@@ -176,18 +176,21 @@ def _ends(start: float, seconds: float, lost: float, now: float, rate: float) ->
     return end if rate == 1.0 else now + (end - now) / rate
 
 
-def simulate(func: Function, machine: Machine, stalls: bool = True) -> Run:
+def simulate(func: Function, machine: Machine, stalls: bool = True, module: Module | None = None) -> Run:
     """Run ``func``'s schedule on ``machine``'s lanes. ``stalls=False``: waits never
     block (the compute lane as it would run were every transfer hidden, the target the
     scheduling moves aim for). A transfer that overlaps compute slows it, and is slowed,
-    by ``machine.overlap_share`` (``_Lanes``)."""
+    by ``machine.overlap_share`` (``_Lanes``). Compute in a compiled stretch costs what
+    ``dcir.fusion.seconds`` says (``module``, when given, tells its cuts exactly)."""
     run = Run(func)
+    fused = fusion.seconds(func, machine, module)
     lanes = _Lanes(run, machine.overlap_share)
     pending: dict = {}  # a transfer's result -> its op's position
     epilogue: dict[int, float] = {}  # a transfer's position -> what its first wait adds
     now = 0.0
     for i, op in enumerate(func.ops):
         seconds, from_profile = op_seconds(op, machine)
+        seconds = fused.get(i, seconds)
         run.seconds.append(seconds)
         run.profiled += from_profile
         run.start.append(now)
@@ -271,7 +274,7 @@ def simulate_module(module: Module, machine: Machine, micro_steps: int = 1,
     from dcir.memory import timelines
 
     calls = runs_per_step(module, micro_steps)
-    runs = {name: simulate(f, machine) for name, f in module.functions.items()}
+    runs = {name: simulate(f, machine, module=module) for name, f in module.functions.items()}
     total = None
     for name, run in runs.items():
         for _ in range(calls[name]):

@@ -76,7 +76,7 @@ def predicted(module: Module, machine: Machine | None, pid: int = 0,
     out = metadata(pid, f"rank {pid}", PREDICTED_ROWS, "predicted ")
     at = 0.0
     for name, func in module.functions.items():
-        run = simulate(func, machine)
+        run = simulate(func, machine, module=module)
         t0 = (starts_us or {}).get(name, at)
         out += run_events(run, lines[name].during, pid, t0, PREDICTED_ROWS, "predicted live bytes")
         at = t0 + run.end * 1e6

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from dcir import aten, custom_ops, signature
+from dcir import aten, custom_ops, fusion, signature
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.analysis import view_bases
 from dcir.ir import Function, Module, Op, ShardType
@@ -463,7 +463,8 @@ def lower(module: Module, state: dict, *, inductor: bool = False, group: str | N
     ``group`` (a process group's name), collectives run over it through the C++
     runtime, and sharded parameters are read from the runtime's shard store, under
     ``store_prefix + FQN`` (from ``state`` when it has them). ``inductor`` compiles the compute (between the
-    collectives, see ``compile_compute``). ``optimizer_state`` is the store that
+    collectives, see ``compile_compute``); without it, the stretches whose ops the ``fuse``
+    pass marked (``dcir.fusion``) are compiled, the rest runs op by op. ``optimizer_state`` is the store that
     optimizer state, ``optim.step`` and host copies run on
     (``dcir_runtime.offload.StateStore``); a module with any of them needs one."""
     verify(module)
@@ -488,9 +489,13 @@ def lower(module: Module, state: dict, *, inductor: bool = False, group: str | N
               for f in module.functions.values() if f.role is not None}
 
     def compiled(role: str, gm):
-        if not inductor or role not in (FORWARD, BACKWARD, BACKWARD_LAST, EVAL):
+        if role not in fusion.ROLES:
             return gm
-        return compile_compute(gm)
+        if inductor:
+            return compile_compute(gm)
+        func = module.role(role)
+        marked = {i for i, op in enumerate(func.ops) if fusion.FUSE in op.attrs}
+        return compile_compute(gm, marked) if marked else gm
 
     return Program(module, state, graphs, {role: compiled(role, gm) for role, gm in graphs.items()})
 
@@ -508,7 +513,7 @@ def _runs_in_runtime(node: fx.Node, runtime: set) -> bool:
     return t is _item and node.args[0] in runtime
 
 
-def compile_compute(gm: fx.GraphModule) -> fx.GraphModule:
+def compile_compute(gm: fx.GraphModule, only: set[int] | None = None) -> fx.GraphModule:
     """Inductor for the compute between collectives, the runtime's ops as they are.
 
     Inductor sees a collective as a synchronous kernel: it would reuse the storage of
@@ -538,13 +543,16 @@ def compile_compute(gm: fx.GraphModule) -> fx.GraphModule:
 
     A stretch with fewer than ``MIN_COMPILED_OPS`` ops Inductor could fuse (views and
     matmuls aside: Inductor calls the same library kernels for those) runs as it is:
-    there is nothing to fuse, and the call would cost more than it saves."""
+    there is nothing to fuse, and the call would cost more than it saves. With ``only``
+    (positions of IR ops: those the ``fuse`` pass marked), only a stretch that runs one
+    of them is compiled (``dcir.fusion`` cuts the IR as this function cuts the graph)."""
     from torch.fx.passes.split_module import split_module
 
     arranged = fx.GraphModule(gm, _arrange(gm.graph))
     runtime: set = set()
     part: dict = {}
     compute_parts: dict[int, int] = {}  # stretch -> its ops Inductor could fuse
+    chosen: set[int] = set()  # stretches that run an op of ``only``
     current, last = 0, None
     for n in arranged.graph.nodes:
         if n.op in ("placeholder", "output"):
@@ -557,25 +565,25 @@ def compile_compute(gm: fx.GraphModule) -> fx.GraphModule:
         part[n] = current
         if not in_runtime:
             compute_parts[current] = compute_parts.get(current, 0) + _fusible(n)
+            if only is None or n.meta.get(OP_INDEX) in only:
+                chosen.add(current)
     split = split_module(arranged, torch.nn.Module(), lambda n: part[n], keep_original_order=True)
     for name, sub in list(split.named_children()):
-        if compute_parts.get(int(name.rsplit("_", 1)[1]), 0) >= MIN_COMPILED_OPS:
+        k = int(name.rsplit("_", 1)[1])
+        if compute_parts.get(k, 0) >= MIN_COMPILED_OPS and k in chosen:
             setattr(split, name, _Compiled(sub))
     return split
 
 
 #: the fewest ops Inductor could fuse (``_fusible``) a stretch needs to be compiled
-MIN_COMPILED_OPS = 2
-#: ops Inductor hands to the same library kernels eager calls: nothing to fuse
-_LIBRARY_KERNELS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
-                              torch.ops.aten.baddbmm.default, torch.ops.aten.convolution.default})
+MIN_COMPILED_OPS = fusion.MIN_OPS
 
 
 def _fusible(node: fx.Node) -> int:
     """1 for an op Inductor could fuse with others, 0 for a view, the picking of a
-    result, or a library kernel (a matmul)."""
+    result, or a library kernel (a matmul: ``dcir.fusion.LIBRARY_KERNELS``)."""
     t = node.target
-    return int(t is not _item and t not in _LIBRARY_KERNELS and not getattr(t, "is_view", False))
+    return int(t is not _item and not str(t).startswith(fusion.LIBRARY_KERNELS) and not getattr(t, "is_view", False))
 
 
 _HOIST, _SINK, _FIXED = "hoist", "sink", "fixed"
@@ -692,7 +700,8 @@ class _Compiled(torch.nn.Module):
                 n.target = torch.ops.aten.reshape.default
         gm.recompile()
         self.gm, self.compiled = gm, None
-        self.ops = sorted({n.meta[OP_INDEX] for n in gm.graph.nodes if OP_INDEX in n.meta})  # the IR ops it runs
+        # the IR ops it runs (its placeholders carry the meta of the ops that made its inputs)
+        self.ops = sorted({n.meta[OP_INDEX] for n in gm.graph.nodes if n.op == "call_function" and OP_INDEX in n.meta})
         self.times: deque = deque(maxlen=5)  # seconds of its last calls, compiling aside (``stretch_times``)
 
     def forward(self, *args):

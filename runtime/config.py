@@ -66,6 +66,9 @@ class Config:
         given = [k for k in ("mixed_precision", "bf16", "fp16") if getattr(self, k) is not None]
         if len(given) > 1:
             raise _error(f"the config enables {' and '.join(given)}: give one of mixed_precision, bf16, fp16")
+        if self.inductor and any(_names_fuse(spec) for spec in [*self.passes, *(self.optimize or {}).get("passes", [])]):
+            raise _error("the config sets inductor, which compiles every stretch of compute, and runs the fuse "
+                         "pass, which chooses the stretches to compile: give one of them")
 
     @classmethod
     def load(cls, config) -> "Config":
@@ -115,6 +118,11 @@ def _passes(v):
         except DcirError as e:
             raise ValueError(e.diagnostics[0].message) from None
     return list(v)
+
+
+def _names_fuse(spec: str) -> bool:
+    from dcir.passes import parse_pipeline
+    return any(p.name == "fuse" for p in parse_pipeline(spec))
 
 
 def _optimize(v):

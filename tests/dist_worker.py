@@ -106,6 +106,11 @@ CASES = {
     "transformer_inductor_optimize": (TinyTransformer, _transformer_batch, None,
                                       {"inductor": True, "optimize": {"passes": ["prefetch", "unshard", "bucket"],
                                                                       "profile_at": [1, 3]}}),
+    # which stretches run compiled, planned with the schedule (fuse): first by the machine's
+    # model, then, profiled again after the plan ran, from the compiled stretches' times
+    "transformer_fuse_optimize": (TinyTransformer, _transformer_batch, None,
+                                  {"optimize": {"passes": ["prefetch", "unshard", "bucket", "fuse"],
+                                                "profile_at": [1, 3]}}),
     "tied_frozen": (Tied, _tied_batch, None, {}),
     "hf_llama": (tiny_llama, _llama_batch, lambda out: out.loss, {}),
     "hf_llama_accumulate2": (tiny_llama, _llama_batch, lambda out: out.loss, {"gradient_accumulation_steps": 2}),

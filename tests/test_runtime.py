@@ -43,7 +43,7 @@ SCHEDULE_CASES = [f"transformer_{c}" for c in ("prefetch", "unshard", "bucket", 
 # eager in the last bits and AdamW turns that into ~2e-5 of a weight's scale in 5 steps
 # (1.7e-5 measured); the eager lowering runs the captured ops as they are (bit for bit).
 INDUCTOR_CASES = {"transformer_inductor": 1e-4, "transformer_inductor_schedule": 1e-4,
-                  "transformer_inductor_optimize": 1e-4}
+                  "transformer_inductor_optimize": 1e-4, "transformer_fuse_optimize": 1e-4}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -125,6 +125,11 @@ def test_sharded_training_matches_eager(world, tmp_path, capfd):
         compiled = [op for _, op in profiled.ops() if "prof.compiled_us" in op.attrs]
         assert compiled and not any(op.name.startswith("comm.") for op in compiled), profiled
         assert all("prof.compiled_us" not in op.attrs for _, op in dcir.parse(results["hf_llama_optimize"]["profiled"]).ops())
+        # fuse: the plan ran some stretches compiled, and only those carry compiled times
+        fused = dcir.parse(results["transformer_fuse_optimize"]["profiled"])
+        marked = [op for _, op in fused.ops() if "lower.fused" in op.attrs]
+        timed = [op for _, op in fused.ops() if "prof.compiled_us" in op.attrs]
+        assert marked and timed and all("lower.fused" in op.attrs for op in timed), fused
     for case in ("transformer_groups_schedule", "tied_frozen_optimizer_instance"):  # the groups keep their names
         (decay, wd), (plain, no_wd) = results[case]["groups"]
         assert (wd, no_wd) == (0.1, 0.0) and plain and all(n.endswith("bias") or "norm" in n for n in plain), case
@@ -253,7 +258,9 @@ def test_meta_kernels_trace_the_ops():
     ({"zero_stage": True}, "bad value for 'zero_stage': True; valid: 1, 2, 3"),
     ({"offload": {"budget": "1GiB", "pin": True}}, "bad value for 'offload': {'budget': '1GiB', 'pin': True}; an object like"),
     ({"offload": {"budget": "lots"}}, "bad value for 'offload': 'lots' is not a size"),
-    ({"passes": ["dce", "fuse"]}, "bad value for 'passes': unknown pass 'fuse'; passes are: "),
+    ({"passes": ["dce", "fuze"]}, "bad value for 'passes': unknown pass 'fuze'; passes are: "),
+    ({"inductor": True, "optimize": {"passes": ["bucket,fuse"]}},
+     "the config sets inductor, which compiles every stretch of compute, and runs the fuse pass, which chooses the stretches to compile: give one of them"),
     ({"gradient_accumulation_steps": 0}, "bad value for 'gradient_accumulation_steps': 0; a whole number >= 1"),
     ({"memory_budget": "2 gigs"}, "bad value for 'memory_budget': '2 gigs' is not a size"),
     ({"timeout_s": -1}, "bad value for 'timeout_s': -1; a number of seconds > 0"),

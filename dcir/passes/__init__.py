@@ -10,6 +10,7 @@ Pipelines are written ``dce,canonicalize{max_iterations=4}``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import pkgutil
@@ -158,15 +159,20 @@ class PassManager:
     stats: dict[str, Counter] = field(default_factory=dict)
 
     def run(self, module: Module) -> Module:
+        """Run the passes in order. The passes before a ``fuse`` plan jointly with it:
+        they price each stretch of compute as ``fuse`` will run it (``dcir.fusion.choosing``)."""
+        from dcir.fusion import choosing
         from dcir.printer import print_module
         from dcir.verifier import diagnostics
 
-        for p in self.passes:
+        joint = max((k for k, p in enumerate(self.passes) if p.name == "fuse"), default=-1)
+        for k, p in enumerate(self.passes):
             before = print_module(module) if self.reproducer is not None else None
             counter = Counter()
             start = time.perf_counter()
             try:
-                p.run(module, counter)
+                with choosing() if k < joint else contextlib.nullcontext():
+                    p.run(module, counter)
             except DcirError as e:
                 self._write_reproducer(before, p)
                 raise DcirError(e.diagnostics + self._repro_note(p)) from None

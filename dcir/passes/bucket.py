@@ -157,7 +157,7 @@ class _Buckets:
         mark = self.rewriter.checkpoint()
         try:
             merged, why = self.apply(grouping)
-            return (None, why) if merged is None else (estimate(self.func, self.machine).seconds, None)
+            return (None, why) if merged is None else (estimate(self.func, self.machine, self.module).seconds, None)
         finally:
             self.rewriter.rollback(mark)
 

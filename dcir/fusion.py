@@ -1,0 +1,198 @@
+"""Op fusion: which stretches of compute between the runtime's ops run compiled.
+
+The lowering runs a function's ops one by one, or hands each *stretch* of compute
+between the runtime's ops to Inductor (``dcir_lowering.backend.compile_compute``),
+which fuses its pointwise ops into fewer kernels and so reads and writes memory less,
+at a fixed cost per call into compiled code. Which stretches pay is a choice like
+bucketing, and it interacts with it: merging collectives removes the cuts between
+stretches (a collective's start cuts one), so fewer, longer stretches are compiled
+(DisCo plans op fusion and tensor fusion together for this reason).
+
+This module is that choice's model, at the IR's level:
+
+* ``stretches`` cuts a function as the lowering cuts its graph: compute runs on
+  across the reads of state (``param.get``), across a wait on a collective that an
+  earlier wait finished, and across ``grad.set`` and ``mem.free`` (the lowering moves
+  those to a stretch's edges); it is cut by every other op of the runtime
+  (collective starts, ``param.set``, the optimizer-state store's calls) and before the
+  first compute that reads a wait's result. A test checks it against the lowering's
+  cuts. Only stretches with ``MIN_OPS`` ops Inductor could fuse are compiled at all;
+* an op marked ``lower.fused`` runs in a compiled stretch (the ``fuse`` pass marks them; a
+  stretch is compiled when its ops are marked);
+* ``seconds`` prices one function's compute ops, each stretch compiled or not: a
+  compiled op at its share of its compiled stretch's measured time
+  (``prof.compiled_us``) where the profile has it, else by the model below; every
+  other op at its eager time.
+
+The model of a compiled stretch not yet measured: the matmuls and convolutions take
+their eager time (Inductor calls the same library kernels), the ops it fuses take
+``Machine.fused_share`` of theirs, and the stretch pays ``Machine.compiled_call_s``
+once (a call into compiled code, its guards and its result handling). Both figures
+are a machine's (``dcir/machines/*.toml``, ``[compiler]``; ``docs/simulator.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+from dcir import ops as registry
+from dcir.ir import UNIT, Function, Module, Op
+from dcir.roles import BACKWARD, BACKWARD_LAST, EVAL, FORWARD
+
+#: the op attribute (a flag) that marks an op of a compiled stretch
+FUSE = "lower.fused"
+#: the fewest ops Inductor could fuse (``fusible``) a stretch needs to be compiled
+MIN_OPS = 2
+#: the roles whose functions the lowering may compile (the step's optimizer runs eagerly)
+ROLES = (FORWARD, BACKWARD, BACKWARD_LAST, EVAL)
+#: ops Inductor hands to the same library kernels eager calls: nothing to fuse
+LIBRARY_KERNELS = ("aten.mm.", "aten.bmm.", "aten.addmm.", "aten.baddbmm.", "aten.convolution.")
+
+_COMPUTE, _HOIST, _SINK, _FIXED = "compute", "hoist", "sink", "fixed"
+
+
+def is_compute(op: Op) -> bool:
+    """Whether ``op`` is compute that a stretch holds (aten and custom ops, casts)."""
+    return registry.has_trait(op, registry.COMPUTE) or registry.has_trait(op, registry.CASTS)
+
+
+def fusible(op: Op) -> bool:
+    """Whether Inductor could fuse ``op`` with others: compute that is neither a view
+    (``aten.t``, ``view``: no kernel) nor a library kernel (a matmul)."""
+    if not is_compute(op) or op.name.startswith(LIBRARY_KERNELS):
+        return False
+    return not registry.views(op) or op.name.startswith(registry.STORAGE_SHARING)
+
+
+def _store_state(module: Module | None, op: Op) -> bool:
+    from dcir.memory import OPTIM_STATE_OF
+    decl = module.decls.get(op.symbol) if module is not None and op.symbol else None
+    return decl is not None and OPTIM_STATE_OF in decl.attrs
+
+
+def _crossing(module: Module | None, op: Op, finished: set, copies: set) -> str:
+    """How ``op`` meets a stretch (module docstring): ``finished`` holds the collectives
+    an earlier stretch's waits finished, ``copies`` the values host copies made."""
+    if is_compute(op):
+        return _COMPUTE
+    if op.name == "param.get":
+        return _FIXED if _store_state(module, op) else _HOIST
+    if op.name == "comm.wait":
+        return _HOIST if all(v.owner in finished for v in op.operands) else _SINK
+    if op.name == "grad.set" or (op.name == "mem.free" and not copies & set(op.operands)):
+        return _SINK
+    return _FIXED
+
+
+def stretches(func: Function, module: Module | None = None) -> list[list[int]]:
+    """The stretches of compute the lowering cuts ``func`` into (module docstring): each
+    the positions of its compute ops, in order. ``module`` tells the optimizer-state
+    store's reads (offload) from the parameters'; without it every read is a parameter's."""
+    from dcir.analysis import view_bases
+
+    bases = view_bases(func)
+    copies = {bases.get(r, r) for op in func.ops if op.name == "mem.wait" for r in op.results}
+    copies |= {v for v, b in bases.items() if b in copies}
+    out: list[list[int]] = []
+    body: list[int] = []
+    waiting: set = set()  # results of the ops moved to the stretch's end
+    finished: set = set()  # collectives a placed wait has finished
+    joined: set = set()  # the collectives this stretch's waits finish
+
+    def flush():
+        if body:
+            out.append(list(body))
+        body.clear(), waiting.clear()
+        finished.update(joined), joined.clear()
+
+    for i, op in enumerate(func.ops):
+        where = _crossing(module, op, finished, copies)
+        if where == _COMPUTE:
+            if waiting.intersection(op.operands):
+                flush()
+            body.append(i)
+        elif where == _SINK:
+            waiting.update(op.results)
+        elif where == _FIXED:
+            flush()
+        if op.name == "comm.wait":
+            joined.update(v.owner for v in op.operands)
+    flush()
+    return out
+
+
+def compilable(func: Function, stretch: list[int]) -> bool:
+    """Whether the lowering would compile ``stretch`` if asked: enough to fuse."""
+    return sum(fusible(func.ops[i]) for i in stretch) >= MIN_OPS
+
+
+def candidates(func: Function, module: Module | None = None) -> list[list[int]]:
+    """The stretches of ``func`` that may be compiled (none outside ``ROLES``)."""
+    if func.role not in ROLES:
+        return []
+    return [s for s in stretches(func, module) if compilable(func, s)]
+
+
+def marked(func: Function) -> bool:
+    """Whether any op of ``func`` is marked to run compiled."""
+    return any(FUSE in op.attrs for op in func.ops)
+
+
+#: Stretches priced as the faster of eager and compiled, marked or not (``choosing``).
+_CHOOSING: contextvars.ContextVar[bool] = contextvars.ContextVar("choosing", default=False)
+
+
+@contextlib.contextmanager
+def choosing():
+    """Within this block, the simulator prices every compilable stretch as the faster of
+    its eager and its compiled run, as the ``fuse`` pass will choose: the passes before
+    it (bucket, prefetch, unshard) then plan for the compute that will run."""
+    token = _CHOOSING.set(True)
+    try:
+        yield
+    finally:
+        _CHOOSING.reset(token)
+
+
+def seconds(func: Function, machine, module: Module | None = None) -> dict[int, float]:
+    """Per compute op of ``func``, its seconds as the function will run (module
+    docstring): a stretch runs compiled when an op of it is marked, or, within
+    ``choosing``, when that is faster. Empty when nothing is marked or chosen: the ops'
+    own profiled times then hold (a program lowered with every stretch compiled,
+    ``inductor``, carries its compiled times as ``prof.compiled_us``)."""
+    choose = _CHOOSING.get()
+    if not choose and not marked(func):
+        return {}
+    from dcir.cost import compiled_us, eager_s
+
+    out = {i: eager_s(op, machine) for i, op in enumerate(func.ops) if is_compute(op)}
+    for stretch in candidates(func, module):
+        if not choose and not any(FUSE in func.ops[i].attrs for i in stretch):
+            continue
+        compiled = stretch_seconds(func, stretch, machine, compiled_us)
+        if choose and sum(compiled.values()) >= sum(out[i] for i in stretch):
+            continue
+        out.update(compiled)
+    return out
+
+
+def stretch_seconds(func: Function, stretch: list[int], machine, measured) -> dict[int, float]:
+    """Per op of ``stretch``, its seconds when the stretch runs compiled: ``measured(op)``
+    (microseconds, its share of a compiled run; None: not measured), else the model
+    (module docstring); the call's fixed cost goes to the first op when no op of the
+    stretch was measured (a measured share holds its part of it)."""
+    from dcir.cost import eager_s
+
+    out, any_measured = {}, False
+    for i in stretch:
+        op = func.ops[i]
+        t = measured(op) if machine.use_profile else None
+        any_measured |= t is not None
+        if t is not None:
+            out[i] = t * 1e-6
+        else:
+            out[i] = eager_s(op, machine) * (machine.fused_share if fusible(op) else 1.0)
+    if not any_measured and stretch:
+        out[stretch[0]] += machine.compiled_call_s
+    return out

@@ -1,0 +1,167 @@
+"""Op fusion (``dcir.fusion``, the ``fuse`` pass): the IR cuts stretches where the
+lowering does, the lowering compiles what the IR marks, the simulator prices it, and
+the passes before ``fuse`` plan with it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import dcir
+from dcir import fusion
+from dcir.cost import COMPILED, Machine, estimate, planning
+from dcir.passes import run_passes
+from dcir_lowering import backend
+from models import tiny_llama
+from test_backend import train_side_by_side
+
+
+@pytest.fixture(scope="module")
+def llama_module():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (2, 16))
+    return dcir.compile_to_ir(tiny_llama(), (), kwargs={"input_ids": ids, "labels": ids.clone()},
+                              loss_fn=lambda o: o.loss)
+
+
+def _lowered_stretches(module, func) -> list[list[int]]:
+    """The IR ops of each stretch of compute ``compile_compute`` cuts ``func``'s graph into."""
+    split = backend.compile_compute(backend.lower_function(module, func.name, group="0"))
+    out = []
+    for sub in split.children():
+        gm = sub.gm if isinstance(sub, backend._Compiled) else sub
+        ops = sorted({n.meta[backend.OP_INDEX] for n in gm.graph.nodes if n.op == "call_function"
+                      and backend.OP_INDEX in n.meta and fusion.is_compute(func.ops[n.meta[backend.OP_INDEX]])})
+        if ops:
+            out.append(ops)
+    return out
+
+
+@pytest.mark.parametrize("pipeline", ["zero3{world_size=2}", "zero3{world_size=2},prefetch,unshard,bucket",
+                                      "zero3{world_size=2},bucket,prefetch", "zero2{world_size=2}",
+                                      "zero1{world_size=2}", "zero3{world_size=2},unshard,bucket",
+                                      "zero3{world_size=2},offload{budget=64KiB}"])
+def test_the_ir_cuts_stretches_where_the_lowering_does(llama_module, pipeline):
+    from dcir_runtime import native
+
+    native.load()
+    module = llama_module.clone()
+    run_passes(module, pipeline)
+    for func in module.functions.values():
+        if func.role in fusion.ROLES:
+            assert fusion.stretches(func, module) == _lowered_stretches(module, func), (pipeline, func.name)
+
+
+def test_the_lowering_compiles_the_marked_stretches_only(llama_module):
+    from dcir_runtime import native
+
+    native.load()
+    module = llama_module.clone()
+    run_passes(module, "zero3{world_size=2}")
+    forward = module.role("forward")
+    chosen = fusion.candidates(forward, module)[1]
+    split = backend.compile_compute(backend.lower_function(module, "forward", group="0"), set(chosen[:1]))
+    compiled = [sub.ops for sub in split.children() if isinstance(sub, backend._Compiled)]
+    assert len(compiled) == 1 and set(chosen) <= set(compiled[0]), compiled
+
+
+def test_training_with_fused_stretches_matches_eager():
+    """The fuse pass on the captured program (analytic costs), lowered: the marked
+    stretches run through Inductor (float sums reassociated: the Inductor bound)."""
+    train_side_by_side("mlp", passes="fuse", rtol=1e-5)
+    train_side_by_side("cnn_batchnorm_frozen", passes="fuse", rtol=1e-5)
+
+
+def test_a_fused_llama_step_matches_eager(llama_module):
+    torch.manual_seed(0)
+    ref = tiny_llama()
+    mine = copy.deepcopy(ref)
+    ids = torch.randint(0, 128, (2, 16))
+    module = llama_module.clone()
+    run_passes(module, "fuse")
+    assert any(fusion.FUSE in op.attrs for _, op in module.ops())
+    program = dcir.lower(module, backend.state_of(mine))
+    assert any(isinstance(m, backend._Compiled) for m in program.runs["forward"].children())
+    loss_ref = ref(input_ids=ids, labels=ids).loss
+    loss_ref.backward()
+    loss_mine = program.train_step(input_ids=ids, labels=ids)
+    assert abs(loss_ref.item() - loss_mine.item()) <= 1e-6 * abs(loss_ref.item())
+    for (name, p), (_, q) in zip(ref.named_parameters(), mine.named_parameters()):
+        assert (p.grad - q.grad).abs().max() <= 1e-5 * p.grad.abs().max() + 1e-7, name
+
+
+_TWO_STRETCHES = """
+module @m attributes {world_size = 2} {
+  param @w : shard<f32[64, 64], 2> {trainable}
+  func @forward(%x: f32[16, 64] {input}) -> (f32[] {output}) role forward {
+    %a = aten.relu.default(%x) {prof.time_us = 40.0, prof.compiled_us = 5.0} : f32[16, 64]
+    %b = aten.neg.default(%a) {prof.time_us = 40.0, prof.compiled_us = 5.0} : f32[16, 64]
+    %w_shard = param.get @w : shard<f32[64, 64], 2>
+    %w_pending = comm.all_gather(%w_shard) {prof.time_us = 20.0} : pending<f32[64, 64]>
+    %c = aten.exp.default(%b) {prof.time_us = 40.0, prof.compiled_us = 5.0} : f32[16, 64]
+    %d = aten.tanh.default(%c) {prof.time_us = 40.0, prof.compiled_us = 5.0} : f32[16, 64]
+    %w = comm.wait(%w_pending) : f32[64, 64]
+    %y = aten.mm.default(%d, %w) {prof.time_us = 10.0} : f32[16, 64]
+    %loss = aten.sum.default(%y) {prof.time_us = 1.0} : f32[]
+    return %loss
+  }
+}
+"""
+
+
+def test_the_simulator_prices_what_runs_compiled():
+    """A marked stretch at its compiled times, the rest at their eager times; a program
+    lowered with every stretch compiled (no marks: ``inductor``) at its compiled times."""
+    m = dcir.parse(_TWO_STRETCHES, "two.dcir")
+    f = m.role("forward")
+    machine = Machine(use_profile=True)
+    everything = estimate(f, machine, m).compute_s  # no marks: compiled times where profiled
+    for op in f.ops[:2]:
+        op.attrs[fusion.FUSE] = fusion.UNIT
+    one = estimate(f, machine, m).compute_s
+    for op in f.ops:
+        op.attrs.pop(COMPILED, None)
+    model = estimate(f, machine, m).compute_s  # marked, but never ran compiled: the machine's model
+    assert one - everything == pytest.approx(70e-6, abs=1e-9)  # exp and tanh run eager: 80 against 10 us
+    # relu and neg by the model: a call, and 0.6 of their 80 us eager, against their measured 10 us
+    assert model - one == pytest.approx(machine.compiled_call_s + machine.fused_share * 80e-6 - 10e-6, abs=1e-9)
+
+
+def test_bucketing_plans_for_the_stretches_fuse_will_compile():
+    """Joint planning. Three layers, each a gather and a stretch of compute. A compiled
+    call costs 400 us here: more than one layer's stretch saves compiled (172 of its
+    344 us), less than three together save. Merging the gathers into one makes the
+    three stretches one (the later waits return at once), so with ``fuse`` after it,
+    ``bucket`` merges them, and ``fuse`` compiles the one stretch; ``bucket`` alone
+    sees only the packing the merge costs, and does not."""
+    layers = []
+    for k in range(3):
+        layers.append(f"""
+    %w{k}_shard = param.get @w{k} : shard<f32[8, 8], 2>
+    %w{k}_pending = comm.all_gather(%w{k}_shard) : pending<f32[8, 8]>
+    %w{k} = comm.wait(%w{k}_pending) : f32[8, 8]
+    %h{k} = aten.mm.default(%x{k}, %w{k}) : f32[256, 8]
+    %r{k} = aten.relu.default(%h{k}) : f32[256, 8]
+    %x{k + 1} = aten.neg.default(%r{k}) : f32[256, 8]""")
+    text = ("module @m attributes {world_size = 2} {\n"
+            + "".join(f"  param @w{k} : shard<f32[8, 8], 2> {{trainable}}\n" for k in range(3))
+            + "  func @forward(%x0: f32[256, 8] {input}) -> (f32[256, 8] {output}) role forward {"
+            + "".join(layers) + "\n    return %x3\n  }\n}\n")
+    machine = Machine(world_size=2, mem_bw=1e8, dispatch_s=1e-7, link_latency_s=1e-7, link_bw=1e12,
+                      compiled_call_s=4e-4, fused_share=0.5)
+
+    def planned(pipeline: str):
+        m = dcir.parse(text, "layers.dcir")
+        with planning(machine):
+            run_passes(m, pipeline)
+        f = m.role("forward")
+        return sum(op.name.endswith("_coalesced") for op in f.ops), len(fusion.candidates(f, m)), m
+
+    alone, stretches_alone, m = planned("bucket")
+    assert alone == 0 and stretches_alone == 3
+    assert not any(fusion.FUSE in op.attrs for op in m.role("forward").ops)
+    joint, stretches_joint, m = planned("bucket,fuse")
+    assert joint == 1 and stretches_joint == 1
+    assert all(fusion.FUSE in op.attrs for op in m.role("forward").ops if fusion.is_compute(op))
