@@ -17,14 +17,17 @@ that joins two stretches into one compiled call is seen as paying for that too.
 Only the forward, backward and evaluation functions are compiled (the step's
 optimizer runs eagerly); a stretch needs at least two ops Inductor could fuse.
 
-Before -> after (a stretch of relu and sum, 50 us eager; the model prices it compiled
-at 30 + 25 us: kept eager)::
+Before -> after (golden ``fuse.dcir``): relu and neg ran compiled in 8 + 2 us against
+40 + 10 op by op, so they stay compiled; add and mul (after a matmul) ran compiled in
+88 us against 84, so they run eagerly and lose their compiled figures::
 
-    %a = aten.relu.default(%h) {prof.time_us = 40.0} : f32[16, 64]
-    %s = aten.sum.default(%a) {prof.time_us = 10.0} : f32[]
-  -> with prof.compiled_us = 8.0 and 2.0 (it ran compiled before, 10 us):
-    %a = aten.relu.default(%h) {lower.fused, prof.compiled_us = 8.0, prof.time_us = 40.0} : f32[16, 64]
-    %s = aten.sum.default(%a) {lower.fused, prof.compiled_us = 2.0, prof.time_us = 10.0} : f32[]
+    %a = aten.relu.default(%x) {prof.compiled_us = 8.0, prof.time_us = 40.0} : f32[16, 64]
+    %b = aten.neg.default(%a) {prof.compiled_us = 2.0, prof.time_us = 10.0} : f32[16, 64]
+    %c = aten.add.Tensor(%h, %x) {prof.compiled_us = 3.0, prof.time_us = 2.0} : f32[16, 64]
+  ->
+    %a = aten.relu.default(%x) {prof.compiled_us = 8.0, prof.time_us = 40.0, lower.fused} : f32[16, 64]
+    %b = aten.neg.default(%a) {prof.compiled_us = 2.0, prof.time_us = 10.0, lower.fused} : f32[16, 64]
+    %c = aten.add.Tensor(%h, %x) {prof.time_us = 2.0} : f32[16, 64]
 """
 
 from __future__ import annotations
