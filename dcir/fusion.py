@@ -164,30 +164,30 @@ def seconds(func: Function, machine, module: Module | None = None) -> dict[int, 
     choose = _CHOOSING.get()
     if not choose and not marked(func):
         return {}
-    from dcir.cost import compiled_us, eager_s
+    from dcir.cost import eager_s
 
     out = {i: eager_s(op, machine) for i, op in enumerate(func.ops) if is_compute(op)}
     for stretch in candidates(func, module):
         if not choose and not any(FUSE in func.ops[i].attrs for i in stretch):
             continue
-        compiled = stretch_seconds(func, stretch, machine, compiled_us)
+        compiled = stretch_seconds(func, stretch, machine)
         if choose and sum(compiled.values()) >= sum(out[i] for i in stretch):
             continue
         out.update(compiled)
     return out
 
 
-def stretch_seconds(func: Function, stretch: list[int], machine, measured) -> dict[int, float]:
-    """Per op of ``stretch``, its seconds when the stretch runs compiled: ``measured(op)``
-    (microseconds, its share of a compiled run; None: not measured), else the model
+def stretch_seconds(func: Function, stretch: list[int], machine) -> dict[int, float]:
+    """Per op of ``stretch``, its seconds when the stretch runs compiled: its measured
+    share of a compiled run (``prof.compiled_us``), else the model
     (module docstring); the call's fixed cost goes to the first op when no op of the
     stretch was measured (a measured share holds its part of it)."""
-    from dcir.cost import eager_s
+    from dcir.cost import compiled_us, eager_s
 
     out, any_measured = {}, False
     for i in stretch:
         op = func.ops[i]
-        t = measured(op) if machine.use_profile else None
+        t = compiled_us(op) if machine.use_profile else None
         any_measured |= t is not None
         if t is not None:
             out[i] = t * 1e-6
