@@ -132,7 +132,8 @@ PROFILE_AT = [1, 2, 3]
 
 
 class Dcir:
-    """The Engine; after each of the first three steps the next is profiled and ``passes``
+    """The Engine; after each of the first three steps the next is profiled (a plan that compiles
+    stretches: the step after its first) and ``passes``
     are planned from the profiles so far (none: plain zero3, profiled for the cost model's prediction).
     ``extra`` is merged into the Engine's config (``zero_stage``, ``offload``); with
     ``offload_half``, ``offload.budget`` is half of this rank's optimizer state bytes."""
@@ -324,7 +325,7 @@ def main() -> None:
     ap.add_argument("system")
     ap.add_argument("out")
     for name, default in [("layers", 6), ("hidden", 256), ("seq", 128), ("batch", 4), ("vocab", 32000),
-                          ("accumulate", 1), ("steps", 6), ("warmup", 4), ("intermediate", 0)]:
+                          ("accumulate", 1), ("steps", 6), ("warmup", 5), ("intermediate", 0)]:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--init", choices=("real", "meta"), default="real")

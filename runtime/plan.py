@@ -6,9 +6,12 @@ the profiler; after it, the profile is written into the running module, combined
 the earlier profiles onto the captured schedule (per op, the median of every profile
 so far: ``ProfileHistory``), and rank 0 plans the configured
 passes on it within the memory budget. Every rank takes the plan when the cost model
-finds it faster than the running schedule, or when memory forced the cycle. A step
-that ends over the memory budget forces one more cycle, within less, before it is an
-error.
+finds it faster than the running schedule, or when memory forced the cycle; a plan
+that schedules what runs as the running one does is not switched to. A plan that
+runs compiled stretches (``inductor``, or marked by ``fuse``) runs one step before it
+is profiled: its stretches compile in that step, and their times then price its ops
+(``prof.compiled_us``). A step that ends over the memory budget forces one more
+cycle, within less, before it is an error.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import dcir
 from dcir.cost import estimate_module
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.memory import format_bytes, peaks as memory_peaks
-from dcir import search
+from dcir import fusion, search
 from dcir.passes import parse_pipeline
 from dcir_runtime.config import Config
 from dcir_runtime.group import ProcessGroup
@@ -42,6 +45,7 @@ class Planner:
         self.base_text = ""                  # the captured schedule, with every profile so far
         self.captured_peak: dict[str, int] = {}
         self.profile: Profile | None = None  # the profile the running step takes, if any
+        self.warming: dcir.Module | None = None  # a plan whose compiled stretches run a step before its profile
         self.profiled: dcir.Module | None = None
         self.history = ProfileHistory()      # every profile so far, combined per op by the median
         self.log: list[dict] = []
@@ -85,6 +89,9 @@ class Planner:
         says so. Returns whether a finished profile is waiting to be planned from."""
         if self.profile is not None:
             return True
+        if self.warming is not None:  # its compiled stretches ran this step: they have their times
+            self.profile, self.warming = Profile(self.warming), None
+            return False
         if self.config.optimize is not None and steps in self.config.optimize["profile_at"]:
             self.profile = Profile(running)  # the next step runs under the profiler
         return False
@@ -126,16 +133,24 @@ class Planner:
         # (unless memory forced this cycle: then the plan within the smaller budget is)
         forced = self._replanned_for_memory and self._budget_cut > 0 and not self._cut_applied
         self._cut_applied = self._cut_applied or forced
-        take = after.seconds < before.seconds or forced
+        same = schedule_text(module) == schedule_text(running)  # nothing to switch to
+        take = (after.seconds < before.seconds or forced) and not same
         record.update(predicted_before_s=before.seconds, predicted_s=after.seconds if take else before.seconds,
                       planned_s=after.seconds, cost_source=after.source, budget=budget, switched=take,
                       pipeline=module.attrs.get(PLANNED_BY, ""),
-                      reason="memory" if forced else "faster" if take else "kept",
+                      reason="same" if same else "memory" if forced else "faster" if take else "kept",
                       predicted_peak=memory_peaks(module if take else running))
         self.log.append(record)
         if steps in self.config.optimize["profile_at"]:  # this step is listed too: profile the next one
-            self.profile = Profile(module if take else running)
+            if take and self._compiles(module):
+                self.warming = module
+            else:
+                self.profile = Profile(module if take else running)
         return module if take else None
+
+    def _compiles(self, module: dcir.Module) -> bool:
+        """Whether ``module`` runs compiled stretches, which compile at their first call."""
+        return bool(self.config.inductor) or any(fusion.marked(f) for f in module.functions.values())
 
     def check_budget(self, fixed: int, scheduled: int, running: dcir.Module) -> None:
         """After a step: holding more than the memory budget is an error, unless the
@@ -155,9 +170,23 @@ class Planner:
         if self.config.optimize is not None and not self._replanned_for_memory and self.log:
             self._replanned_for_memory = True
             self._budget_cut += over
-            self.profile = self.profile or Profile(running)
+            self.profile, self.warming = self.profile or Profile(running), None
             return
         raise DcirError(Diagnostic(
             f"rank {self.group.rank} holds {format_bytes(held)} (parameters, gradients, optimizer state, buffers, "
             f"replicas, accumulators, the peak of gathered parameters and the shared-memory outbox), over the memory "
             f"budget of {format_bytes(budget)}"))
+
+
+def schedule_text(module: dcir.Module) -> str:
+    """``module``'s text without what profiles and plans wrote beside the program
+    (``prof.*``, the pipeline's name): two modules with the same text lower to the
+    same program."""
+    m = module.clone()
+    for f in m.functions.values():
+        for owner in (f, *f.ops):
+            for key in [key for key in owner.attrs if key.startswith("prof.")]:
+                del owner.attrs[key]
+    for key in [key for key in m.attrs if key.startswith("prof.") or key == PLANNED_BY]:
+        del m.attrs[key]
+    return dcir.print(m)

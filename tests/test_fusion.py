@@ -165,3 +165,34 @@ def test_bucketing_plans_for_the_stretches_fuse_will_compile():
     joint, stretches_joint, m = planned("bucket,fuse")
     assert joint == 1 and stretches_joint == 1
     assert all(fusion.FUSE in op.attrs for op in m.role("forward").ops if fusion.is_compute(op))
+
+
+def test_a_compiled_plan_runs_a_step_before_it_is_profiled():
+    """``profile_at: [1, 2, 3]`` with ``fuse``: the first plan compiles stretches, so
+    it runs a step (compiling them) before its profile, which then prices them from
+    their compiled times; a plan that schedules as the running one is not switched to."""
+    from dcir_runtime import initialize
+    from dcir_runtime.plan import schedule_text
+
+    torch.manual_seed(0)
+    engine = initialize(tiny_llama(), optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                        loss_fn=lambda out: out.loss,
+                        config={"optimize": {"passes": ["prefetch", "fuse"], "profile_at": [1, 2, 3]}})
+    for _ in range(5):
+        ids = torch.randint(0, 128, (2, 16))
+        engine.backward(engine(input_ids=ids, labels=ids))
+        engine.step()
+    first, *rest = engine.optimize_log
+    assert first["step"] == 2 and first["switched"] and first["reason"] == "faster", first
+    assert [r["step"] for r in rest] == [4], engine.optimize_log  # step 3 ran the plan: no profile
+    profiled = engine.profiled_ir()
+    timed = [op for _, op in profiled.ops() if COMPILED in op.attrs]
+    assert timed and all(fusion.FUSE in op.attrs for op in timed), profiled
+    # the text that decides the program: what profiles and plans wrote beside it aside
+    again = profiled.clone()
+    again.attrs["plan.pipeline"] = "prefetch{fuse=false},fuse"
+    for _, op in again.ops():
+        op.attrs.pop(COMPILED, None)
+    assert schedule_text(again) == schedule_text(profiled)
+    next(op for _, op in again.ops() if fusion.FUSE in op.attrs).attrs.pop(fusion.FUSE)
+    assert schedule_text(again) != schedule_text(profiled)
