@@ -173,7 +173,7 @@ class _Result:
         if args.emit_trace:
             from dcir import trace
 
-            machine = args.machine if args.simulate else None
+            machine = _on_program_ranks(module, args.machine) if args.simulate else None
             trace.write(args.emit_trace, trace.predicted(module, machine))
         if args.memory_plot:
             from dcir.memplot import plot
@@ -183,12 +183,22 @@ class _Result:
     def report(self) -> str:
         from dcir.sim import simulate_module
 
-        m = self.args.machine
-        if m.world_size is None and self.module.world_size:
-            from dataclasses import replace
+        m = _on_program_ranks(self.module, self.args.machine)
+        note = ""
+        if m.world_size != self.args.machine.world_size and self.args.machine.world_size:
+            note = (f"note: the program is sharded over {m.world_size} ranks (its world_size), {m.name} describes "
+                    f"{self.args.machine.world_size}: predicted on {m.world_size} of them; compile the model for "
+                    f"{self.args.machine.world_size} ranks to predict them all (benchmarks/predict_at_scale.py)\n")
+        return note + simulate_module(self.module, m, self.args.micro_steps).report()
 
-            m = replace(m, world_size=self.module.world_size)
-        return simulate_module(self.module, m, self.args.micro_steps).report()
+
+def _on_program_ranks(module, machine):
+    """``machine`` with the ranks ``module`` is sharded over: a program runs on as many."""
+    if module.world_size and machine.world_size != module.world_size:
+        from dataclasses import replace
+
+        return replace(machine, world_size=module.world_size)
+    return machine
 
 
 def _read(path: str, stdin: TextIO) -> tuple[str, str]:

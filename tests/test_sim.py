@@ -305,6 +305,10 @@ def test_dcir_opt_simulate_prints_the_prediction(capsys):
     out = capsys.readouterr().out
     for what in ("machine h100-ib400", "step time", "exposed comm", "peak memory", "device memory", "@forward"):
         assert what in out, out
+    # the example is sharded over 2 ranks; the machine file describes 32
+    assert out.startswith("note: the program is sharded over 2 ranks (its world_size), h100-ib400 describes 32: "
+                          "predicted on 2 of them; compile the model for 32 ranks to predict them all"), out
+    assert "machine h100-ib400: 2 ranks" in out, out
     assert opt_main([path, "--simulate", "no-such-machine"]) == 2
     assert "cannot read hardware description" in capsys.readouterr().err
 
