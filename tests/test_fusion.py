@@ -196,3 +196,45 @@ def test_a_compiled_plan_runs_a_step_before_it_is_profiled():
     assert schedule_text(again) == schedule_text(profiled)
     next(op for _, op in again.ops() if fusion.FUSE in op.attrs).attrs.pop(fusion.FUSE)
     assert schedule_text(again) != schedule_text(profiled)
+
+
+def _zoo_cases():
+    from test_zoo import DEFAULT
+    from zoo import ZOO
+
+    for name, z in ZOO.items():
+        if z.matches:
+            yield pytest.param(name, marks=() if name in DEFAULT else pytest.mark.slow)
+
+
+@pytest.mark.parametrize("name", list(_zoo_cases()))
+def test_zoo_models_step_with_fused_stretches(name):
+    """A zoo model (tests/zoo.py) captured, through ``fuse`` (analytic costs: it marks
+    most stretches) and lowered, against eager: the loss and every gradient of a step,
+    and the buffers after it (BatchNorm's statistics), within Inductor's bound of each
+    tensor's scale (it reassociates float sums). A gradient that is zero in exact
+    arithmetic (an attention key's bias: softmax ignores a constant added per query) is
+    rounding noise on both sides and is left out."""
+    from zoo import ZOO
+
+    z = ZOO[name]
+    ref = z.model()
+    mine = copy.deepcopy(ref)
+    inputs, y = z.batch(torch.Generator().manual_seed(1), 2)
+    kwargs = {**inputs, "labels": y}
+    module = dcir.compile_to_ir(ref, (), kwargs=kwargs, loss_fn=lambda out: out.loss)
+    run_passes(module, "fuse")
+    assert any(fusion.FUSE in op.attrs for _, op in module.ops()), name
+    program = dcir.lower(module, backend.state_of(mine))
+    loss_ref = ref(**kwargs).loss
+    loss_ref.backward()
+    loss_mine = program.train_step(**kwargs)
+    assert abs(loss_ref.item() - loss_mine.item()) <= 1e-5 * abs(loss_ref.item()), (name, loss_ref, loss_mine)
+    grads = {n: (p.grad, q.grad) for (n, p), (_, q) in zip(ref.named_parameters(), mine.named_parameters())
+             if p.grad is not None}
+    scale = max(a.abs().max().item() for a, _ in grads.values())
+    for n, (a, b) in grads.items():
+        if a.abs().max() > 1e-6 * scale:
+            assert (a - b).abs().max() <= 1e-5 * a.abs().max(), (name, n)
+    for (n, a), (_, b) in zip(ref.named_buffers(), mine.named_buffers()):
+        assert (a.float() - b.float()).abs().max() <= 1e-5 * (a.float().abs().max() + 1e-12), (name, n)
