@@ -155,6 +155,24 @@ def choosing():
         _CHOOSING.reset(token)
 
 
+#: Functions priced as compiled exactly where marked, none marked too (``as_marked``).
+_AS_MARKED: contextvars.ContextVar[bool] = contextvars.ContextVar("as_marked", default=False)
+
+
+@contextlib.contextmanager
+def as_marked():
+    """Within this block, a function runs compiled exactly where its ops are marked,
+    also when none is: the ``fuse`` pass's walk starts from every stretch eager, and an
+    op that carries a compiled figure from an earlier plan is priced eagerly until
+    its stretch is marked (outside, a function without marks and with compiled figures
+    is a program lowered with ``inductor``: every stretch compiled)."""
+    token = _AS_MARKED.set(True)
+    try:
+        yield
+    finally:
+        _AS_MARKED.reset(token)
+
+
 def seconds(func: Function, machine, module: Module | None = None) -> dict[int, float]:
     """Per compute op of ``func``, its seconds as the function will run (module
     docstring): a stretch runs compiled when an op of it is marked, or, within
@@ -162,7 +180,7 @@ def seconds(func: Function, machine, module: Module | None = None) -> dict[int, 
     own profiled times then hold (a program lowered with every stretch compiled,
     ``inductor``, carries its compiled times as ``prof.compiled_us``)."""
     choose = _CHOOSING.get()
-    if not choose and not marked(func):
+    if not choose and not _AS_MARKED.get() and not marked(func):
         return {}
     from dcir.cost import eager_s
 

@@ -129,6 +129,18 @@ def test_the_simulator_prices_what_runs_compiled():
     assert model - one == pytest.approx(machine.compiled_call_s + machine.fused_share * 80e-6 - 10e-6, abs=1e-9)
 
 
+def test_fuse_compiles_again_the_stretches_that_ran_faster_compiled():
+    """A plan's ops carry the compiled figures of the plan before but no marks (the
+    cycle plans on the captured schedule): the walk starts from every stretch eager,
+    not from those figures, so both stretches, 10 us compiled against 80 op by op, are
+    compiled again. Priced from the figures, the first mark looked like a loss (the
+    other stretch then counted eager) and nothing was compiled."""
+    m = dcir.parse(_TWO_STRETCHES, "two.dcir")
+    run_passes(m, "fuse")
+    f = m.role("forward")
+    assert [fusion.FUSE in op.attrs for op in f.ops if fusion.is_compute(op)] == [True] * 4 + [False] * 2, f
+
+
 def test_bucketing_plans_for_the_stretches_fuse_will_compile():
     """Joint planning. Three layers, each a gather and a stretch of compute. A compiled
     call costs 400 us here: more than one layer's stretch saves compiled (172 of its
