@@ -176,8 +176,8 @@ def as_marked():
 def seconds(func: Function, machine, module: Module | None = None) -> dict[int, float]:
     """Per compute op of ``func``, its seconds as the function will run (module
     docstring): a stretch runs compiled when an op of it is marked, or, within
-    ``choosing``, when that is faster. Empty when nothing is marked or chosen: the ops'
-    own profiled times then hold (a program lowered with every stretch compiled,
+    ``choosing``, when that is faster. Empty when nothing is marked or chosen (outside
+    ``as_marked``): the ops' own profiled times then hold (a program lowered with every stretch compiled,
     ``inductor``, carries its compiled times as ``prof.compiled_us``)."""
     choose = _CHOOSING.get()
     if not choose and not _AS_MARKED.get() and not marked(func):
