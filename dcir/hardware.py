@@ -104,7 +104,9 @@ def _value(path: Path, field: str, value):
             raise HardwareError(f"{path}: device.memory: {e}") from None
     if field == "name":
         return str(value)
-    if field == "compiled_call_s" and not isinstance(value, bool) and isinstance(value, (int, float)) and value >= 0:
+    if field == "compiled_call_s" and not isinstance(value, bool) and isinstance(value, (int, float)):
+        if value < 0:
+            raise HardwareError(f"{path}: 'compiler.call_s' must be at least 0 seconds, got {value!r}")
         return float(value)
     if field == "overlap_share" and not isinstance(value, bool) and isinstance(value, (int, float)):
         if not 0 <= value < 1:

@@ -294,6 +294,11 @@ def test_bad_descriptions_name_the_file_and_the_key(tmp_path):
     bad.write_text("[links]\noverlap_share = 1.5\n")
     with pytest.raises(HardwareError, match="'overlap_share' must be at least 0 and below 1, got 1.5"):
         load(bad)
+    bad.write_text("[compiler]\ncall_s = -1e-6\n")
+    with pytest.raises(HardwareError, match="'compiler.call_s' must be at least 0 seconds, got -1e-06"):
+        load(bad)
+    bad.write_text("[compiler]\ncall_s = 0\n")
+    assert load(bad).compiled_call_s == 0.0
     bad.write_text("[device\n")
     with pytest.raises(HardwareError, match="not valid TOML"):
         load(bad)
