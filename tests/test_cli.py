@@ -15,6 +15,7 @@ import dcir
 from dcir.cli import main
 from dcir.ir import Value
 from dcir.passes import Pass, PassManager
+from dcir.passes.canonicalize import Canonicalize
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = ROOT / "examples" / "mlp.dcir"
@@ -119,7 +120,28 @@ def test_invalid_pass_output_is_caught_with_a_reproducer(tmp_path):
     assert dcir.parse(saved) == dcir.parse(MLP.read_text())  # the pass's input, as it was
 
 
+_FOLDABLE = """module @m {
+  func @f(%x: f32[4, 16], %w: f32[16, 8]) -> (f32[4, 8]) {
+    %t = aten.t.default(%w) : f32[8, 16]
+    %tt = aten.t.default(%t) : f32[16, 8]
+    %v = aten.view.default(%tt) {size = [16, 8]} : f32[16, 8]
+    %y = aten.mm.default(%x, %v) : f32[4, 8]
+    return %y
+  }
+}
+"""
+
+
 def test_run_passes_api():
-    module = dcir.parse(MLP.read_text())
-    dcir.run_passes(module, "canonicalize{max_iterations=2}")
-    dcir.verify(module)
+    """``dcir.run_passes`` rewrites the module it is given, in place, and returns it; a
+    pipeline written as text (options included) and one given as pass instances agree."""
+    module = dcir.parse(_FOLDABLE)
+    assert dcir.run_passes(module, "canonicalize{max_iterations=2}") is module
+    assert dcir.print(module) == """module @m {
+  func @f(%x: f32[4, 16], %w: f32[16, 8]) -> (f32[4, 8]) {
+    %y = aten.mm.default(%x, %w) : f32[4, 8]
+    return %y
+  }
+}
+"""
+    assert dcir.run_passes(dcir.parse(_FOLDABLE), [Canonicalize(max_iterations=2)]) == module
