@@ -1,6 +1,5 @@
 """Units small enough to hold in one's head: no function over 60 lines and no class
-over 250 lines in dcir/, dcir_lowering/ and runtime/, except the few listed below,
-each with the reason it is longer (and each to leave the list once it fits)."""
+over 250 lines in dcir/, dcir_lowering/ and runtime/, with no exceptions."""
 
 from __future__ import annotations
 
@@ -10,9 +9,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("dcir", "dcir_lowering", "runtime")
 MAX_FUNCTION, MAX_CLASS = 60, 250
-
-#: "path::qualified.name" of a unit over the limits, the limits -> why it must be longer (none now)
-ALLOWED: dict[str, str] = {}
 
 
 def _units(source: str):
@@ -41,14 +37,8 @@ def _oversized() -> dict[str, str]:
 
 
 def test_no_function_or_class_is_too_long():
-    over = {k: v for k, v in _oversized().items() if k not in ALLOWED}
-    assert not over, "split these (or add them to ALLOWED with the reason):\n" + "\n".join(
-        f"{k}: {v}" for k, v in sorted(over.items()))
-
-
-def test_the_allow_list_holds_only_what_is_still_too_long():
-    stale = sorted(set(ALLOWED) - set(_oversized()))
-    assert not stale, "these fit the limits now (or are gone): remove them from ALLOWED:\n" + "\n".join(stale)
+    over = _oversized()
+    assert not over, "split these:\n" + "\n".join(f"{k}: {v}" for k, v in sorted(over.items()))
 
 
 def test_the_scan_sees_nested_units():
