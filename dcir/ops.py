@@ -325,22 +325,23 @@ COMMON_ATTRS = {"ranks": AttrSpec("int_list")}
 
 
 def lookup(name: str) -> OpDef | None:
-    """The definition of op ``name``, or None if DCIR does not know it (cached: the cost
-    model asks for every op of every candidate schedule a pass prices). A name outside
-    DCIR's families is a custom op, known once torch holds a usable one (``dcir.custom_ops``)."""
-    d = _lookup_known(name)
-    if d is not None or name.split(".", 1)[0] in FAMILIES:
+    """The definition of op ``name``, or None if DCIR does not know it. ``OPS`` is read
+    afresh each time (an op added to it, or taken out, is known or unknown at once); what
+    torch's schemas say of an aten op is cached (the cost model asks for every op of every
+    candidate schedule a pass prices). A name outside DCIR's families is a custom op,
+    known once torch holds a usable one (``dcir.custom_ops``)."""
+    d = OPS.get(name)
+    if d is not None:
         return d
+    if name.startswith("aten."):
+        return _lookup_aten(name)
+    if name.split(".", 1)[0] in FAMILIES:
+        return None
     return CUSTOM if aten.schema(name) is not None else None
 
 
 @lru_cache(maxsize=None)
-def _lookup_known(name: str) -> OpDef | None:
-    d = OPS.get(name)
-    if d is not None:
-        return d
-    if not name.startswith("aten."):
-        return None
+def _lookup_aten(name: str) -> OpDef | None:
     sch = aten.schema(name)
     if sch is None:
         return None

@@ -10,6 +10,7 @@ them alike, op for op.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,17 +23,24 @@ from dcir.verifier import diagnostics
 GOLDEN = Path(__file__).parent / "golden" / "passes"
 
 
-@pytest.fixture
-def new_ops():
+@contextmanager
+def _registered_new_ops():
     defs = [replace(ops.OPS["param.get"], name="param.read", example=""),
             replace(ops.OPS["comm.all_gather"], name="comm.gather_into", example="")]
     for d in defs:
         assert d.name not in ops.OPS
         ops.OPS[d.name] = d
-    yield
-    for d in defs:
-        del ops.OPS[d.name]
-    assert "param.read" not in ops.OPS and "comm.gather_into" not in ops.OPS
+    try:
+        yield
+    finally:
+        for d in defs:
+            del ops.OPS[d.name]
+
+
+@pytest.fixture
+def new_ops():
+    with _registered_new_ops():
+        yield
 
 
 def _chunk(path: Path, label: str) -> str:
@@ -88,5 +96,13 @@ def test_the_verifier_checks_a_new_gather_like_the_old(new_ops):
     assert any("only comm.wait can consume a pending value" in m for m in messages)
 
 
-def test_the_registry_is_left_as_it_was():
-    assert "param.read" not in ops.OPS and "comm.gather_into" not in ops.OPS
+def test_an_op_taken_out_of_the_registry_is_unknown_again():
+    """The registry is left as it was: an op looked up while registered (the parser and
+    the verifier cache what they can) is unknown once taken out, and the verifier says so."""
+    text = _chunk(GOLDEN / "zero3.dcir", "linear").replace("param.get @", "param.read @")
+    with _registered_new_ops():
+        assert ops.lookup("param.read") is not None and ops.lookup("comm.gather_into") is not None
+        assert not diagnostics(dcir.parse(text, "m.dcir"))
+    assert ops.lookup("param.read") is None and ops.lookup("comm.gather_into") is None
+    with pytest.raises(dcir.DcirError, match="unknown op 'param.read'"):
+        dcir.verify(dcir.parse(text, "m.dcir"))
