@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from dcir.ir import Module
-from dcir.memory import GRAD_ACC_OF, UNSHARD_OF
+from dcir.memory import GRAD_ACC_OF, UNSHARD_OF, peaks
 from dcir_runtime.native import runtime_stats
 from dcir_runtime.offload import StateStore
 
@@ -41,6 +41,9 @@ class MemoryStats(Mapping):
     copy_wait_s: float           # ... of a host copy (offload)
     transport: int = 0           # this rank's shared-memory outbox (dcir_runtime.transport), sized
     #                              from the program: counted with what the schedule holds
+    step_peak: int = 0           # the memory model's peak of what the running program holds in a step:
+    #                              saved activations, temporaries, gathered parameters, replicas,
+    #                              accumulators (dcir.memory; the profiler measures it within 10%)
 
     def __getitem__(self, key: str):
         if key not in self._names():
@@ -62,11 +65,20 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def step_peak(module: Module | None) -> int:
+    """The memory model's peak of ``module``'s own memory over a step: the largest of its
+    functions' peaks, each counting the activations the backward is handed, temporaries,
+    gathered parameters and the buffers the program keeps (``dcir.memory.timelines``)."""
+    return max(peaks(module).values(), default=0) if module is not None else 0
+
+
 def measure(shards: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer, store: StateStore | None,
-            model: torch.nn.Module, module: Module | None, full_bytes: int, transport: int = 0) -> MemoryStats:
+            model: torch.nn.Module, module: Module | None, full_bytes: int, transport: int = 0,
+            modelled_peak: int = 0) -> MemoryStats:
     """The accounting of one engine: its ``shards`` and their ``optimizer`` (with its
     offload ``store``, if any), the ``model``'s buffers, the buffers the running
-    ``module`` keeps (None before capture), and the ``transport``'s outbox bytes."""
+    ``module`` keeps (None before capture), the ``transport``'s outbox bytes, and the
+    running program's ``modelled_peak`` (``step_peak``)."""
     stats = runtime_stats()
     tensors = [t for st in optimizer.state.values() for t in st.values()
                if isinstance(t, torch.Tensor) and t.dim() > 0]
@@ -84,7 +96,7 @@ def measure(shards: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimi
         replicas=held[UNSHARD_OF], gradient_accumulators=held[GRAD_ACC_OF],
         gathered_now=stats.gathered_now, gathered_peak=stats.gathered_peak, full_parameters=full_bytes,
         collectives=stats.collectives, sent=stats.sent, wait_s=stats.wait_ns / 1e9,
-        copy_wait_s=store.wait_s if store is not None else 0.0, transport=transport)
+        copy_wait_s=store.wait_s if store is not None else 0.0, transport=transport, step_peak=modelled_peak)
 
 
 def fixed_bytes(m: MemoryStats, shards: dict[str, torch.nn.Parameter]) -> int:
@@ -95,7 +107,10 @@ def fixed_bytes(m: MemoryStats, shards: dict[str, torch.nn.Parameter]) -> int:
 
 
 def scheduled_bytes(m: MemoryStats) -> int:
-    """What the schedule holds: the program's replicas and accumulators, the peak of
-    gathered parameters (the memory model counts these, so a pass's budget leaves them
-    out of the fixed part), and the shared-memory outbox sized for it."""
-    return m.replicas + m.gradient_accumulators + m.gathered_peak + m.transport
+    """What the schedule holds at its peak: the larger of the memory model's peak of the
+    step (activations, temporaries, gathered parameters, replicas, accumulators) and what
+    the runtime measured of the last three, plus the shared-memory outbox sized for it.
+    The memory model counts all of these, so a pass's budget leaves them out of the fixed
+    part."""
+    measured = m.replicas + m.gradient_accumulators + m.gathered_peak
+    return max(measured, m.step_peak) + m.transport

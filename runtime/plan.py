@@ -107,6 +107,9 @@ class Planner:
         self.profile, self.profiled = None, running
         profiled = running.clone()  # a snapshot, without a print and two parses
         budget = self.pass_budget(fixed_bytes)
+        # the passes plan the step's own memory: the outbox comes off their budget (sized
+        # for the running program here; each candidate is then held to its own outbox)
+        schedule_budget = budget - outbox(running) if budget is not None and outbox is not None else budget
         record: dict = {"step": steps, "measured_peak": peaks, "captured_peak": self.captured_peak,
                         "predicted_peak_profiled": memory_peaks(running)}
         # the captured schedule carries every profile so far, combined: per op the median
@@ -121,7 +124,7 @@ class Planner:
 
         def plan() -> str:
             # the configured passes and their joint alternatives, each priced by the simulator
-            passes = self.passes(self.config.optimize["passes"], budget)
+            passes = self.passes(self.config.optimize["passes"], schedule_budget)
             planned, chosen, _ = search.best_pipeline(base, search.pipelines(passes), micro, budget, outbox)
             planned.attrs[PLANNED_BY] = chosen.spec
             return dcir.print(planned)
@@ -173,9 +176,10 @@ class Planner:
             self.profile, self.warming = self.profile or Profile(running), None
             return
         raise DcirError(Diagnostic(
-            f"rank {self.group.rank} holds {format_bytes(held)} (parameters, gradients, optimizer state, buffers, "
-            f"replicas, accumulators, the peak of gathered parameters and the shared-memory outbox), over the memory "
-            f"budget of {format_bytes(budget)}"))
+            f"rank {self.group.rank} holds {format_bytes(held)} at its peak, over the memory budget of "
+            f"{format_bytes(budget)}: {format_bytes(fixed)} whatever the schedule (parameter and gradient shards, "
+            f"optimizer state, buffers) and {format_bytes(scheduled)} in the step (saved activations, temporaries, "
+            f"gathered parameters, replicas, accumulators and the shared-memory outbox)"))
 
 
 def schedule_text(module: dcir.Module) -> str:

@@ -195,7 +195,7 @@ def test_user_errors_are_messages_on_every_rank(capfd):
         "error: engine.backward(loss) ran twice for one forward: its backward has run already",
         "error: engine(...) was called after engine.backward(loss) without engine.step(): end each micro-step with engine.step()",
         "MISUSE CHANGED NOTHING: True",
-        " (parameters, gradients, optimizer state, buffers, replicas, accumulators, the peak of gathered parameters and the shared-memory outbox), over the memory budget of ",  # noqa: E501
+        " in the step (saved activations, temporaries, gathered parameters, replicas, accumulators and the shared-memory outbox)",  # noqa: E501
         "error: /nonexistent/dcir.json: cannot read the config: No such file or directory",
         "error: clip_grad_norm_ clips a whole step's gradients: call it after its last micro-step's backward (every 2)",
         "error: engine.backward(loss): this loss was not computed from the outputs of the engine's last forward; nothing was changed",

@@ -133,6 +133,43 @@ def test_the_schedule_budget_leaves_room_for_the_step(tmp_path):
         engine._pass_budget()
 
 
+def _wide_mlp() -> torch.nn.Module:
+    """An MLP whose activations on a long batch outweigh its parameters 20 times over."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+
+
+def _steps(engine, n: int) -> None:
+    x = torch.randn(2048, 64, generator=torch.Generator().manual_seed(0))
+    for _ in range(n):
+        engine.backward(engine(x).square().mean())  # the loss outside the engine
+        engine.step()
+
+
+def test_the_memory_budget_counts_the_activations_a_step_holds():
+    """A 640 MB budget once let a step peak at 1,081 MB: only the runtime's own buffers
+    were counted. Now the step's saved activations and temporaries count too (the memory
+    model's peak, which the profiler measures as it runs)."""
+    from dcir_runtime import initialize
+    from dcir_runtime.accounting import fixed_bytes
+
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
+    free = initialize(_wide_mlp(), optimizer=adamw)
+    _steps(free, 1)
+    m = free.memory()
+    fixed, own = fixed_bytes(m, free.shards), m.replicas + m.gradient_accumulators + m.gathered_peak
+    assert m.step_peak > 10 * own  # the activations: what the old count left out
+    over = initialize(_wide_mlp(), optimizer=adamw, config={"memory_budget": fixed + own + 2**16})
+    with pytest.raises(DcirError, match=r"in the step \(saved activations, temporaries, gathered parameters"):
+        _steps(over, 1)
+    budget = fixed + int(m.step_peak * 1.25)
+    within = initialize(_wide_mlp(), optimizer=adamw,
+                        config={"memory_budget": budget, "optimize": {"passes": ["prefetch"], "profile_at": [1]}})
+    _steps(within, 3)
+    measured = within.optimize_log[0]["measured_peak"]  # the profiler follows the step's real storages
+    assert fixed + max(measured.values()) <= budget, (measured, budget - fixed)
+
+
 def _profile(text: str, seed: int | None) -> dcir.Module:
     """``text`` with a profile: each op's analytic time, or with ``seed`` that time
     scaled by a random factor between 1/3 and 3 (a profile taken on a busy machine)."""
