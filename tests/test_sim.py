@@ -373,7 +373,11 @@ def test_dcir_train_writes_a_perfetto_trace_per_rank(tmp_path, capsys):
         assert {"compute", "communication", "predicted compute", "predicted communication"} <= used
         assert any(e["name"].startswith("comm.all_gather %") for e in slices if rows[e["tid"]] == "communication")
         assert all(e["dur"] > 0 and e["ts"] >= 0 for e in slices)
-        assert all(e["args"]["page faults"] >= 0 for e in slices if rows[e["tid"]] == "compute")
+        # every measured compute slice carries its op's minor page faults, a count (how many
+        # a run has depends on the allocator's history; that an op writing a fresh block
+        # counts its pages is test_the_profile_counts_the_page_faults_of_each_op)
+        faults = [e["args"].get("page faults") for e in slices if rows[e["tid"]] == "compute"]
+        assert faults and all(type(n) is int and n >= 0 for n in faults), faults
         counters = {e["name"] for e in events if e["ph"] == "C"}
         assert counters == {"live bytes", "predicted live bytes"}
     # the ranks' traces line up wait by wait: trace_lateness reads them
