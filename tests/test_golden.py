@@ -2,8 +2,9 @@
 
 RUN lines are shell commands (bash, ``set -o pipefail``): ``%s`` is the file itself,
 ``not CMD`` succeeds when CMD fails (as in LLVM's lit), and ``filecheck`` checks the
-``// CHECK:`` lines. Every golden file that is a valid module also round-trips:
-printing, parsing and printing again gives the same bytes.
+``// CHECK:`` lines. Every chunk of every golden file that parses also round-trips:
+printing, parsing and printing again gives the same bytes; a chunk that fails to parse
+or to verify must expect the errors it raises.
 """
 
 from __future__ import annotations
@@ -66,20 +67,56 @@ def _chunks(text: str) -> list[str]:
     return [c for c in SPLIT_MARKER.split(text)]
 
 
+#: what a chunk says it is rejected with: ``// expected-error {{...}}``, or an ``error:``
+#: its CHECK lines look for (a rendered diagnostic)
+_EXPECTED_ERROR = re.compile(r"//\s*expected-error[^{\n]*\{\{(.*?)\}\}|//\s*[\w-]*CHECK[\w-]*:.*?\berror: (.*)$", re.M)
+
+
+def expected_errors(chunk: str) -> list[str]:
+    return [a or b for a, b in _EXPECTED_ERROR.findall(chunk)]
+
+
+def _assert_expected(chunk: str, error: dcir.DcirError, stage: str, path: Path) -> None:
+    """A chunk that fails to parse or to verify is a diagnostics test: every error it
+    raises is one it expects."""
+    name = str(path.relative_to(GOLDEN))
+    assert "passes" not in path.parts, f"{name}: a {stage} error in a pass test: {error}"
+    expected = expected_errors(chunk)
+    assert expected, f"{name}: a {stage} error in a chunk that expects none:\n{error}\n{chunk}"
+    for d in error.diagnostics:
+        if d.severity == "error":
+            assert any(e in d.message for e in expected), f"{name}: unexpected {stage} error: {d.message}"
+
+
+def _assert_round_trips(chunk: str, module: dcir.Module) -> None:
+    printed = dcir.print(module)
+    again = dcir.parse(printed)
+    assert again == module
+    assert dcir.print(again) == printed
+    assert dcir.parse(chunk, fast=False) == module, "the fast path and the full grammar disagree"
+
+
 @pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(GOLDEN)) for p in FILES])
 def test_round_trip(path: Path):
-    valid = 0
-    for chunk in _chunks(path.read_text()):
+    """Every chunk that parses round-trips (verified or not: printing does not need a valid
+    module); every chunk that fails to parse or to verify fails with errors it expects."""
+    valid, text = 0, path.read_text()
+    shapes = any("--verify-shapes" in line for line in run_lines(path))  # verified as its RUN lines verify it
+    for chunk in _chunks(text):
         try:
             module = dcir.parse(chunk, str(path))
-            dcir.verify(module)
-        except dcir.DcirError:
-            continue  # the negative cases of diagnostics tests
-        printed = dcir.print(module)
-        again = dcir.parse(printed)
-        assert again == module
-        assert dcir.print(again) == printed
-        assert dcir.parse(chunk, fast=False) == module, "the fast path and the full grammar disagree"
+        except dcir.DcirError as e:
+            _assert_expected(chunk, e, "parse", path)
+            with pytest.raises(dcir.DcirError):
+                dcir.parse(chunk, fast=False)  # the full grammar rejects it too
+            continue
+        _assert_round_trips(chunk, module)
+        try:
+            dcir.verify(module, shapes=shapes)
+        except dcir.DcirError as e:
+            _assert_expected(chunk, e, "verify", path)
+            continue
+        assert "expected-error" not in chunk, f"{path.name}: a chunk that expects an error is valid:\n{chunk}"
         valid += 1
     if "verifier" not in path.parts and "diagnostics" not in path.parts:
         assert valid, f"{path} holds no valid module"
