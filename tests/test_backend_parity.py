@@ -26,17 +26,11 @@ from zoo import LR, ZOO, criterion, worst_relative
 
 DEFAULT = ("llama", "t5", "resnet")  # a KV-cache decoder, an encoder-decoder, BatchNorm
 TOLERANCE = 1e-6
-_CUSTOM_OP = ("transformers' MoE experts call torch.ops.transformers.grouped_mm_fallback, a torch.library op; "
-              "DCIR refuses ops outside aten (issue 14's custom-op work, another branch)")
 
 
 def _zoo_cases():
     for name in ZOO:
-        marks = [] if name in DEFAULT else [pytest.mark.slow]
-        if name in ("mixtral", "qwen2_moe"):
-            marks.append(pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.BackendCompilerFailed,
-                                           reason=_CUSTOM_OP))
-        yield pytest.param(name, marks=marks, id=name)
+        yield pytest.param(name, marks=[] if name in DEFAULT else [pytest.mark.slow], id=name)
 
 
 def _state(model) -> dict:
