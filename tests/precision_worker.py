@@ -10,8 +10,10 @@
   rank order, the optimizer on the fp32 masters. The largest relative difference of the
   master parameters.
 * ``fsdp2``: DCIR and FSDP2 (``fully_shard`` with ``MixedPrecisionPolicy(bf16, fp32)``,
-  CPU, gloo) train the same model on the same micro-batches for 20 steps; both loss
-  trajectories.
+  CPU, gloo) train the same model on the same micro-batches for 20 steps, and DCIR in
+  fp32 beside them (how far the policy's rounding moves things); the three loss
+  trajectories, and the largest relative difference of each DCIR run's full parameters
+  from FSDP2's after the 20 steps.
 * ``overflow``: fp16 with dynamic loss scaling; the second step's input overflows fp16
   on one rank. That step must be skipped on every rank, the scale halved, the weights
   unchanged; the next step trains; a checkpoint (to DIR) keeps the scaler's state.
@@ -132,36 +134,48 @@ def reference(rank: int, world: int) -> dict:
     return out
 
 
+def _fsdp2_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.GELU(),
+                               torch.nn.Linear(32, 4))
+
+
 def fsdp2(rank: int, world: int) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.GELU(),
-                                torch.nn.Linear(32, 4))
-    theirs = copy.deepcopy(model)
+    theirs = _fsdp2_model()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in theirs:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mp_policy=policy)
     fully_shard(theirs, mp_policy=policy)
     their_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
-    engine = dcir.initialize(model, lambda ps: torch.optim.AdamW(ps, lr=1e-2), {**BF16, "timeout_s": 60},
-                             loss_fn=squared)
-    ours, fsdp = [], []
+    engines = {"bf16": dcir.initialize(_fsdp2_model(), lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                                       {**BF16, "timeout_s": 60}, loss_fn=squared),
+               "fp32": dcir.initialize(_fsdp2_model(), lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                                       {"timeout_s": 60}, loss_fn=squared)}
+    losses = {"bf16": [], "fp32": [], "fsdp2": []}
     for whole in _batches(world, 20):
         x = _mine(whole, rank)
-        loss = engine(x)
-        engine.backward(loss)
-        engine.step()
+        mine = []
+        for engine in engines.values():
+            loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+            mine.append(loss.float().item())
         their_loss = squared(theirs(x))
         their_loss.backward()
         their_opt.step()
         their_opt.zero_grad()
-        both = torch.tensor([loss.float().item(), their_loss.float().item()], dtype=torch.float64)
+        both = torch.tensor([*mine, their_loss.float().item()], dtype=torch.float64)
         dist.all_reduce(both)  # the global batch's mean loss
-        ours.append(both[0].item() / world)
-        fsdp.append(both[1].item() / world)
-    return {"dcir": ours, "fsdp2": fsdp}
+        for name, value in zip(losses, both.tolist()):
+            losses[name].append(value / world)
+    reference = {n: p.full_tensor().detach() for n, p in theirs.named_parameters()}
+
+    def rel(full):
+        return max(((full[n] - p).abs().max() / p.abs().max()).item() for n, p in reference.items())
+    return {"loss": losses, "param_rel_err": {name: rel(e.full_parameters()) for name, e in engines.items()}}
 
 
 def _fp16_run(rank: int, world: int, extra: dict):

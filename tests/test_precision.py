@@ -143,13 +143,24 @@ def test_bf16_matches_a_reference_that_casts_per_micro_batch(tmp_path, capfd):
     assert r["offload"]["host_state"] > 0 and r["zero2"]["host_state"] == 0 and r["optimized"]["replans"] == 1
 
 
-def test_bf16_loss_trajectory_matches_fsdp2(tmp_path, capfd):
-    """20 steps of DCIR and FSDP2 under MixedPrecisionPolicy(bf16, fp32), CPU and gloo."""
+def test_bf16_training_matches_fsdp2(tmp_path, capfd):
+    """20 AdamW steps of DCIR and FSDP2 under MixedPrecisionPolicy(bf16, fp32), CPU and
+    gloo: the same casts in the same places give the same numbers (measured: identical
+    losses and parameters). The losses are bf16 numbers, so a difference in one is at
+    least a bf16 rounding step (~4e-3 relative); the full parameters after the 20 steps
+    are held to 1e-5. DCIR in fp32, the whole bf16 effect, is ~6e-3 away in the parameters
+    and ~2e-2 in the losses; reducing the gradients in bf16 instead, ~3e-3 and ~8e-3."""
     r = _run(capfd, "fsdp2", tmp_path / "out.json")
-    worst = max(abs(a - b) / abs(b) for a, b in zip(r["dcir"], r["fsdp2"]))
-    print("largest relative loss difference DCIR vs FSDP2 over 20 steps:", worst)
-    assert len(r["dcir"]) == 20 and worst <= 1e-3
-    assert r["dcir"][-1] < r["dcir"][0] / 4  # it trains
+    losses, err = r["loss"], r["param_rel_err"]
+
+    def worst(name):
+        return max(abs(a - b) / abs(b) for a, b in zip(losses[name], losses["fsdp2"]))
+    print("DCIR vs FSDP2, largest relative difference of the losses:", worst("bf16"), "of the parameters:",
+          err["bf16"], "| DCIR fp32 vs FSDP2 bf16:", worst("fp32"), err["fp32"])
+    assert len(losses["bf16"]) == len(losses["fsdp2"]) == 20
+    assert worst("bf16") <= 1e-4 and err["bf16"] <= 1e-5
+    assert err["fp32"] > 1e-3  # the policy's rounding is far above the tolerance: the casts are what match
+    assert losses["bf16"][-1] < losses["bf16"][0] / 4  # it trains
 
 
 def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path, capfd):
