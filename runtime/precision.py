@@ -148,8 +148,9 @@ def passes(policy: Policy) -> list:
 class LossScaler:
     """DeepSpeed's loss scaler: static when ``loss_scale`` > 0, else dynamic: starts at
     2**initial_scale_power; an overflow halves it (not below ``min_loss_scale``) once
-    ``hysteresis`` overflows have been tolerated; ``loss_scale_window`` steps without
-    one double it."""
+    ``hysteresis`` - 1 overflows have been tolerated, and so does every overflow until
+    the hysteresis is refilled: when ``loss_scale_window`` steps without one double the
+    scale, or, with ``consecutive_hysteresis``, after every step without one."""
 
     def __init__(self, fp16: dict):
         self.dynamic = fp16["loss_scale"] == 0

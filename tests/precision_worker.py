@@ -16,7 +16,8 @@
   from FSDP2's after the 20 steps.
 * ``overflow``: fp16 with dynamic loss scaling; the second step's input overflows fp16
   on one rank. That step must be skipped on every rank, the scale halved, the weights
-  unchanged; the next step trains; a checkpoint (to DIR) keeps the scaler's state.
+  unchanged, the learning-rate schedule where it was; the next step trains; a
+  checkpoint (to DIR) keeps the scaler's state.
 * ``bytes``: the runtime's count of bytes sent by a forward (its all_gathers only) in
   fp32 and in bf16.
 """
@@ -179,12 +180,15 @@ def fsdp2(rank: int, world: int) -> dict:
 
 
 def _fp16_run(rank: int, world: int, extra: dict):
-    """An fp16 engine (initial scale 256, hysteresis 1) over 3 steps whose second
-    overflows on rank 1; what each step did, and the engine."""
+    """An fp16 engine (initial scale 256, hysteresis 1, a schedule that halves the
+    learning rate at every step) over 3 steps whose second overflows on rank 1; what
+    each step did, and the engine."""
     torch.manual_seed(0)
     fp16 = {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}, "timeout_s": 60, **extra}
-    engine = dcir.initialize(mlp(), lambda ps: torch.optim.AdamW(ps, lr=1e-2), fp16, loss_fn=squared)
-    record = {"scales": [engine.loss_scale], "took": [], "changed": [], "finite": []}
+    engine = dcir.initialize(mlp(), lambda ps: torch.optim.AdamW(ps, lr=1e-2), fp16, loss_fn=squared,
+                             lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
+    record = {"scales": [engine.loss_scale], "took": [], "changed": [], "finite": [],
+              "lrs": [engine.optimizer.param_groups[0]["lr"]]}
     for step, whole in enumerate(_batches(world, 3)):
         x = _mine(whole, rank)
         if step == 1 and rank == 1:
@@ -195,9 +199,11 @@ def _fp16_run(rank: int, world: int, extra: dict):
         record["took"].append(engine.step())
         after = engine.full_parameters()
         record["scales"].append(engine.loss_scale)
+        record["lrs"].append(engine.optimizer.param_groups[0]["lr"])
         record["changed"].append(any(not torch.equal(before[n], after[n]) for n in before))
         record["finite"].append(all(torch.isfinite(t).all().item() for t in after.values()))
     record["skipped_steps"], record["steps"] = engine.skipped_steps, engine.steps
+    record["schedule_steps"] = engine.lr_scheduler.last_epoch
     return record, engine
 
 

@@ -126,6 +126,40 @@ def test_dynamic_loss_scale_follows_deepspeed():
     assert static.cur_scale == 128
 
 
+def _scales(fp16: dict, overflows) -> list[float]:
+    """The loss scale after each step of an fp16 engine's scaler (built from the config
+    as the Engine builds it), given which steps overflow."""
+    from dcir_runtime.precision import Precision
+
+    scaler = Precision(Config.load({"fp16": {"enabled": True, "initial_scale_power": 4, **fp16}})).loss_scaler
+    seen = []
+    for overflow in overflows:
+        scaler.update_scale(overflow)
+        seen.append(scaler.cur_scale)
+    return seen
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2, 3])
+def test_hysteresis_overflows_in_a_row_halve_the_scale(hysteresis):
+    """docs/config.md: the scale halves at the ``hysteresis``-th overflow (the ones before
+    are tolerated), and at every overflow after it until the hysteresis is refilled."""
+    assert _scales({"hysteresis": hysteresis}, [True] * (hysteresis + 1)) == [16] * (hysteresis - 1) + [8, 4]
+
+
+def test_consecutive_hysteresis_refills_after_every_clean_step():
+    """Overflows with a clean step between each (never ``loss_scale_window`` clean steps
+    in a row): with consecutive_hysteresis the clean step refills the hysteresis, so
+    the scale never halves; without it, only a doubling refills it, so from the second
+    overflow on every overflow halves."""
+    apart = [True, False] * 4
+    assert _scales({"hysteresis": 2, "consecutive_hysteresis": True}, apart) == [16] * 8
+    assert _scales({"hysteresis": 2}, apart) == [16, 16, 8, 8, 4, 4, 2, 2]
+    # a window of clean steps doubles the scale and refills the hysteresis either way
+    for consecutive in (True, False):
+        assert _scales({"hysteresis": 2, "loss_scale_window": 2, "consecutive_hysteresis": consecutive},
+                       [True, True, False, False, True]) == [16, 8, 8, 16, 16]
+
+
 def test_bf16_matches_a_reference_that_casts_per_micro_batch(tmp_path, capfd):
     """World 2, param_dtype=bf16 and reduce_dtype=fp32 (and DeepSpeed's bf16 section;
     at ZeRO-3, ZeRO-2, with optimizer-state offload and with the schedule passes; a
@@ -163,12 +197,15 @@ def test_bf16_training_matches_fsdp2(tmp_path, capfd):
     assert losses["bf16"][-1] < losses["bf16"][0] / 4  # it trains
 
 
-def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path, capfd):
+def test_fp16_overflow_skips_the_step_and_the_schedule_and_halves_the_scale(tmp_path, capfd):
+    """docs/config.md: a skipped step leaves the weights, ``engine.steps`` and the
+    learning-rate schedule (here halving the rate at each step) where they were."""
     r = _run(capfd, "overflow", tmp_path / "out.json", str(tmp_path / "ckpt"))
     assert r["took"] == [True, False, True]
     assert r["scales"] == [256.0, 256.0, 128.0, 128.0]
     assert r["changed"] == [True, False, True] and all(r["finite"])
     assert (r["skipped_steps"], r["steps"]) == (1, 2)
+    assert r["lrs"] == [1e-2, 5e-3, 5e-3, 2.5e-3] and r["schedule_steps"] == 2
     assert "dcir: step 2: inf/NaN gradients, step skipped (1 so far); loss scale 256 -> 128" in r["_stderr"]
     assert r["scaler_loaded"] == r["scaler_saved"] and r["scaler_saved"]["cur_iter"] == 3
     off = r["offload"]  # the same with optimizer state in host memory: the same weights
