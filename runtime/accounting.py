@@ -72,6 +72,19 @@ def step_peak(module: Module | None) -> int:
     return max(peaks(module).values(), default=0) if module is not None else 0
 
 
+class StepPeak:
+    """``step_peak`` of the program an engine runs, computed once per program."""
+
+    def __init__(self):
+        self.module: Module | None = None
+        self.peak = 0
+
+    def __call__(self, module: Module | None) -> int:
+        if module is not self.module:
+            self.module, self.peak = module, step_peak(module)
+        return self.peak
+
+
 def measure(shards: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer, store: StateStore | None,
             model: torch.nn.Module, module: Module | None, full_bytes: int, transport: int = 0,
             modelled_peak: int = 0) -> MemoryStats:

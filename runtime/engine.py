@@ -36,7 +36,7 @@ import dcir
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir_lowering.backend import lower
 from dcir_runtime import native
-from dcir_runtime.accounting import MemoryStats, fixed_bytes, measure, scheduled_bytes, step_peak
+from dcir_runtime.accounting import MemoryStats, StepPeak, fixed_bytes, measure, scheduled_bytes
 from dcir_runtime.capture import source_name
 from dcir_runtime.config import Config
 from dcir_runtime import materialize, programs, transport
@@ -121,7 +121,7 @@ class Engine:
         self._config = config
         self._place_loaded_state = False  # a checkpoint loaded before capture: offloaded state goes home
         self.capture_s = 0.0
-        self._peak_of: tuple[dcir.Module | None, int] = (None, 0)  # the running program, its modelled step peak
+        self._step_peak = StepPeak()
         self.training = model.training
         self.programs = programs.Programs()
 
@@ -336,10 +336,7 @@ class Engine:
         """Bytes this rank holds, as the runtime accounts them, and its counters, by name
         (``m.parameters``, or ``m["parameters"]``): parameter and gradient shards, optimizer
         state (on the device now and at its peak, in host memory), replicated buffers, the
-        program's replicas and accumulators, gathered parameters (now, peak), the transport's
-        outbox; collectives, bytes sent, seconds blocked in waits. Each field is described in
-        ``dcir_runtime.accounting.MemoryStats``."""
-        if self._peak_of[0] is not self.module:  # the memory model, once per program
-            self._peak_of = (self.module, step_peak(self.module))
+        program's replicas, accumulators and step peak, gathered parameters (now, peak), the
+        outbox; collectives, bytes sent, seconds blocked in waits (``accounting.MemoryStats``)."""
         return measure(self.shards, self.optimizer, self.state_store, self.model, self.module, self.full_bytes,
-                       self.transport_bytes, self._peak_of[1])
+                       self.transport_bytes, self._step_peak(self.module))
