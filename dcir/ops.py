@@ -218,6 +218,24 @@ def _rule_optim_step(op, types, module):
     return list(types)
 
 
+def _rule_rng_get(op, types, module):
+    if not isinstance(types[0], TensorType):
+        raise TypeRuleError(f"rng.get reads the generator of a device tensor's device; the operand is {types[0]}", 0)
+    declared = op.results[0].type
+    if not isinstance(declared, TensorType) or declared.dtype != "u8" or len(declared.shape) != 1:
+        raise TypeRuleError(f"a generator's state is a u8[N] tensor; %{op.results[0].name} is declared {declared}")
+    return [declared]
+
+
+def _rule_rng_set(op, types, module):
+    state, where = types
+    if not isinstance(state, TensorType) or state.dtype != "u8" or len(state.shape) != 1:
+        raise TypeRuleError(f"rng.set takes a generator's state (u8[N], from rng.get); the state is {state}", 0)
+    if not isinstance(where, TensorType):
+        raise TypeRuleError(f"rng.set sets the generator of a device tensor's device; the operand is {where}", 1)
+    return []
+
+
 def _rule_aten(op, types, module):
     """aten result types come from capture (FX metadata); arity and kind are checked here."""
     sch = aten.schema(op.name)
@@ -298,6 +316,14 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
     OpDef("mem.wait", "Join the pending values of host copies (offloads, reloads); results are usable values.",
           (1, None), "per_operand", frozenset({WAITS}), _rule_wait,
           example="%d_dev = mem.wait(%d) : shard<f32[16, 8], 2>", joins=HOST_COPY),
+    OpDef("rng.get", "Read the state of the default random generator of the operand's device (what the next "
+          "random op draws from): activation checkpointing saves it before a random op it will replay.",
+          (1, 1), (1, 1), frozenset({ALLOCATES}), _rule_rng_get,
+          example="%rng_state = rng.get(%relu) : u8[5056]"),
+    OpDef("rng.set", "Set the state of the default random generator of the second operand's device to the "
+          "first (from rng.get): a recomputed random op draws what the forward drew.",
+          (2, 2), (0, 0), frozenset({SIDE_EFFECT}), _rule_rng_set,
+          example="rng.set(%rng_state, %relu)"),
     OpDef("optim.step", "Run the optimizer's update of one parameter with its gradient and the given state, in "
           "place; the results are the updated state (the operands' storage).",
           (0, None), "per_operand", frozenset({SIDE_EFFECT, READS_STATE, WRITES_STATE, OPTIMIZES}), _rule_optim_step,
@@ -318,7 +344,7 @@ CUSTOM = OpDef("<namespace>.*", "Compute: an operator registered with torch.libr
                frozenset({PURE, COMPUTE, ALLOCATES, SCHEMA}), _rule_custom,
                example="%y = transformers.grouped_mm_fallback.default(%x, %w, %offs) : f32[16, 64]")
 
-FAMILIES = ("aten", "comm", "grad", "mem", "optim", "param")
+FAMILIES = ("aten", "comm", "grad", "mem", "optim", "param", "rng")
 
 #: Attributes every op may carry. Keys with a dot (``prof.time_us``) are free-form too.
 COMMON_ATTRS = {"ranks": AttrSpec("int_list")}

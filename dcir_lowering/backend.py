@@ -69,6 +69,21 @@ def _grad_set(grads: dict, name: str, value: torch.Tensor) -> None:
     grads[name] = value
 
 
+def _rng_get(where: torch.Tensor) -> torch.Tensor:
+    """``rng.get``: the state of the default generator of ``where``'s device."""
+    if where.device.type == "cpu":
+        return torch.get_rng_state()
+    return torch.get_device_module(where.device).get_rng_state(where.device)
+
+
+def _rng_set(state: torch.Tensor, where: torch.Tensor) -> None:
+    """``rng.set``: the default generator of ``where``'s device starts again from ``state``."""
+    if where.device.type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.get_device_module(where.device).set_rng_state(state, where.device)
+
+
 def lower_function(module: Module, name: str, group: str | None = None,
                    shards_in_state: bool = False, store_prefix: str = "") -> fx.GraphModule:
     """Function ``name`` of ``module`` as a GraphModule taking ``(state, grads, *args)``;
@@ -310,6 +325,10 @@ def _lower_op(module: Module, func: Function, op: Op, g: fx.Graph, env: dict, st
         g.call_function(_grad_set, (grads, op.symbol, env[op.operands[0]]))
     elif op.name == "mem.free":
         pass  # one process: memory is released with the value's last use
+    elif op.name == "rng.get":
+        env[op.results[0]] = g.call_function(_rng_get, (env[op.operands[0]],))
+    elif op.name == "rng.set":
+        g.call_function(_rng_set, tuple(env[v] for v in op.operands))
     elif op.name == "mem.cast":
         env[op.results[0]] = g.call_function(torch.ops.aten._to_copy.default, (env[op.operands[0]],),
                                              {"dtype": torch_dtype(op.attrs["dtype"].name)})
@@ -500,7 +519,7 @@ def lower(module: Module, state: dict, *, inductor: bool = False, group: str | N
     return Program(module, state, graphs, {role: compiled(role, gm) for role, gm in graphs.items()})
 
 
-_STATE_CALLS = (_state_get, _state_set, _grad_set, _call)
+_STATE_CALLS = (_state_get, _state_set, _grad_set, _call, _rng_get, _rng_set)
 
 
 def _runs_in_runtime(node: fx.Node, runtime: set) -> bool:

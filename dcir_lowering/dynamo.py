@@ -141,12 +141,18 @@ def specialize(gm: fx.GraphModule, args, scalar_at: list[bool]) -> fx.GraphModul
     return specialized
 
 
+#: higher-order ops DCIR takes: activation checkpointing's region (Dynamo's graph; AOTAutograd
+#: partitions it) and its replay of random ops (AOTAutograd's graphs; ``dcir.activations``)
+_TAKEN = ("tag_activation_checkpoint", "run_and_save_rng_state", "run_with_rng_state")
+
+
 def _refuse_higher_order(gm: fx.GraphModule) -> None:
     """A higher-order op (``torch.cond``, ``torch.while_loop``...) calls subgraphs, which
     DCIR's functions cannot hold yet: an error at the user's line, not a crash on the
-    subgraph read as a constant."""
+    subgraph read as a constant. Activation checkpointing's are taken (``_TAKEN``)."""
     for node in gm.graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+        if (node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator)
+                and node.target.name() not in _TAKEN):
             raise DcirError(Diagnostic(
                 f"cannot lower to DCIR: torch.{node.target.name()} is a higher-order op (it calls subgraphs), which "
                 f"DCIR cannot express{_where(node.meta.get('stack_trace', ''))}; rewrite it with torch.where"))
@@ -162,7 +168,7 @@ def graph_to_module(gm: fx.GraphModule, name: str) -> tuple[Module, list[int]]:
         if node.op == "placeholder":
             env[node] = Value(node.name, _type(node.meta["val"]))
     func = Function(name, list(env.values()))  # takes the arguments: sets their owner and index
-    GraphLowering(module).lower_ops(gm, func, env)
+    GraphLowering(module).lower_ops(gm, func, env, backward=name == "backward")
     outputs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
     none_at = [i for i, o in enumerate(outputs) if o is None]
     func.returns = [env[o] for o in outputs if o is not None]

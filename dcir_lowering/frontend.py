@@ -44,6 +44,7 @@ import torch
 import torch.fx as fx
 
 from dcir import signature
+from dcir.activations import RECOMPUTE
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import DTYPE_BYTES, NONE, UNIT, Decl, DType, Function, Module, Op, TensorType, Type, Value
 from dcir.roles import BACKWARD, EVAL, FORWARD
@@ -427,7 +428,10 @@ class GraphLowering:
     def __init__(self, module: Module):
         self.m = module
 
-    def lower_ops(self, gm: fx.GraphModule, f: Function, env: dict) -> None:
+    def lower_ops(self, gm: fx.GraphModule, f: Function, env: dict, backward: bool = False) -> None:
+        """The graph's ops, in order, appended to ``f``. In a ``backward`` graph, an op
+        AOTAutograd's partitioner copied from the forward (activation checkpointing: its
+        ``partitioner_tag`` says so) is marked ``act.recompute``."""
         used = {n.name for n in gm.graph.nodes}
         for node in gm.graph.nodes:
             if node.op == "get_attr":
@@ -437,8 +441,49 @@ class GraphLowering:
                 continue
             if node.target is operator.getitem:
                 continue  # a result of the op before it, named after the getitem
-            self._check_target(node)
-            f.ops.append(self._op(node, env, used))
+            first = len(f.ops)
+            if node.target in _RNG_HOPS:
+                self._with_rng_state(node, f, env, used)
+            else:
+                self._check_target(node)
+                f.ops.append(self._op(node, env, used))
+            if backward and (node.target in _RNG_HOPS or node.meta.get("partitioner_tag") == "is_forward"):
+                for op in f.ops[first:]:
+                    op.attrs[RECOMPUTE] = UNIT
+
+    def _with_rng_state(self, node: fx.Node, f: Function, env: dict, used: set) -> None:
+        """AOTAutograd's wrappers of a random op in a checkpointed region, as DCIR ops:
+        ``run_and_save_rng_state(op, *args)`` (the forward) reads the generator's state,
+        then runs ``op``; ``run_with_rng_state(state, op, *args)`` (the backward's replay)
+        sets the generator to ``state`` around ``op`` and puts it back after
+        (``dcir.activations``)."""
+        saving = node.target is _RNG_HOPS[0]
+        state, (target, *args) = (None, node.args) if saving else (node.args[0], node.args[1:])
+        anchor = next((a for a in args if isinstance(a, fx.Node)), None)
+        if not isinstance(target, torch._ops.OpOverload) or anchor is None:
+            raise self._unsupported(node, f"{node.target.name()} wraps {target}, not a torch operator on a tensor")
+        picked = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        out_val = _call_val(target, args, node.kwargs)
+        if saving:
+            out_node = picked.get(1)
+            state_val = picked[0].meta["val"] if 0 in picked else torch.get_rng_state()
+            state_v = Value(picked[0].name if 0 in picked else _fresh(f"{node.name}_state", used), _type(state_val))
+            if 0 in picked:
+                env[picked[0]] = state_v
+            f.ops.append(Op("rng.get", [env[anchor]], [state_v], parens=True))
+        else:
+            out_node = node
+            prev = Value(_fresh(f"{node.name}_prev", used), env[state].type)
+            f.ops.append(Op("rng.get", [env[anchor]], [prev], parens=True))
+            f.ops.append(Op("rng.set", [env[state], env[anchor]], [], parens=True))
+        call = _Call(target, tuple(args), dict(node.kwargs), {**node.meta, "val": out_val},
+                     out_node.users if out_node is not None else {}, out_node.name if out_node is not None
+                     else _fresh(f"{node.name}_out", used))
+        f.ops.append(self._op(call, env, used))
+        if call in env and out_node is not None:
+            env[out_node] = env.pop(call)
+        if not saving:
+            f.ops.append(Op("rng.set", [prev, env[anchor]], [], parens=True))
 
     def _check_target(self, node: fx.Node) -> None:
         """An aten op, or a custom op DCIR can carry (``dcir.custom_ops``); else a located error."""
@@ -530,6 +575,36 @@ class GraphLowering:
 
     def _unsupported(self, node: fx.Node, what: str) -> DcirError:
         return DcirError(Diagnostic(f"cannot lower to DCIR: {what}{_where(node.meta.get('stack_trace', ''))}"))
+
+
+def _call_val(target, args: tuple, kwargs: dict):
+    """What ``target`` returns on the fake values of ``args`` (a wrapper node of AOTAutograd's
+    carries no value of its own)."""
+    from torch._guards import detect_fake_mode
+    from torch.utils._pytree import tree_map
+
+    vals = tree_map(lambda a: a.meta["val"] if isinstance(a, fx.Node) else a, args)
+    kw = tree_map(lambda a: a.meta["val"] if isinstance(a, fx.Node) else a, kwargs)
+    mode = detect_fake_mode(vals)
+    with mode if mode is not None else contextlib.nullcontext():
+        return target(*vals, **kw)
+
+
+#: AOTAutograd's wrappers of a random op that activation checkpointing replays: saving
+#: the generator's state in the forward, replaying with it in the backward
+_RNG_HOPS = (torch.ops.higher_order.run_and_save_rng_state, torch.ops.higher_order.run_with_rng_state)
+
+
+@dataclass(eq=False)
+class _Call:
+    """An FX call node's parts, for the op a higher-order wrapper calls (``_op`` reads these)."""
+
+    target: object
+    args: tuple
+    kwargs: dict
+    meta: dict
+    users: dict
+    name: str
 
 
 class _Lowering(GraphLowering):
@@ -630,7 +705,7 @@ class _Lowering(GraphLowering):
             env[node] = v
         if next(tangents, None) is not None:
             raise RuntimeError("internal: AOTAutograd's backward takes fewer tangents than there are differentiable outputs")
-        self.lower_ops(gm, f, env)
+        self.lower_ops(gm, f, env, backward=True)
         grads = [n for n in g.nodes if n.op == "output"][0].args[0]
         for i, grad in enumerate(grads):
             fqn = self.state.get(i)

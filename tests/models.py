@@ -7,6 +7,9 @@ and Python puts a script's own folder there.
 
 from __future__ import annotations
 
+import collections
+import functools
+
 import torch
 
 
@@ -70,3 +73,66 @@ class Breaks(torch.nn.Module):
         if y.sum() > 0:  # data-dependent control flow: a graph break
             y = y * 2
         return y.mean()
+
+
+def checkpointed_llama(reentrant: bool):
+    """``tiny_llama`` with attention dropout, and the first switch of every fine-tuning
+    recipe: ``gradient_checkpointing_enable()`` (each decoder layer recomputed)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         attn_implementation="eager", attention_dropout=0.1)
+    model = LlamaForCausalLM(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    return model
+
+
+class _Block(torch.nn.Module):
+    """A residual MLP block with dropout inside."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 4 * width)
+        self.down = torch.nn.Linear(4 * width, width)
+
+    def forward(self, h):
+        return h + torch.nn.functional.dropout(self.down(torch.nn.functional.gelu(self.up(self.norm(h)))), 0.1,
+                                               self.training)
+
+
+#: what ``Checkpointed`` returns: its logits, by name
+LMOutput = collections.namedtuple("LMOutput", "logits")
+
+
+class Checkpointed(torch.nn.Module):
+    """Blocks run under ``torch.utils.checkpoint.checkpoint`` in the model's own code, with
+    dropout inside the checkpointed region; with ``selective``, torch's selective
+    checkpointing (``create_selective_checkpoint_contexts``): matmuls saved, the rest
+    recomputed."""
+
+    def __init__(self, selective: bool = False, width: int = 16, blocks: int = 2, vocab: int = 128):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.blocks = torch.nn.ModuleList(_Block(width) for _ in range(blocks))
+        self.head = torch.nn.Linear(width, vocab)
+        self.selective = selective
+
+    def forward(self, input_ids):
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            if self.selective:
+                context = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+                h = checkpoint(block, h, use_reentrant=False, context_fn=context)
+            else:
+                h = checkpoint(block, h, use_reentrant=False)
+        return LMOutput(self.head(h))
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    """A selective-checkpointing policy: keep what the matmuls made, recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    matmuls = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+    return CheckpointPolicy.MUST_SAVE if op in matmuls else CheckpointPolicy.PREFER_RECOMPUTE

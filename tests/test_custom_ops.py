@@ -150,7 +150,7 @@ def test_a_mutating_custom_op_is_refused_with_a_located_error():
 
 _BAD = {
     "unknown namespace": ("%y = nosuchlib.op.default(%x) : f32[4, 16]",
-                          "unknown op 'nosuchlib.op.default'; op families are: aten, comm, grad, mem, optim, param "
+                          "unknown op 'nosuchlib.op.default'; op families are: aten, comm, grad, mem, optim, param, rng "
                           "and custom ops, but no operator nosuchlib::op.default is registered with torch.library"),
     "no fake kernel": ("%y = dcirtest.no_fake.default(%x) : f32[4, 16]",
                        "custom op dcirtest.no_fake.default has no fake kernel"),

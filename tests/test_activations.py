@@ -1,0 +1,139 @@
+"""Activations the user checkpoints: captured, marked, replayed, trained as eager trains them.
+
+``model.gradient_checkpointing_enable()`` (reentrant and not), ``torch.utils.checkpoint``
+in the model's own forward and torch's selective checkpointing each train through
+``torch.compile(backend="dcir")`` (one process) and through the Engine (world 2, ZeRO-3),
+the loss computed outside, and land where eager training with the same checkpointing
+lands after 3 AdamW steps. Every case has dropout inside its checkpointed region: the
+backward's replay must draw the forward's masks (``rng.get`` / ``rng.set``,
+``dcir.activations``), or the gradients differ.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import dcir
+from activations_worker import CASES
+from dcir.activations import RECOMPUTE, recomputed
+from dcir.memory import saved_storage
+from dcir_runtime import native
+from dcir_runtime.launch import launch
+from models import Checkpointed, checkpointed_llama, tiny_llama
+from zoo import LR, criterion, micro_batches, worst_relative
+
+WORKER = str(__import__("pathlib").Path(__file__).resolve().parent / "activations_worker.py")
+TOLERANCE = 1e-6
+#: one of each kind in the default run; the rest under ``-m slow``
+DEFAULT = ("llama_checkpointing", "selective_checkpointing")
+
+
+def _cases():
+    for name in CASES:
+        yield pytest.param(name, marks=[] if name in DEFAULT else [pytest.mark.slow], id=name)
+
+
+def _train(model, step, batches) -> list[float]:
+    """3 AdamW steps of ``step`` (the model, or it compiled), the loss outside; each step
+    starts from the generator state the caller set before the first."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses = []
+    for inputs, y in batches:
+        loss = criterion(step(**inputs), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_checkpointed_model_trains_as_eager_through_the_backend(name):
+    z = CASES[name]
+    batches = list(micro_batches(z, 1, 1))
+    ref, mine = z.model(), z.model()  # each seeded: the same weights, the same generator state after
+    start = torch.get_rng_state()
+    expected = _train(ref, ref, batches)
+    torch.set_rng_state(start)
+    torch._dynamo.reset()
+    try:
+        got = _train(mine, torch.compile(mine, backend="dcir"), batches)
+    finally:
+        torch._dynamo.reset()
+    worst, where = worst_relative(dict(ref.named_parameters()), dict(mine.named_parameters()))
+    assert worst <= TOLERANCE, (name, where, worst, expected, got)
+    assert got == expected, (expected, got)
+
+
+@pytest.mark.parametrize("names", [pytest.param(DEFAULT, id="default"),
+                                   pytest.param(tuple(n for n in CASES if n not in DEFAULT), id="rest",
+                                                marks=pytest.mark.slow)])
+def test_checkpointed_models_train_sharded_as_eager(names, tmp_path):
+    native.load()  # built once here, before the ranks start and load it
+    out = tmp_path / "results.json"
+    assert launch([WORKER, str(out), *names], 2, timeout_s=500, grace_s=5) == 0
+    results = json.loads(out.read_text())
+    for name in names:
+        r = results[name]
+        assert r["worst"] is not None and r["worst"] <= TOLERANCE, (name, r)
+        assert r["losses"][-1] < r["losses"][0], (name, r["losses"])  # it trains
+
+
+def _ir(model, **kwargs) -> dcir.Module:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    module = dcir.compile_to_ir(model, (), kwargs={"input_ids": ids, **kwargs})
+    dcir.verify(module)
+    assert dcir.print(dcir.parse(dcir.print(module))) == dcir.print(module)  # the marks round-trip
+    return module
+
+
+def test_recompute_is_marked_in_the_backward_and_saves_less():
+    """The partitioner's recomputed ops are ordinary ops of ``@backward`` marked
+    ``act.recompute``; the forward hands over less."""
+    torch.manual_seed(0)
+    plain = _ir(tiny_llama())
+    torch.manual_seed(0)
+    model = checkpointed_llama(reentrant=False)
+    model.config.attention_dropout = 0.0
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.0
+    checkpointed = _ir(model)
+    assert not any(recomputed(f) for f in plain.functions.values())
+    assert not recomputed(checkpointed.functions["forward"])
+    again = recomputed(checkpointed.functions["backward"])
+    assert {op.name for op in again} >= {"aten.mm.default", "aten.mul.Tensor", "aten._softmax.default"}
+    assert not any(op.name.startswith("rng.") for _, op in checkpointed.ops())  # no dropout: nothing to replay
+    saved = lambda m: sum(b for _, b in {k: v for k, v in saved_storage(m).values()}.items())  # noqa: E731
+    assert saved(checkpointed) < saved(plain) / 3, (saved(checkpointed), saved(plain))
+
+
+def test_dropout_in_a_checkpointed_region_replays_the_forward_state():
+    """The forward saves the generator's state before each random op of a checkpointed
+    region; the backward sets it around the replay and puts the generator back after."""
+    module = _ir(checkpointed_llama(reentrant=False))
+    fw, bw = module.functions["forward"], module.functions["backward"]
+    saves = [op for op in fw.ops if op.name == "rng.get"]
+    assert len(saves) == 2  # one per layer's attention dropout
+    for save in saves:
+        after = fw.ops[fw.ops.index(save) + 1]
+        assert after.name == "aten.native_dropout.default" and after.operands[0] is save.operands[0]
+    sets = [op for op in bw.ops if op.name == "rng.set"]
+    assert len(sets) == 4 and all(RECOMPUTE in op.attrs for op in sets)
+    for first, last in zip(sets[::2], sets[1::2]):
+        between = bw.ops[bw.ops.index(first) + 1:bw.ops.index(last)]
+        assert [op.name for op in between] == ["aten.native_dropout.default"]
+        assert first.operands[0].type.dtype == "u8" and last.operands[0].owner.name == "rng.get"
+
+
+def test_selective_checkpointing_saves_what_its_policy_names():
+    """A policy that saves matmuls: no matmul is recomputed, the rest of the region is."""
+    module = _ir(Checkpointed(selective=True))
+    again = {op.name for op in recomputed(module.functions["backward"])}
+    assert "aten.gelu.default" in again and "aten.native_layer_norm.default" in again
+    assert not again & {"aten.addmm.default", "aten.mm.default"}
+    everything = {op.name for op in recomputed(_ir(Checkpointed()).functions["backward"])}
+    assert "aten.addmm.default" in everything
