@@ -85,7 +85,7 @@ def test_zoo_model_trains_through_dcir_like_aot_eager(name):
 @pytest.mark.parametrize("name", list(_zoo_cases()))
 def test_zoo_model_infers_through_dcir_like_aot_eager(name):
     """``model.eval()`` and ``torch.no_grad()``: AOTAutograd's inference graph, through DCIR;
-    a decoder's KV cache comes back too."""
+    a decoder's KV cache comes back too, every key and value tensor equal to aot_eager's."""
     inputs, _ = ZOO[name].batch(torch.Generator().manual_seed(7), 2)
     outs = []
     for backend in ("aot_eager", "dcir"):
@@ -97,7 +97,18 @@ def test_zoo_model_infers_through_dcir_like_aot_eager(name):
     expected, got = outs
     assert torch.equal(expected.logits, got.logits)
     if getattr(expected, "past_key_values", None) is not None:
-        assert got.past_key_values is not None and len(got.past_key_values) == len(expected.past_key_values)
+        want, have = _cache_tensors(expected.past_key_values), _cache_tensors(got.past_key_values)
+        assert want and len(have) == len(want)
+        for k, (a, b) in enumerate(zip(want, have)):
+            assert torch.equal(a, b), f"KV cache tensor {k} of {len(want)}"
+
+
+def _cache_tensors(cache) -> list[torch.Tensor]:
+    """Every key and value tensor of a ``transformers`` cache, layer by layer; an
+    encoder-decoder's self-attention cache, then its cross-attention cache."""
+    if hasattr(cache, "self_attention_cache"):
+        return _cache_tensors(cache.self_attention_cache) + _cache_tensors(cache.cross_attention_cache)
+    return [t for layer in cache.layers for t in (layer.keys, layer.values)]
 
 
 # ---- the reference models of tests/models.py ----------------------------------------------
