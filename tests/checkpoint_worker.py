@@ -11,7 +11,8 @@ a forward without backward before the load, so the load meets a captured program
 ``lr_scheduler`` the engine steps a StepLR (``initialize(..., lr_scheduler=)``). The data
 generator's state travels in the checkpoint's ``client_state``. At the end each rank destroys the
 process group and writes ``out`` ``.rank<r>.pt``: the full parameters, this rank's optimizer
-state, the counters, where it resumed from, and its native threads (not Python's) before the
+state, the counters, the loss of every micro-step after the load (every micro-step's when
+nothing is loaded), where it resumed from, and its native threads (not Python's) before the
 engine and after the destroy: gloo's, if anything still held the group.
 
 ``python checkpoint_worker.py errors SPEC.json``: each bad load is a DcirError on every
@@ -113,14 +114,9 @@ def train(spec: dict) -> None:
         path, client = engine.load_checkpoint(spec["load"], spec.get("tag"))
         g.set_state(client["data"])
         resumed = (path.name, engine.micro_steps)
-    rows = GLOBAL // world
+    losses = []
     while engine.micro_steps < spec["micro"]:
-        args, kwargs = batch_of(g)
-        args = tuple(a[rank * rows:(rank + 1) * rows] for a in args)
-        kwargs = {k: v[rank * rows:(rank + 1) * rows] for k, v in kwargs.items()}
-        loss = engine(*args, **kwargs)
-        engine.backward(loss, scale_wrt_gas=True)
-        engine.step()  # and the schedule, at each optimizer step
+        losses.append(_micro_step(engine, batch_of(g), rank))
         if spec.get("save") and engine.micro_steps in spec.get("save_at", []):
             if spec.get("kill_in_save") and engine.micro_steps == spec["save_at"][-1]:
                 os.environ[checkpoint.KILL_IN_SAVE] = "1"
@@ -131,7 +127,20 @@ def train(spec: dict) -> None:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     threads = (threads_before, _native_threads(at_most=threads_before))
-    torch.save({**snapshot, "resumed": resumed, "native_threads": threads}, f"{spec['out']}.rank{rank}.pt")
+    torch.save({**snapshot, "losses": losses, "resumed": resumed, "native_threads": threads},
+               f"{spec['out']}.rank{rank}.pt")
+
+
+def _micro_step(engine, batch, rank: int) -> float:
+    """One micro-step on this rank's rows of the global ``batch``; its loss."""
+    args, kwargs = batch
+    rows = GLOBAL // engine.world
+    args = tuple(a[rank * rows:(rank + 1) * rows] for a in args)
+    kwargs = {k: v[rank * rows:(rank + 1) * rows] for k, v in kwargs.items()}
+    loss = engine(*args, **kwargs)
+    engine.backward(loss, scale_wrt_gas=True)
+    engine.step()  # and the schedule, at each optimizer step
+    return loss.item()
 
 
 def errors(spec: dict) -> None:
