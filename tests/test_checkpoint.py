@@ -139,11 +139,13 @@ def test_reshard(case, tmp_path, capfd):
 
 
 def test_kill_mid_save_and_bad_checkpoints(tmp_path, capfd):
-    """The job is killed in the middle of its second save: the first checkpoint stays
-    the latest and loads; the partial one is never picked. Damaged, mismatched or absent
-    checkpoints are one clear error on every rank, and the engine is unchanged."""
+    """The job is killed in the middle of its third save: the second checkpoint stays
+    the latest and loads; the partial one is never picked, nor is it when a stale
+    ``latest`` names it: a load with no tag takes the complete checkpoint with the
+    highest step. Damaged, mismatched or absent checkpoints are one clear error on every
+    rank, and the engine is unchanged."""
     ckpt = tmp_path / "ckpt"
-    spec = {"model": "mlp", "micro": 4, "out": str(tmp_path / "never"), "save": str(ckpt), "save_at": [2, 4],
+    spec = {"model": "mlp", "micro": 4, "out": str(tmp_path / "never"), "save": str(ckpt), "save_at": [1, 2, 4],
             "kill_in_save": True}
     code, out = _run(capfd, tmp_path, 2, spec)
     assert code == -signal.SIGKILL, out
@@ -151,15 +153,22 @@ def test_kill_mid_save_and_bad_checkpoints(tmp_path, capfd):
     assert len(partial) == 1 and partial[0].name.startswith("step4.tmp-") and any(partial[0].glob("*.distcp"))
     assert not (partial[0] / checkpoint.MARKER).exists()
     assert checkpoint.latest(ckpt) == "step2" and (ckpt / "latest").read_text().strip() == "step2"
-    (ckpt / "latest").unlink()  # without the pointer the scan still finds only the complete one
+    # a stale pointer: the highest step wins, not the newest directory (step1 touched last)
+    os.utime(ckpt / "step1", (2e9, 2e9))
+    (ckpt / "latest").unlink()
     assert checkpoint.latest(ckpt) == "step2"
-    # resumed, it saves twice under one tag: the second replaces the first
+    shutil.copytree(partial[0], ckpt / "step4")  # a directory without COMPLETE
+    for stale in ("step9", partial[0].name, "step4"):  # missing, unfinished, unmarked
+        (ckpt / "latest").write_text(stale + "\n")
+        assert checkpoint.latest(ckpt) == "step2", stale
+    # resumed with no tag past the stale pointer, it saves twice under one tag: the second replaces the first
     code, out = _run(capfd, tmp_path, 2, {"model": "mlp", "micro": 4, "out": str(tmp_path / "resumed"),
                                           "load": str(ckpt), "save": str(ckpt), "save_at": [3, 4], "save_tag": "last"})
     assert code == 0, out
     assert [_result(tmp_path / "resumed", r)["resumed"] for r in range(2)] == [("step2", 2)] * 2
     assert checkpoint.latest(ckpt) == "last" and json.loads((ckpt / "last" / "COMPLETE").read_text())["step"] == 4
-    assert sorted(d.name for d in ckpt.iterdir() if ".tmp-" not in d.name) == ["last", "latest", "step2"]
+    assert sorted(d.name for d in ckpt.iterdir() if ".tmp-" not in d.name) == ["last", "latest", "step1", "step2",
+                                                                                "step4"]
 
     unmarked = tmp_path / "unmarked"
     shutil.copytree(partial[0], unmarked / "step4")
