@@ -7,7 +7,9 @@ checkpoint first (``load``: a fresh engine, before its first call) and saving af
 each micro-step in ``save_at`` (into ``save``), then, after the last save, dying by
 SIGKILL (``die``: no clean shutdown) or, with ``kill_in_save``, in the middle of that
 save. ``save_tag``: the tag of every save (default ``step<N>``). ``evaluate_first``:
-a forward without backward before the load, so the load meets a captured program. With
+a forward without backward before the load, so the load meets a captured program.
+Each rank seeds torch's generator with its rank after building the engine,
+so ``mlp_dropout``'s masks differ by rank and continue only if the load restores it. With
 ``lr_scheduler`` the engine steps a StepLR (``initialize(..., lr_scheduler=)``). The data
 generator's state travels in the checkpoint's ``client_state``. At the end each rank destroys the
 process group and writes ``out`` ``.rank<r>.pt``: the full parameters, this rank's optimizer
@@ -54,8 +56,14 @@ def _llama_batch(g):
     return (), {"input_ids": ids, "labels": ids.clone()}
 
 
+def mlp_dropout():
+    """``mlp`` with dropout: every training step draws masks from torch's generator."""
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(16, 4))
+
+
 MODELS = {  # name -> (model, batch(generator), loss_fn)
     "mlp": (mlp, _mlp_batch, squared),
+    "mlp_dropout": (mlp_dropout, _mlp_batch, squared),
     "llama": (tiny_llama, _llama_batch, lambda out: out.loss),
     "llama_tied": (tied_llama, _llama_batch, lambda out: out.loss),
 }
@@ -102,6 +110,7 @@ def train(spec: dict) -> None:
     rank = int(os.environ["RANK"])
     threads_before = _native_threads()
     engine = _engine(spec)
+    torch.manual_seed(rank)  # each rank its own dropout masks
     world = engine.world
     _, batch_of, _ = MODELS[spec["model"]]
     g = torch.Generator().manual_seed(1)

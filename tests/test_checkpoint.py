@@ -69,6 +69,8 @@ def _straight_and_resumed(capfd, tmp_path, spec: dict, micro: int, save_at: int,
 
 EXACT = {  # name -> (model, Engine config, micro-steps, save after micro-step)
     "zero3": ("mlp", {}, 8, 4),
+    # dropout: each rank's masks continue only if the load restores its torch generator
+    "zero3_dropout": ("mlp_dropout", {}, 8, 4),
     "zero3_lr_scheduler": ("mlp", {}, 8, 4),  # engine.lr_scheduler halves the lr every 3 steps
     "zero1": ("mlp", {"zero_stage": 1}, 8, 4),
     "zero3_offload": ("mlp", {"offload": {"budget": 520}}, 8, 4),
