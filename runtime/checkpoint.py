@@ -473,6 +473,7 @@ def _apply(engine, sd: dict, groups: list, mid: int) -> None:
         b.copy_(sd[name])
     counts = pickle.loads(sd["dcir.engine"])
     engine.execution.resume(counts["steps"], counts["micro_steps"])
+    engine.programs.discard_accumulated()  # a trained engine's partial sums (zero1 saves none)
     if f"dcir.rng.{engine.rank}" in sd:
         torch.set_rng_state(sd[f"dcir.rng.{engine.rank}"])
     if f"dcir.cuda_rng.{engine.rank}" in sd and torch.cuda.is_available():

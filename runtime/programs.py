@@ -22,6 +22,7 @@ from dcir import ops as registry
 from dcir import signature
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import TensorType
+from dcir.memory import GRAD_ACC_OF
 from dcir_runtime import transport
 
 
@@ -71,6 +72,15 @@ class Programs:
         self._by_key[k] = installed
         if base:
             self._base[k[:2]] = k
+
+    def discard_accumulated(self) -> None:
+        """Zero every kept program's gradient accumulators (``zero1``'s ``grad_acc``
+        buffers): after a checkpoint load the optimizer step goes on from the loaded
+        gradients, not from the sums of micro-steps run before the load."""
+        for installed in self._by_key.values():
+            for name, d in installed.module.decls.items():
+                if GRAD_ACC_OF in d.attrs:
+                    installed.program.state[name].zero_()
 
     def replace_base(self, module, program) -> None:
         """A replan of the training program: it replaces its mode's first program, and the

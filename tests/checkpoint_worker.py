@@ -8,7 +8,9 @@ each micro-step in ``save_at`` (into ``save``), then, after the last save, dying
 SIGKILL (``die``: no clean shutdown) or, with ``kill_in_save``, in the middle of that
 save. ``save_tag``: the tag of every save (default ``step<N>``). ``evaluate_first``:
 a forward without backward before the load, so the load meets a captured program.
-Each rank seeds torch's generator with its rank after building the engine,
+``train_first``: that many micro-steps on other data before the load, so the load
+overwrites an engine that has trained (its parameters, optimizer state, counters and
+schedule). Each rank seeds torch's generator with its rank after building the engine,
 so ``mlp_dropout``'s masks differ by rank and continue only if the load restores it. With
 ``lr_scheduler`` the engine steps a StepLR (``initialize(..., lr_scheduler=)``). The data
 generator's state travels in the checkpoint's ``client_state``. At the end each rank destroys the
@@ -119,6 +121,10 @@ def train(spec: dict) -> None:
         args, kwargs = batch_of(torch.Generator().manual_seed(7))
         rows = GLOBAL // world
         engine(*(a[:rows] for a in args), **{k: v[:rows] for k, v in kwargs.items()})
+    if spec.get("load") and spec.get("train_first"):  # other data: the load must overwrite what this did
+        other = torch.Generator().manual_seed(99)
+        for _ in range(spec["train_first"]):
+            _micro_step(engine, batch_of(other), rank)
     if spec.get("load"):
         path, client = engine.load_checkpoint(spec["load"], spec.get("tag"))
         g.set_state(client["data"])

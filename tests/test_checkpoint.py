@@ -71,13 +71,18 @@ EXACT = {  # name -> (model, Engine config, micro-steps, save after micro-step)
     "zero3": ("mlp", {}, 8, 4),
     # dropout: each rank's masks continue only if the load restores its torch generator
     "zero3_dropout": ("mlp_dropout", {}, 8, 4),
-    "zero3_lr_scheduler": ("mlp", {}, 8, 4),  # engine.lr_scheduler halves the lr every 3 steps
+    # "trained_first": loaded into an engine that has trained 13 micro-steps on other data (past
+    # the saved step and the last), so the load overwrites what that run changed. Here the
+    # parameters, optimizer state, counters and engine.lr_scheduler (it halves the lr every 3 steps)
+    "zero3_lr_scheduler_trained_first": ("mlp", {}, 8, 4),
     "zero1": ("mlp", {"zero_stage": 1}, 8, 4),
-    "zero3_offload": ("mlp", {"offload": {"budget": 520}}, 8, 4),
+    # the load copies into the offload store's host buffers, in place
+    "zero3_offload_trained_first": ("mlp", {"offload": {"budget": 520}}, 8, 4),
     "zero1_offload": ("mlp", {"zero_stage": 1, "offload": {"budget": 520}}, 8, 4),
     # saved inside gradient accumulation: the partial gradients and the position travel
     "zero3_accumulate2_mid": ("mlp", {"gradient_accumulation_steps": 2}, 16, 9),
-    "zero1_accumulate2": ("mlp", {"zero_stage": 1, "gradient_accumulation_steps": 2}, 16, 8),
+    # loaded into an engine stopped inside accumulation: its per-rank accumulators hold a partial sum
+    "zero1_accumulate2_trained_first": ("mlp", {"zero_stage": 1, "gradient_accumulation_steps": 2}, 16, 8),
     # replicated parameters, loaded mid-accumulation: the next call gathers them from the loaded shards
     "zero2_accumulate2_mid": ("mlp", {"zero_stage": 2, "gradient_accumulation_steps": 2}, 16, 9),
     "llama_zero3_offload": ("llama", {"offload": {"budget": "200KiB"}}, 8, 4),
@@ -88,15 +93,17 @@ EXACT = {  # name -> (model, Engine config, micro-steps, save after micro-step)
 
 @pytest.mark.parametrize("case", sorted(EXACT))
 def test_exact_resume_after_kill(case, tmp_path, capfd):
-    """8 optimizer steps straight against 4, save, SIGKILL, fresh processes, load, 4 more:
-    the losses after the load, the parameters and the optimizer state bit for bit equal.
+    """8 optimizer steps straight against 4, save, SIGKILL, fresh processes (which may have
+    trained on other data), load, 4 more: the losses after the load, the parameters and
+    the optimizer state bit for bit equal.
     A load leaves nothing holding the process group: after ``destroy_process_group``
     gloo's threads are gone (a group kept into interpreter shutdown can abort the process
     there)."""
     model, config, micro, save_at = EXACT[case]
     spec = {"model": model, "config": config, "lr_scheduler": "lr_scheduler" in case}
     straight, resumed = _straight_and_resumed(capfd, tmp_path, spec, micro, save_at,
-                                              after={"evaluate_first": "evaluate_first" in case})
+                                              after={"evaluate_first": "evaluate_first" in case,
+                                                     "train_first": 13 if "trained_first" in case else 0})
     for rank in range(2):
         a, b = _result(straight, rank), _result(resumed, rank)
         assert a["steps"] == b["steps"] and a["micro_steps"] == b["micro_steps"] == micro
