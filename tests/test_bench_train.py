@@ -41,13 +41,15 @@ def test_the_report_pools_the_rounds_and_divides_by_each_baseline():
     100 and 3, 5, 6: 4, where the median of the rounds' medians is 3.5), its RSS the
     largest rank's peak of any round; each ratio is taken against its baseline row in the
     same run: x floor = step / floor's step, x fsdp2 speed = fsdp2's step / step, x fsdp2
-    RSS = RSS / fsdp2's RSS. Without the baseline's row a ratio is None."""
+    RSS = RSS / fsdp2's RSS, a bf16 row's x fp32 = its step / its fp32 row's step. Without
+    the baseline's row a ratio is None."""
     ns = argparse.Namespace(batch=2, seq=8, accumulate=3)
     runs = {"floor": [_result([1.0, 1.0]), _result([1.0, 9.0])],
             "dcir": [_result([2.0, 2.0, 100.0], rss=(500.0, 600.0), waits=[0.25, 0.5, 0.5], sent=[3 * 2**20] * 3,
                              first_step_s=20.0),
                      _result([3.0, 5.0, 6.0], rss=(550.0, 560.0), waits=[0.5, 1.0, 1.0], sent=[3 * 2**20] * 3,
                              first_step_s=30.0)],
+            "dcir-bf16": [_result([3.0]), _result([3.0])],
             "fsdp2": [_result([8.0], rss=(300.0, 250.0))]}
     rows = bench_train.summarize(runs, ns)
     dcir = rows["dcir"]
@@ -58,9 +60,11 @@ def test_the_report_pools_the_rounds_and_divides_by_each_baseline():
         == (600.0, 0.5, 3 * 2**20, 25.0)
     assert (dcir["x_floor"], dcir["x_fsdp2_speed"], dcir["x_fsdp2_rss"]) == (4.0, 2.0, 2.0)
     assert rows["floor"]["x_floor"] == rows["fsdp2"]["x_fsdp2_speed"] == rows["fsdp2"]["x_fsdp2_rss"] == 1.0
+    assert rows["dcir-bf16"]["x_fp32"] == 0.75 and all(rows[n]["x_fp32"] is None for n in ("floor", "dcir", "fsdp2"))
     assert rows["fsdp2"]["exposed_comm_s"] is rows["fsdp2"]["sent_bytes_per_step"] is None
-    alone = bench_train.summarize({"dcir": runs["dcir"]}, ns)["dcir"]
-    assert alone["x_floor"] is alone["x_fsdp2_speed"] is alone["x_fsdp2_rss"] is None
+    alone = bench_train.summarize({"dcir": runs["dcir"], "fsdp2-bf16": runs["dcir-bf16"]}, ns)
+    assert alone["dcir"]["x_floor"] is alone["dcir"]["x_fsdp2_speed"] is alone["dcir"]["x_fsdp2_rss"] is None
+    assert alone["fsdp2-bf16"]["x_fp32"] is None
     # the table: sent in MiB per step, "-" for a ratio without its baseline, "n/a" for a missing counter
     text = bench_train.table(rows, {"deepspeed": "not installed"}).splitlines()
     assert "sent MiB/step" in text[0] and "x floor" in text[0]
@@ -71,35 +75,40 @@ def test_the_report_pools_the_rounds_and_divides_by_each_baseline():
 
 def test_a_tiny_run_writes_the_report_and_the_traces(tmp_path, capfd):
     """The smallest workload through the runner, the workers and the trace tool: DCIR
-    and FSDP2 built on the meta device, DCIR's step after the measured one traced. The
-    report's fields, which rows have which counters, and the traces; no speed."""
+    (also in bf16) and FSDP2 built on the meta device, DCIR's step after the measured one
+    traced. The report's fields, which rows have which counters, the bytes DCIR sends,
+    and the traces; no speed."""
     out = tmp_path / "bench.json"
-    code = bench_train.main([*TINY, "--systems", "dcir,fsdp2", "--init", "meta", "--trace", "--json", str(out),
-                             "--chart", str(tmp_path / "bench.png")])
+    code = bench_train.main([*TINY, "--systems", "dcir,dcir-bf16,fsdp2", "--init", "meta", "--trace",
+                             "--json", str(out), "--chart", str(tmp_path / "bench.png")])
     text = capfd.readouterr().out
     assert code == 0, text
     report = json.loads(out.read_text())
     rows = report["results"]
-    assert set(rows) == {"dcir", "fsdp2"}, text
+    assert set(rows) == {"dcir", "dcir-bf16", "fsdp2"}, text
     assert set(report) == {"workload", "rounds", "steps", "warmup", "machine", "torch", "seconds", "results",
                            "unavailable", "command"}
-    # embeddings and LM head, attention, MLP, 3 norms
-    assert report["workload"]["parameters"] == 2 * 64 * 64 + 4 * 64 * 64 + 3 * 64 * 256 + 3 * 64
+    parameters = 2 * 64 * 64 + 4 * 64 * 64 + 3 * 64 * 256 + 3 * 64  # embeddings and LM head, attention, MLP, 3 norms
+    assert report["workload"]["parameters"] == parameters
     assert report["workload"]["init"] == "meta" and "deepcompile" in report["unavailable"]
     assert all(set(r) == COLUMNS and r["measured_steps"] == 1 and r["init"] == "meta" for r in rows.values())
     assert all(0 < r["start_rss_mib"] <= r["peak_rss_mib"] and r["first_step_s"] is not None for r in rows.values())
     # DCIR's runtime counts waits and bytes and predicts its step (it profiled steps 2-4); FSDP2 has no such counter
-    dcir, fsdp2 = rows["dcir"], rows["fsdp2"]
-    assert dcir["exposed_comm_s"] is not None and dcir["predicted_s"] is not None
-    assert dcir["sent_bytes_per_step"] > 0 and isinstance(dcir["sent_bytes_per_step"], int)
+    dcir, bf16, fsdp2 = rows["dcir"], rows["dcir-bf16"], rows["fsdp2"]
+    assert all(r["exposed_comm_s"] is not None and r["predicted_s"] is not None for r in (dcir, bf16))
     assert fsdp2["exposed_comm_s"] is fsdp2["predicted_s"] is fsdp2["sent_bytes_per_step"] is None
+    # bytes per step, as handed to collectives: bf16 halves the gathers, and what is left of
+    # fp32's, the reductions, is every parameter's gradient once, in fp32 (reduce_dtype)
+    gathers = 2 * (dcir["sent_bytes_per_step"] - bf16["sent_bytes_per_step"])
+    assert gathers > 0 and dcir["sent_bytes_per_step"] - gathers == 4 * parameters
     assert dcir["x_floor"] is None and fsdp2["x_fsdp2_speed"] == 1.0  # no floor row; fsdp2 is its own baseline
+    assert bf16["x_fp32"] is not None and dcir["x_fp32"] is fsdp2["x_fp32"] is None
     # --trace: each rank of each DCIR run wrote a Chrome trace that the lateness tool reads
     logs = tmp_path / "bench_train_logs"
     assert sorted(p.name for p in (logs / "dcir-0-trace").iterdir()) == ["rank0.json", "rank1.json"]
     late = trace_lateness.lateness(trace_lateness.load(logs / "dcir-0-trace"))
     assert late.count > 0 and len(late.waits_s) == 2 and late.predicted_s is not None
-    assert "x floor" in text and "x fsdp2 speed" in text and "init meta" in text
+    assert "x floor" in text and "x fsdp2 speed" in text and "x fp32" in text and "init meta" in text
     assert "unavailable: DeepSpeed's compiler needs CUDA" in text
 
 

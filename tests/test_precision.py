@@ -250,27 +250,3 @@ def test_dcir_train_precision_flag(capfd):
     assert "precision       compute and gathers in f16, gradients reduced in f32, master weights f32; " \
            "loss scale 65536, 1 steps skipped (inf/NaN)" in out.out
     assert "final loss" in out.out and "(step 2)" in out.out
-
-
-def test_benchmark_bf16_rows(tmp_path, capfd):
-    """bench_train's bf16 rows beside their fp32 rows in one run: DCIR's bytes sent per
-    step shrink by the gathers' half (the reductions stay fp32) and both bf16 rows have
-    a step-time ratio to fp32."""
-    import sys
-
-    sys.path.insert(0, str(HERE.parent / "benchmarks"))
-    import bench_train
-
-    out = tmp_path / "bench.json"
-    code = bench_train.main(["--layers", "1", "--hidden", "64", "--seq", "16", "--batch", "2", "--vocab", "256",
-                             "--steps", "2", "--warmup", "2", "--rounds", "1", "--systems",
-                             "dcir,dcir-bf16,fsdp2,fsdp2-bf16", "--json", str(out), "--chart", str(tmp_path / "b.png"),
-                             "--timeout", "300"])
-    text = capfd.readouterr().out
-    assert code == 0, text
-    rows = json.loads(out.read_text())["results"]
-    assert set(rows) == {"dcir", "dcir-bf16", "fsdp2", "fsdp2-bf16"}, text
-    fp32, bf16 = rows["dcir"]["sent_bytes_per_step"], rows["dcir-bf16"]["sent_bytes_per_step"]
-    assert fp32 / 2 < bf16 < fp32 and rows["fsdp2"]["sent_bytes_per_step"] is None
-    assert rows["dcir-bf16"]["x_fp32"] > 0 and rows["fsdp2-bf16"]["x_fp32"] > 0 and rows["dcir"]["x_fp32"] is None
-    assert "sent MiB/step" in text and "x fp32" in text
