@@ -39,11 +39,13 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -247,6 +249,29 @@ int64_t chunk_of(int64_t numel, int64_t world) { return (numel + world - 1) / wo
 
 constexpr int64_t kAckSlots = 4096;  // acknowledgements kept per outbox, by sequence number
 constexpr int64_t kAlign = 64;
+constexpr auto kAliveEvery = std::chrono::milliseconds(5);  // how often a wait looks at its peers' processes
+
+// A peer's process has ended: a wait on it fails now, not at the timeout.
+struct PeerExited : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Whether process `pid` has ended: gone, or a zombie whose parent has not reaped it yet
+// (kill(pid, 0) still succeeds on one, and a launcher may reap it seconds later, or at
+// the end of the run). Without /proc, kill alone.
+bool exited(pid_t pid) {
+  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+  char path[32], line[128];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", static_cast<int>(pid));
+  int fd = open(path, O_RDONLY);
+  if (fd < 0) return false;
+  ssize_t n = read(fd, line, sizeof line - 1);
+  close(fd);
+  line[n > 0 ? n : 0] = '\0';
+  // "pid (command) state ...": the command may hold spaces and parentheses, so the last ')'
+  const char* end = std::strrchr(line, ')');
+  return end != nullptr && end[1] == ' ' && (end[2] == 'Z' || end[2] == 'X');
+}
 
 struct Region {
   int64_t offset, bytes, seq;
@@ -273,15 +298,24 @@ struct Shm {
   std::atomic<int64_t>& written(int64_t r) { return *reinterpret_cast<std::atomic<int64_t>*>(base[r]); }
   std::atomic<int64_t>& pid_of(int64_t r) { return *reinterpret_cast<std::atomic<int64_t>*>(base[r] + 8); }
   // A peer that exited fails the wait now, not after the timeout (gloo notices a closed
-  // connection as fast); checked at most every 50 ms of waiting.
+  // connection as fast); checked every kAliveEvery of waiting.
   void check_alive() {
     auto now = std::chrono::steady_clock::now();
-    if (now - checked < std::chrono::milliseconds(50)) return;
+    if (now - checked < kAliveEvery) return;
     checked = now;
     for (int64_t p = 0; p < world; ++p) {
-      TORCH_CHECK(pids[p] == 0 || kill(pids[p], 0) == 0 || errno != ESRCH, "rank ", p, " (process ", pids[p],
-                  ") has exited");
+      if (pids[p] != 0 && exited(pids[p])) {
+        throw PeerExited("rank " + std::to_string(p) + " (process " + std::to_string(pids[p]) + ") has exited");
+      }
     }
+  }
+  // the peers that have not reached what `pending(p)` says of rank p, as "rank 1" or "ranks 1, 3"
+  std::string ranks_where(const std::function<bool(int64_t)>& pending) {
+    std::string ranks;
+    for (int64_t p = 0; p < world; ++p) {
+      if (p != rank && pending(p)) ranks += (ranks.empty() ? "" : ", ") + std::to_string(p);
+    }
+    return (ranks.find(',') == std::string::npos ? "rank " : "ranks ") + ranks;
   }
   // in `owner`'s outbox: the latest op `reader` has read from it, for op `seq`'s slot
   std::atomic<int64_t>& ack(int64_t owner, int64_t seq, int64_t reader) {
@@ -301,8 +335,9 @@ struct Shm {
     auto pause = std::chrono::microseconds(5);
     while (!acknowledged(g)) {
       check_alive();
-      TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "timed out after ", timeout.count() / 1000,
-                  " s: a peer has not read the shared memory this transfer reuses (a rank that crashed or runs a "
+      TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "timed out after ", timeout.count() / 1000, " s: ",
+                  ranks_where([&](int64_t p) { return ack(rank, g.seq, p).load(std::memory_order_acquire) < g.seq; }),
+                  " has not read the shared memory this transfer reuses (a rank that crashed or runs a "
                   "different program leaves the others waiting here)");
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, std::chrono::microseconds(200));
@@ -375,13 +410,18 @@ class ShmWork : public Work {
   bool wait(std::chrono::milliseconds) override {
     auto deadline = std::chrono::steady_clock::now() + timeout;
     while (!isCompleted()) {
-      TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "timed out");
+      TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "timed out", stalled());
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
     receive_();
     std::lock_guard<std::mutex> g(mu);
     shm_->done(seq_);
     return true;
+  }
+  // who the wait is still waiting for: ": rank 1 has not started this transfer"
+  std::string stalled() {
+    return ": " + shm_->ranks_where([&](int64_t p) { return shm_->written(p).load(std::memory_order_acquire) < seq_; }) +
+           " has not started this transfer";
   }
 
  private:
@@ -490,6 +530,8 @@ intrusive_ptr<Work> try_shm(const std::string& group_name, const at::Tensor& lik
     return c10::make_intrusive<ShmWork>(shm, seq, receive(shm, offset));
   } catch (const c10::Error& e) {
     fail(what, group_name, e.what_without_backtrace());
+  } catch (const PeerExited& e) {
+    fail(what, group_name, e.what());
   }
 }
 
@@ -804,13 +846,16 @@ at::Tensor wait(const at::Tensor& t) {
       if (!t.is_cuda()) {
         auto deadline = begin + timeout;
         auto pause = std::chrono::microseconds(5);
+        auto* shm = dynamic_cast<ShmWork*>(p->work.get());  // names the ranks it waits for
         while (!p->work->isCompleted()) {
-          TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "timed out");
+          TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "timed out", shm ? shm->stalled() : "");
           std::this_thread::sleep_for(pause);
           pause = std::min(pause * 2, std::chrono::microseconds(200));
         }
       }
       p->work->wait();
+    } catch (const PeerExited& e) {
+      fail(p->what, p->group_name, e.what());
     } catch (const c10::Error& e) {
       fail(p->what, p->group_name, std::string(e.what_without_backtrace()) + " (timeout " +
                                         std::to_string(timeout.count() / 1000) +

@@ -11,7 +11,9 @@ steps, which would hide any real difference. Rank 0 writes, per case, the larges
 relative parameter difference and the runtime's memory accounting.
 
 ``python dist_worker.py faulty-rank exit|hang TIMEOUT TRANSPORT``: rank 1 dies or stalls in the
-middle of the second step; the others must fail with RankFailure (exit code 17).
+middle of the second step; the others must fail with RankFailure (exit code 17). Each rank
+prints the shared-memory segments it maps (``SEGMENTS:``), for the test to check that
+their names are gone from ``/dev/shm``.
 
 ``python dist_worker.py errors``: a user's mistakes, each a located message on every rank.
 
@@ -378,14 +380,29 @@ def faulty_rank(how: str, timeout_s: float, transport: str) -> None:
         for step in range(3):
             loss = engine(x)
             if step == 1 and rank == 1:
+                print_segments()
                 if how == "exit":
+                    print(f"rank 1 exits at {time.time():.6f}", flush=True)
                     os._exit(3)  # without a word to the others
                 time.sleep(600)
             engine.backward(loss)
             engine.step()
     except RankFailure as e:
         print(f"RankFailure: {e}", file=sys.stderr, flush=True)
+        print(f"rank {rank} failed at {time.time():.6f}", flush=True)
+        print_segments()
         os._exit(17)  # the process group is broken: skip its teardown
+
+
+def print_segments() -> None:
+    """``SEGMENTS:`` and the runtime's shared-memory outboxes this process maps, by the
+    names they were created with (``/proc/self/maps``)."""
+    names = set()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        path = line.split(maxsplit=5)[5:]
+        if path and path[0].startswith("/dev/shm/dcir-"):
+            names.add(path[0].removesuffix(" (deleted)"))
+    print("SEGMENTS:", *sorted(names), flush=True)
 
 
 def attempt(fn) -> None:
@@ -527,6 +544,7 @@ def native_ops(transport: str) -> None:
         assert "unknown reduction 'mean'" in str(e)
     else:
         raise AssertionError("an unknown reduction started")
+    print_segments()
     print(f"rank {rank}: ops ok", flush=True)
 
 
