@@ -9,7 +9,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -151,7 +150,11 @@ def test_sharded_training_matches_eager(world, tmp_path, capfd):
     schedule = [lr for lr, _ in results["transformer_schedule"]["lrs"]]
     assert len({tuple(lr) for lr in schedule}) == len(schedule), schedule  # it changed every step
     if world == 2:
-        assert results["transformer_optimize_budget"]["optimize"][0]["budget"] is not None
+        # the passes plan within what the memory budget leaves after what the rank holds
+        # whatever the schedule: its parameter shards and optimizer state at least
+        r = results["transformer_optimize_budget"]
+        held = r["memory"]["parameters"] + r["memory"]["optimizer_state"]
+        assert 0 < r["optimize"][0]["budget"] <= parse_bytes(r["config"]["memory_budget"]) - held, (r["optimize"], held)
         # the budget shrank under the planned schedule: profiled again, planned within less
         first, again = results["transformer_optimize_shrink"]["optimize"]
         assert again["switched"] and again["reason"] == "memory" and again["budget"] < first["budget"], (first, again)
@@ -368,12 +371,14 @@ def test_sizes():
 
 
 def test_the_launcher_ends_a_run_that_takes_too_long(tmp_path, capfd):
+    """The launcher's limit ends the ranks (124, and its message), not their own end:
+    neither rank reaches the line after its two minutes of sleep."""
     script = tmp_path / "sleepy.py"
-    script.write_text("import time\ntime.sleep(120)\n")
-    begin = time.monotonic()
-    assert launch([str(script)], 2, timeout_s=2) == 124
-    assert time.monotonic() - begin < 20
+    script.write_text("import os, pathlib, sys, time\ntime.sleep(120)\n"
+                      "pathlib.Path(sys.argv[1], 'finished-' + os.environ['RANK']).touch()\n")
+    assert launch([str(script), str(tmp_path)], 2, timeout_s=2) == 124
     assert "dcir launch: the run took over 2 s; ending all ranks" in capfd.readouterr().err
+    assert not list(tmp_path.glob("finished-*"))
 
 
 def test_dcir_train_checks_its_config_before_starting_ranks(capfd):
