@@ -213,8 +213,8 @@ def test_user_errors_are_messages_on_every_rank(capfd):
     expected = [
         "error: rank 0 could not compile the step: error: cannot capture the model as one graph: "
         "Data-dependent branching (at ",
-        "error: a new input shape ([[3, 8]]) needs a program of its own and the engine keeps 1 already (config "
-        "'max_programs'); pad or bucket the inputs to fewer shapes, or raise the limit",
+        "error: a new input shape ([[3, 8]]) needs a program of its own and the engine keeps 1 "
+        "already (config 'max_programs'); pad or bucket the inputs to fewer shapes, or raise the limit",
         "error: engine.step() without a forward and backward since the last step: nothing was changed",
         "error: engine.backward(loss) needs a forward first: out = engine(...)",
         "error: engine(...) was called again before engine.backward(loss) of the previous forward: run each micro-step's backward before the next forward (or evaluate under torch.no_grad())",
@@ -354,6 +354,25 @@ def test_the_outbox_holds_what_the_program_has_in_flight():
     assert outbox_bytes(one_at_a_time) == 128 << 10
     ahead = dcir.parse(TWO_GATHERS.replace("WAIT1", "").replace("WAIT2", f"{wait1}\n    {wait2}"))
     assert outbox_bytes(ahead) == 256 << 10
+
+
+def test_a_rank_whose_program_runs_other_collectives_is_stopped():
+    """A rank's program for its own input shapes must run its mode's first program's
+    collectives in order (``programs.check_collectives``): waits placed elsewhere are
+    the same collectives; a missing reduce-scatter would leave the others waiting."""
+    from dcir_runtime.programs import check_collectives
+
+    wait1, wait2 = "%w1 = comm.wait(%p1) : f32[256, 256]", "%w2 = comm.wait(%p2) : f32[256, 256]"
+    base = dcir.parse(TWO_GATHERS.replace("WAIT1", wait1).replace("WAIT2", wait2))
+    check_collectives(base, dcir.parse(TWO_GATHERS.replace("WAIT1", "").replace("WAIT2", f"{wait1}\n    {wait2}")))
+    reduce_scatter = "\n".join(line for line in TWO_GATHERS.splitlines() if "%pg" in line or "%g)" in line) + "\n"
+    fewer = dcir.parse(TWO_GATHERS.replace("WAIT1", wait1).replace("WAIT2", wait2).replace(reduce_scatter, ""))
+    with pytest.raises(dcir.DcirError) as e:
+        check_collectives(base, fewer)
+    assert e.value.render() == (
+        "error: the program for this rank's input shapes runs other collectives than the other ranks' (2 against 3, "
+        "first difference at collective 2"
+        "); running it would deadlock: give every rank the same shapes, or drop the shape-dependent passes (prefetch, bucket) from the config")  # noqa: E501
 
 
 def test_config_from_a_json_file(tmp_path):
