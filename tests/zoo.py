@@ -300,24 +300,32 @@ def rank_slice(batch, rank: int):
     return {k: v[rows] for k, v in inputs.items()}, y[rows]
 
 
-def eager_reference(z: ZooModel, form: str, world: int) -> torch.nn.Module:
+def eager_reference(z: ZooModel, form: str, world: int) -> tuple[torch.nn.Module, list[dict[str, torch.Tensor]]]:
     """Single-device eager training of ``form``: each micro-step, every rank's part of the
     batch in rank order, the gradients summed in that order and divided by the ranks (as
     the runtime's reduction rounds, so the comparison can be bit for bit), AdamW at the
     accumulation boundary. Each rank draws its dropout masks from its own generator,
     seeded with the model (``ZooModel.model``), so each rank's part runs from that rank's
-    generator state: the masks are the ones the ranks drew."""
+    generator state: the masks are the ones the ranks drew. Likewise each rank's part runs
+    on that rank's own buffers (BatchNorm's running statistics), which each Engine rank
+    updates from its own part alone. Returns the model and each rank's buffers."""
     loss_of, accumulate = FORMS[form]
     model = z.model()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR)
     generators = [torch.get_rng_state() for _ in range(world)]  # rank -> its generator's state
+    buffers = dict(model.named_buffers())
+    ranks = [{n: b.clone() for n, b in buffers.items()} for _ in range(world)]  # rank -> its buffers
     for k, batch in enumerate(micro_batches(z, world, accumulate)):
         total = None
         for r in range(world):
             torch.set_rng_state(generators[r])
+            with torch.no_grad():
+                for n, b in buffers.items():
+                    b.copy_(ranks[r][n])
             grads = torch.autograd.grad(loss_of(model, *rank_slice(batch, r)), params, allow_unused=True)
             generators[r] = torch.get_rng_state()
+            ranks[r] = {n: b.clone() for n, b in buffers.items()}
             grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
             total = grads if total is None else [t + g for t, g in zip(total, grads)]
         for p, g in zip(params, total):
@@ -326,7 +334,7 @@ def eager_reference(z: ZooModel, form: str, world: int) -> torch.nn.Module:
         if (k + 1) % accumulate == 0:
             opt.step()
             opt.zero_grad(set_to_none=True)
-    return model
+    return model, ranks
 
 
 def worst_relative(reference: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> tuple[float, str]:

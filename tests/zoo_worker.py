@@ -11,9 +11,11 @@ global batch, with the loop a DeepSpeed user writes::
     engine.step()
 
 Rank 0 trains the same model eagerly on one device (``zoo.eager_reference``) and writes,
-per form, the worst relative parameter difference, or the error that stopped the run
-(its type and first line, the same on every rank: a capture error is rank 0's, sent to
-all). One form failing does not stop the others.
+per form, the worst relative difference over the parameters and every rank's buffers
+(each rank updates its own BatchNorm statistics from its own part of the batch; eager
+runs each part on that rank's copy), or the error that stopped the run (its type and
+first line, the same on every rank: a capture error is rank 0's, sent to all). One form
+failing does not stop the others.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ def train(z, form: str, rank: int) -> dict:
         engine.step()
         losses.append(float(loss))
     full = engine.full_parameters()
+    buffers = [None] * engine.world  # every rank's, on rank 0
+    torch.distributed.all_gather_object(buffers, {n: b.detach().clone() for n, b in engine.model.named_buffers()})
     result = {"graphs": 1, "capture_s": engine.capture_s, "losses": losses}
     if rank != 0:
         return result
@@ -58,8 +62,12 @@ def train(z, form: str, rank: int) -> dict:
         result["trained"] = all(l == l for l in losses) and any(
             not torch.equal(p, full[n]) for n, p in z.model().named_parameters() if p.requires_grad)
         return result
-    reference = eager_reference(z, form, 2)
+    reference, reference_buffers = eager_reference(z, form, 2)
     result["worst"], result["where"] = worst_relative(dict(reference.named_parameters()), full)
+    for r, (expected, got) in enumerate(zip(reference_buffers, buffers)):
+        worst, where = worst_relative(expected, got)
+        if not worst <= result["worst"]:  # NaN counts as the worst
+            result["worst"], result["where"] = worst, f"rank {r}'s {where}"
     return result
 
 
