@@ -170,7 +170,7 @@ class Planner:
             over = int(self.group.most(over))
         if over <= 0:
             return
-        if self.config.optimize is not None and not self._replanned_for_memory and self.log:
+        if self.config.optimize is not None and not self._replanned_for_memory:
             self._replanned_for_memory = True
             self._budget_cut += over
             self.profile, self.warming = self.profile or Profile(running), None

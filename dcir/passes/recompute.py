@@ -1,0 +1,234 @@
+"""Recompute: rebuild saved activations in the backward instead of holding them.
+
+``@forward`` hands ``@backward`` the activations its gradients need (``{saved}``
+results). Each is held from the op that made it until the backward reads it, so at
+the start of the backward every one is live at once: with long sequences they are
+most of a step's memory. This pass drops chosen activations from the hand-off and
+runs the op that made each again in every function that takes the saved values,
+just before its first use there, marked ``act.recompute`` (``dcir.activations``).
+
+An activation can be rebuilt when the ops that make it (its *cone*, at most
+``MAX_CONE``) are compute that draws no random numbers and start from values at hand in
+the backward: activations that stay saved, parameters and buffers it reads again, and
+sharded parameters it gathers again (``param.get``, ``comm.all_gather``, ``comm.wait``
+before the rebuilt ops, which ``prefetch`` may then move). Those are the candidates.
+
+Which ones: cheap cones first (elementwise ops, norms, views: no library kernel, no
+matmul or convolution, whose recompute costs a kernel of its own), the largest
+activation first within each class; each is taken when the memory model's peak of the
+step (``dcir.memory``) goes down with it, or stays while the hand-off shrinks. With ``budget`` the
+pass stops as soon as the peak fits it, and takes matmuls only when the cheap ops
+did not suffice; without one it takes every cheap candidate that lowers the peak
+and no matmul. Statistics say what was rebuilt, and what could not be and why.
+
+Before -> after::
+
+    func @forward(%x: f32[64, 16] {input = "args[0]"}) -> (f32[] {output}, f32[64, 16] {saved}, f32[64, 16] {saved}) {
+      %h = aten.relu.default(%x) : f32[64, 16]
+      %loss = aten.sum.default(%h) : f32[]
+      return %loss, %x, %h
+    }
+    func @backward(%x: f32[64, 16] {saved}, %h: f32[64, 16] {saved}, %g: f32[] {grad = 0}) {
+      %gh = aten.threshold_backward.default(%e, %h) {threshold = 0}
+  ->
+    func @forward(...) -> (f32[] {output}, f32[64, 16] {saved}) {
+      ...
+      return %loss, %x
+    }
+    func @backward(%x: f32[64, 16] {saved}, %g: f32[] {grad = 0}) {
+      %h = aten.relu.default(%x) {act.recompute} : f32[64, 16]
+      %gh = aten.threshold_backward.default(%e, %h) {threshold = 0}
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from dcir import custom_ops, fusion, roles, signature
+from dcir import ops as registry
+from dcir.activations import RECOMPUTE
+from dcir.ir import UNIT, Function, Module, Op, PendingType, ShardType, Value
+from dcir.memory import Bytes, device_bytes, peaks, saved_storage
+from dcir.passes import Pass
+from dcir.rewrite import Rewriter
+
+
+def footprint(module: Module) -> tuple[int, int]:
+    """What the pass lowers: the memory model's peak over the module's functions, then
+    the bytes the forward hands to the backward (lower later peaks need)."""
+    handed = sum(size for _, size in dict(saved_storage(module).values()).items())
+    return max(peaks(module).values(), default=0), handed
+
+
+def _random(op: Op) -> bool:
+    """Whether ``op`` draws random numbers (torch tags it ``nondeterministic_seeded``)."""
+    target = custom_ops.resolve(op.name) if registry.has_trait(op, registry.SCHEMA) else None
+    return target is not None and torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+
+
+def gathered_from(value: Value) -> Op | None:
+    """The ``param.get`` of the shard ``value`` is the gathered parameter of (the wait of
+    an all_gather, coalesced or not, of a read shard), else None."""
+    wait = value.owner
+    if not isinstance(wait, Op) or not registry.has_trait(wait, registry.WAITS):
+        return None
+    pending = wait.operands[value.index]
+    gather = pending.owner
+    if not isinstance(gather, Op) or not registry.has_trait(gather, registry.GATHERS):
+        return None
+    read = gather.operands[pending.index].owner
+    return read if isinstance(read, Op) and registry.has_trait(read, registry.LOADS_STATE) else None
+
+
+def _at_hand(module: Module, value: Value, saved: set[Value]) -> bool:
+    """Whether the backward has ``value`` without holding it for the forward: another
+    saved activation, a parameter or buffer it reads again, or a sharded parameter it
+    gathers again."""
+    if value in saved or gathered_from(value) is not None:
+        return True
+    owner = value.owner
+    return isinstance(owner, Op) and registry.has_trait(owner, registry.LOADS_STATE) and \
+        not isinstance(module.decls[owner.symbol].type, ShardType)
+
+
+def _read_again(value: Value, fresh) -> list[Op]:
+    """The ops that give the backward the state ``value`` is: a ``param.get``, and for a
+    gathered parameter its all_gather and wait (the gathered copy is released after
+    its last use, as any value without a ``mem.free``)."""
+    read = gathered_from(value)
+    if read is None:
+        return [Op("param.get", [], [Value(fresh(value.name), value.type)], symbol=value.owner.symbol)]
+    shard = Op("param.get", [], [Value(fresh(read.results[0].name), read.results[0].type)], symbol=read.symbol)
+    before = value.owner.operands[value.index].owner  # the forward's gather
+    gather = Op(registry.single_form(before) or before.name, [shard.results[0]], [Value(fresh(f"{value.name}_pending"), PendingType(value.type))],
+                parens=True)
+    wait = Op(registry.wait_for(gather), [gather.results[0]], [Value(fresh(value.name), value.type)], parens=True)
+    return [shard, gather, wait]
+
+
+#: the most ops rebuilt for one activation (a longer chain is the forward run twice)
+MAX_CONE = 16
+
+
+def _why_not_op(op) -> str | None:
+    """Why ``op`` cannot run again in the backward (None: it can)."""
+    if not isinstance(op, Op) or not fusion.is_compute(op):
+        return "not made by compute"
+    if _random(op):
+        return "draws random numbers"
+    if registry.has_trait(op, registry.SIDE_EFFECT):
+        return "has a side effect"
+    return None
+
+
+def cone(module: Module, fw: Function, ret: Value, saved: set[Value]) -> list[Op] | str:
+    """The forward's ops that rebuild the saved activation ``ret`` from what the backward
+    has at hand (the other ``saved`` values, state it reads again), in forward order; or
+    why it cannot be rebuilt."""
+    ops: list[Op] = []
+    seen: set[Op] = set()
+    todo = [ret.owner]
+    while todo:
+        op = todo.pop()
+        if op in seen:
+            continue
+        why = _why_not_op(op)
+        if why is not None:
+            return why if op is ret.owner else "needs a value the backward does not have"
+        seen.add(op)
+        ops.append(op)
+        if len(ops) > MAX_CONE:
+            return f"needs more than {MAX_CONE} ops again"
+        todo.extend(v.owner for v in op.operands if not _at_hand(module, v, saved - {ret}))
+    order = {op: k for k, op in enumerate(fw.ops)}
+    return sorted(ops, key=order.__getitem__)
+
+
+def _rebuild(fw: Function, bws: list[Function], ret: Value, ops: list[Op], rewriters: dict[str, Rewriter]) -> None:
+    """Drop ``ret`` from the hand-off and run ``ops`` (its ``cone``) again in each of
+    ``bws``, before the first use of what it was handed as; every change goes through
+    ``rewriters`` (one per function, by name)."""
+    for bw in bws:
+        env = dict(signature.saved_pairs(fw, bw))  # forward value -> the backward's
+        arg = env.pop(ret)
+        rewriter = rewriters[bw.name]
+        users = [u for u, _ in arg.uses if isinstance(u, Op)]
+        anchor = min(users, key=bw.ops.index) if users else None
+        fresh = bw.name_maker()
+        for op in ops:
+            for v in op.operands:
+                if v not in env:  # state the backward reads (and gathers) again
+                    again = _read_again(v, fresh)
+                    rewriter.insert_before(anchor, again)
+                    env[v] = again[-1].results[0]
+            results = [Value(arg.name if r is ret else fresh(r.name), r.type) for r in op.results]
+            again = Op(op.name, [env[v] for v in op.operands], results, {**op.attrs, RECOMPUTE: UNIT},
+                       parens=op.parens, loc=op.loc)
+            rewriter.insert_before(anchor, [again])
+            env.update(zip(op.results, results))
+        rewriter.replace_all_uses(arg, env[ret])
+        rewriter.remove_arg(arg)
+    at = next(k for k in signature.result_indices(fw, signature.SAVED) if fw.returns[k] is ret)
+    keep = [k for k in range(len(fw.returns)) if k != at]
+    rewriters[fw.name].set_returns([fw.returns[k] for k in keep], [fw.result_types[k] for k in keep],
+                             [fw.result_attrs[k] for k in keep])
+
+
+def _library(ops: list[Op]) -> bool:
+    """Whether ``ops`` run a library kernel (a matmul, a convolution)."""
+    return any(op.name.startswith(fusion.LIBRARY_KERNELS) for op in ops)
+
+
+def _candidates(module: Module, fw: Function, stats: Counter) -> list[Value]:
+    """The saved activations that can be rebuilt: those without a library kernel in their
+    cone first, then by bytes, the largest first, then by the fewest ops again."""
+    saved = set(signature.results(fw, signature.SAVED))
+    out = []
+    for ret in dict.fromkeys(signature.results(fw, signature.SAVED)):
+        ops = cone(module, fw, ret, saved)
+        if isinstance(ops, str):
+            stats[f"kept: {ops}"] += 1
+            continue
+        out.append((_library(ops), -device_bytes(ret), len(ops), ret))
+    return [ret for *_, ret in sorted(out, key=lambda c: c[:3])]
+
+
+@dataclass(frozen=True)
+class Recompute(Pass):
+    name = "recompute"
+    budget: Bytes | None = None  # the step's peak to fit, per rank, as the memory model counts it
+
+    def run(self, module: Module, stats: Counter) -> None:
+        fw = roles.saver(module.functions.values())
+        bws = [f for f in module.functions.values() if roles.takes_saved(f)]
+        if fw is None or not bws:
+            return
+        rewriters = {f.name: Rewriter(f) for f in (fw, *bws)}
+        now = footprint(module)
+        for ret in _candidates(module, fw, stats):
+            if self.budget is not None and now[0] <= self.budget:
+                break
+            saved = signature.results(fw, signature.SAVED)
+            ops = cone(module, fw, ret, set(saved)) if ret in saved else "a value it needs was rebuilt"
+            if isinstance(ops, str):
+                stats[f"kept: {ops}"] += 1
+                continue
+            if self.budget is None and _library(ops):
+                stats["kept: needs a matmul again, and no budget asks for it"] += 1
+                continue
+            marks = {name: r.checkpoint() for name, r in rewriters.items()}
+            _rebuild(fw, bws, ret, ops, rewriters)
+            after = footprint(module)
+            if after >= now:
+                for name, r in rewriters.items():
+                    r.rollback(marks[name])
+                stats["kept: rebuilding it does not lower the peak"] += 1
+                continue
+            now = after
+            stats["activations rebuilt"] += 1
+            stats["ops run again"] += len(ops)
+        if self.budget is not None and now[0] > self.budget:
+            stats["over budget after every candidate"] += 1
