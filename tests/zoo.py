@@ -308,7 +308,9 @@ def eager_reference(z: ZooModel, form: str, world: int) -> tuple[torch.nn.Module
     seeded with the model (``ZooModel.model``), so each rank's part runs from that rank's
     generator state: the masks are the ones the ranks drew. Likewise each rank's part runs
     on that rank's own buffers (BatchNorm's running statistics), which each Engine rank
-    updates from its own part alone. Returns the model and each rank's buffers."""
+    updates from its own part alone. Gradients come from ``loss.backward()``, which
+    reentrant activation checkpointing needs (it refuses ``torch.autograd.grad``).
+    Returns the model and each rank's buffers."""
     loss_of, accumulate = FORMS[form]
     model = z.model()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -316,6 +318,7 @@ def eager_reference(z: ZooModel, form: str, world: int) -> tuple[torch.nn.Module
     generators = [torch.get_rng_state() for _ in range(world)]  # rank -> its generator's state
     buffers = dict(model.named_buffers())
     ranks = [{n: b.clone() for n, b in buffers.items()} for _ in range(world)]  # rank -> its buffers
+    summed = None  # the gradients of the optimizer step so far
     for k, batch in enumerate(micro_batches(z, world, accumulate)):
         total = None
         for r in range(world):
@@ -323,15 +326,18 @@ def eager_reference(z: ZooModel, form: str, world: int) -> tuple[torch.nn.Module
             with torch.no_grad():
                 for n, b in buffers.items():
                     b.copy_(ranks[r][n])
-            grads = torch.autograd.grad(loss_of(model, *rank_slice(batch, r)), params, allow_unused=True)
+            opt.zero_grad(set_to_none=True)
+            loss_of(model, *rank_slice(batch, r)).backward()
             generators[r] = torch.get_rng_state()
             ranks[r] = {n: b.clone() for n, b in buffers.items()}
-            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
             total = grads if total is None else [t + g for t, g in zip(total, grads)]
-        for p, g in zip(params, total):
-            g = g / world if world > 1 else g
-            p.grad = g if p.grad is None else p.grad + g
+        total = [g / world if world > 1 else g for g in total]
+        summed = total if summed is None else [s + g for s, g in zip(summed, total)]
         if (k + 1) % accumulate == 0:
+            for p, g in zip(params, summed):
+                p.grad = g
+            summed = None
             opt.step()
             opt.zero_grad(set_to_none=True)
     return model, ranks
