@@ -27,6 +27,7 @@ from dcir.diagnostics import DcirError, Diagnostic
 from dcir.memory import format_bytes, peaks as memory_peaks
 from dcir import fusion, search
 from dcir.passes import parse_pipeline
+from dcir.passes.recompute import Recompute, footprint
 from dcir_runtime.config import Config
 from dcir_runtime.group import ProcessGroup
 from dcir_runtime.profiler import Profile, ProfileHistory
@@ -175,11 +176,24 @@ class Planner:
             self._budget_cut += over
             self.profile, self.warming = self.profile or Profile(running), None
             return
+        least = held - _rebuildable(running)
+        advice = (f"recomputing every activation that can be rebuilt, the step fits {format_bytes(least)}: add "
+                  "'recompute' to optimize.passes" if least <= budget else
+                  f"even recomputing every activation that can be rebuilt, the step needs {format_bytes(least)}: "
+                  "raise memory_budget or lower the micro-batch")
         raise DcirError(Diagnostic(
             f"rank {self.group.rank} holds {format_bytes(held)} at its peak, over the memory budget of "
             f"{format_bytes(budget)}: {format_bytes(fixed)} whatever the schedule (parameter and gradient shards, "
             f"optimizer state, buffers) and {format_bytes(scheduled)} in the step (saved activations, temporaries, "
-            f"gathered parameters, replicas, accumulators and the shared-memory outbox)"))
+            f"gathered parameters, replicas, accumulators and the shared-memory outbox); {advice}"))
+
+
+def _rebuildable(module: dcir.Module) -> int:
+    """How much lower the step's modelled peak goes with every activation ``recompute``
+    can rebuild rebuilt."""
+    least = module.clone()
+    dcir.run_passes(least, [Recompute(budget=1)])
+    return footprint(module)[0] - footprint(least)[0]
 
 
 def schedule_text(module: dcir.Module) -> str:

@@ -158,6 +158,16 @@ def _train_engine(config: dict, steps: int = 4):
     return engine, held
 
 
+def test_a_budget_only_recompute_meets_says_so():
+    """Without the cycle, a step over the budget is an error that says what recomputing
+    would fit, and how to ask for it."""
+    _, held = _train_engine({}, steps=1)
+    fixed, peak = held[-1]
+    with pytest.raises(dcir.DcirError, match=r"recomputing every activation that can be rebuilt, the step fits "
+                                             r"[0-9.]+ [KM]iB: add 'recompute' to optimize.passes"):
+        _train_engine({"memory_budget": fixed + int(0.8 * peak)}, steps=1)
+
+
 def test_a_memory_budget_the_activations_exceed_is_met_by_recomputing():
     """With ``memory_budget`` at 60% of the step's own memory and the optimization cycle
     allowed to recompute, the step that ran over is followed by a plan within the

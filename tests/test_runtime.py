@@ -225,6 +225,8 @@ def test_user_errors_are_messages_on_every_rank(capfd):
         "error: engine(...) was called after engine.backward(loss) without engine.step(): end each micro-step with engine.step()",
         "MISUSE CHANGED NOTHING: True",
         " in the step (saved activations, temporaries, gathered parameters, replicas, accumulators and the shared-memory outbox)",  # noqa: E501
+        "; even recomputing every activation that can be rebuilt, the step needs ",
+        ": raise memory_budget or lower the micro-batch",
         "error: /nonexistent/dcir.json: cannot read the config: No such file or directory",
         "error: clip_grad_norm_ clips a whole step's gradients: call it after its last micro-step's backward (every 2)",
         "error: engine.backward(loss): this loss was not computed from the outputs of the engine's last forward; nothing was changed",
