@@ -10,7 +10,9 @@ labelled. The categories follow the storage's first producer:
 * gradients: storage handed to ``grad.set`` or reduced across ranks (a full
   gradient before its reduce_scatter, the shard after), and ``zero1``'s accumulators;
 * optimizer state: state reloaded from host memory (``mem.reload``);
-* activations: everything else (saved values, temporaries).
+* saved activations: what ``@forward`` hands to the backward (``{saved}``), in both;
+* recomputed: what an op marked ``act.recompute`` rebuilt in the backward;
+* temporaries: everything else.
 
 matplotlib is an optional dependency (``pip install 'dcir[plot]'``).
 """
@@ -20,28 +22,39 @@ from __future__ import annotations
 from pathlib import Path
 
 from dcir import ops as registry
-from dcir.ir import Module, Op, Value
+from dcir import signature
+from dcir.activations import RECOMPUTE
+from dcir.ir import Function, Module, Op, Value
 from dcir.memory import GRAD_ACC_OF, UNSHARD_OF, storage_bases, timelines
 
-CATEGORIES = ("parameters", "gradients", "optimizer state", "activations")
-COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer state": "#55a868", "activations": "#c44e52"}
+CATEGORIES = ("parameters", "gradients", "optimizer state", "saved activations", "recomputed", "temporaries")
+COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer state": "#55a868",
+          "saved activations": "#c44e52", "recomputed": "#8172b3", "temporaries": "#937860"}
 
 
 class PlotError(RuntimeError):
     """The picture cannot be drawn (matplotlib missing)."""
 
 
-def _category(v: Value, graded: set[Value]) -> str:
+def _category(v: Value, graded: set[Value], saved: set[Value]) -> str:
     op = v.owner if isinstance(v.owner, Op) else None
     if v in graded:
         return "gradients"
+    if v in saved:
+        return "saved activations"
     if op is None:
-        return "activations"
+        return "temporaries"
     if registry.has_trait(op, registry.HOST_COPY):  # state copied back from host: the optimizer's
         return "optimizer state"
     if registry.has_trait(op, registry.COLLECTIVE):
         return "gradients" if registry.has_trait(op, registry.REDUCES) else "parameters"
-    return "activations"
+    return "recomputed" if RECOMPUTE in op.attrs else "temporaries"
+
+
+def _saved(func: Function, own: dict[Value, Value]) -> set[Value]:
+    """The storages of the activations ``func`` hands over or is handed (``{saved}``)."""
+    values = signature.results(func, signature.SAVED) + signature.args(func, signature.SAVED)
+    return {own.get(v, v) for v in values}
 
 
 def split(module: Module) -> dict[str, dict[str, list[int]]]:
@@ -65,8 +78,9 @@ def split(module: Module) -> dict[str, dict[str, list[int]]]:
                 graded.update(own.get(v, v) for v in op.operands)
         n = len(func.ops)
         series = {c: [held[c]] * n for c in CATEGORIES}
+        saved = _saved(func, own)
         for v, (nbytes, lo, hi) in t.storage.items():
-            cat = _category(v, graded)
+            cat = _category(v, graded, saved)
             for i in range(max(lo, 0), hi + 1):
                 series[cat][i] += nbytes
         out[name] = series

@@ -348,6 +348,20 @@ def test_memory_split_adds_up_to_the_model():
     assert max(parts["backward"]["gradients"]) > 0 and max(parts["forward"]["parameters"]) > 0
 
 
+def test_memory_split_shows_saved_and_recomputed_activations():
+    """The picture tells what the forward hands over from what the backward rebuilt."""
+    from dcir.memplot import split
+
+    text = (ROOT / "tests" / "golden" / "passes" / "recompute.dcir").read_text().split("// -----")[0]
+    before = split(dcir.parse(text))
+    after = split(dcir.run_passes(dcir.parse(text), "recompute"))
+    assert max(before["backward"]["saved activations"]) == 2 * 64 * 16 * 4  # %x and %h
+    assert max(before["backward"]["recomputed"]) == 0
+    assert max(after["backward"]["saved activations"]) == 64 * 16 * 4  # %x alone
+    assert max(after["backward"]["recomputed"]) == 64 * 16 * 4  # %h, rebuilt where it is used
+    assert max(after["forward"]["saved activations"]) == 64 * 16 * 4
+
+
 def test_simulate_module_counts_micro_steps_and_held_state():
     m = dcir.parse((ROOT / "examples" / "mlp_zero3.dcir").read_text())
     one, four = simulate_module(m, Machine(), 1), simulate_module(m, Machine(), 4)
