@@ -25,10 +25,28 @@ state around the replay and then puts the generator back as it was (``rng.set``)
 
 from __future__ import annotations
 
+from functools import lru_cache
+
+from dcir import custom_ops
+from dcir import ops as registry
 from dcir.ir import Function, Op
 
 #: the op attribute (a flag) that marks an op the backward runs again to rebuild an activation
 RECOMPUTE = "act.recompute"
+
+
+def draws_random(op: Op) -> bool:
+    """Whether ``op`` draws random numbers from the generator (torch tags such an
+    overload ``nondeterministic_seeded``: dropout, ``rand``, ``bernoulli``...). Such an
+    op runs eagerly, never inside a compiled stretch: its numbers come from the
+    generator ``rng.get`` and ``rng.set`` save and set, so a replay draws the same."""
+    return registry.has_trait(op, registry.SCHEMA) and _random_overload(op.name)
+
+
+@lru_cache(maxsize=None)
+def _random_overload(name: str) -> bool:
+    import torch  # a schema op's name was read from torch already; dcir-opt on plain text stays torch-free
+    return torch.Tag.nondeterministic_seeded in custom_ops.resolve(name).tags
 
 
 def recomputed(func: Function) -> list[Op]:

@@ -14,8 +14,9 @@ This module is that choice's model, at the IR's level:
   across the reads of state (``param.get``), across a wait on a collective that an
   earlier wait finished, and across ``grad.set`` and ``mem.free`` (the lowering moves
   those to a stretch's edges); it is cut by every other op of the runtime
-  (collective starts, ``param.set``, the optimizer-state store's calls) and before the
-  first compute that reads a wait's result. A test checks it against the lowering's
+  (collective starts, ``param.set``, the optimizer-state store's calls, and a random
+  op, which runs eagerly so that a recompute replays its draws: ``dcir.activations``)
+  and before the first compute that reads a wait's result. A test checks it against the lowering's
   cuts. Only stretches with ``MIN_OPS`` ops Inductor could fuse are compiled at all;
 * an op marked ``lower.fused`` runs in a compiled stretch (the ``fuse`` pass marks them; a
   stretch is compiled when its ops are marked);
@@ -37,6 +38,7 @@ import contextlib
 import contextvars
 
 from dcir import ops as registry
+from dcir.activations import draws_random
 from dcir.ir import UNIT, Function, Module, Op
 from dcir.roles import BACKWARD, BACKWARD_LAST, EVAL, FORWARD
 
@@ -74,7 +76,7 @@ def _store_state(module: Module | None, op: Op) -> bool:
 def _crossing(module: Module | None, op: Op, finished: set, copies: set) -> str:
     """How ``op`` meets a stretch (module docstring): ``finished`` holds the collectives
     an earlier stretch's waits finished, ``copies`` the values host copies made."""
-    if is_compute(op):
+    if is_compute(op) and not draws_random(op):
         return _COMPUTE
     if op.name == "param.get":
         return _FIXED if _store_state(module, op) else _HOIST

@@ -529,6 +529,8 @@ def _runs_in_runtime(node: fx.Node, runtime: set) -> bool:
     t = node.target
     if t in _STATE_CALLS or getattr(t, "_qualified_op_name", "").startswith("dcir::"):
         return True
+    if torch.Tag.nondeterministic_seeded in getattr(t, "tags", ()):  # eager's generator (dcir.activations)
+        return True
     return t is _item and node.args[0] in runtime
 
 
@@ -557,8 +559,10 @@ def compile_compute(gm: fx.GraphModule, only: set[int] | None = None) -> fx.Grap
       and ``grad.set`` (a dict entry);
     * never: collective starts (their place is the schedule's: moving one earlier
       allocates its buffer earlier, later starts the transfer later, and the input must
-      be computed before), ``param.set`` (compute after it reads the new value), and the
-      optimizer-state store's calls (reloads, copies home, the step).
+      be computed before), ``param.set`` (compute after it reads the new value), the
+      optimizer-state store's calls (reloads, copies home, the step), the generator's
+      ``rng.get``/``rng.set``, and a random op: it runs eagerly, drawing from the
+      generator they save and set, so that a recomputed one replays its draws.
 
     A stretch with fewer than ``MIN_COMPILED_OPS`` ops Inductor could fuse (views and
     matmuls aside: Inductor calls the same library kernels for those) runs as it is:

@@ -45,8 +45,8 @@ class ZooModel:
     batch: Callable[[torch.Generator, int], tuple[dict, torch.Tensor]]
     #: compared with eager after 3 steps; False: the run only has to train
     matches: bool = True
-    #: draws random numbers while training (dropout at p > 0): it matches eager only where
-    #: its ops run one by one from torch's generator, not in Inductor's kernels (``fuse``)
+    #: draws random numbers while training (dropout at p > 0): compared under the same
+    #: generator states (random ops run eagerly, also between compiled stretches)
     random: bool = False
 
     def model(self) -> torch.nn.Module:

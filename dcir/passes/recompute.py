@@ -45,11 +45,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-import torch
-
-from dcir import custom_ops, fusion, roles, signature
+from dcir import fusion, roles, signature
 from dcir import ops as registry
-from dcir.activations import RECOMPUTE
+from dcir.activations import RECOMPUTE, draws_random
 from dcir.ir import UNIT, Function, Module, Op, PendingType, ShardType, Value
 from dcir.memory import Bytes, device_bytes, peaks, saved_storage
 from dcir.passes import Pass
@@ -61,12 +59,6 @@ def footprint(module: Module) -> tuple[int, int]:
     the bytes the forward hands to the backward (lower later peaks need)."""
     handed = sum(size for _, size in dict(saved_storage(module).values()).items())
     return max(peaks(module).values(), default=0), handed
-
-
-def _random(op: Op) -> bool:
-    """Whether ``op`` draws random numbers (torch tags it ``nondeterministic_seeded``)."""
-    target = custom_ops.resolve(op.name) if registry.has_trait(op, registry.SCHEMA) else None
-    return target is not None and torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
 
 
 def gathered_from(value: Value) -> Op | None:
@@ -117,7 +109,7 @@ def _why_not_op(op) -> str | None:
     """Why ``op`` cannot run again in the backward (None: it can)."""
     if not isinstance(op, Op) or not fusion.is_compute(op):
         return "not made by compute"
-    if _random(op):
+    if draws_random(op):
         return "draws random numbers"
     if registry.has_trait(op, registry.SIDE_EFFECT):
         return "has a side effect"
