@@ -45,6 +45,9 @@ class ZooModel:
     batch: Callable[[torch.Generator, int], tuple[dict, torch.Tensor]]
     #: compared with eager after 3 steps; False: the run only has to train
     matches: bool = True
+    #: draws random numbers while training (dropout at p > 0): compared under the same
+    #: generator states (random ops run eagerly, also between compiled stretches)
+    random: bool = False
 
     def model(self) -> torch.nn.Module:
         torch.manual_seed(0)
@@ -249,7 +252,7 @@ ZOO: dict[str, ZooModel] = {m.name: m for m in [
     ZooModel("vit", "vision transformer (patch conv, CLS token)", _vit, _images),
     ZooModel("resnet", "CNN with BatchNorm (running statistics compared)", _resnet, _images),
     ZooModel("gpt2_dropout", "dropout p=0.1 in training, compared under the same seed; tied embeddings", _gpt2(0.1),
-             _tokens),
+             _tokens, random=True),
 ]}
 
 
