@@ -15,6 +15,17 @@ def waits(func: Function) -> dict[Value, Op]:
     return {v: op for op in func.ops if registry.has_trait(op, registry.WAITS) for v in op.operands}
 
 
+def started_by(value: Value) -> tuple[Op, int] | None:
+    """For the result of a wait, the async op whose pending value it joined and that
+    value's index among the op's results (a coalesced collective has several); for any
+    other value, None."""
+    wait = value.owner
+    if not isinstance(wait, Op) or not registry.has_trait(wait, registry.WAITS):
+        return None
+    pending = wait.operands[value.index]
+    return (pending.owner, pending.index) if isinstance(pending.owner, Op) else None
+
+
 def dependency_graph(func: Function) -> nx.DiGraph:
     """The ops of ``func`` as a DAG, nodes numbered by schedule position.
 

@@ -11,18 +11,15 @@ many ops of the program are marked recompute.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from models import Checkpointed, checkpointed_llama  # noqa: E402
 from zoo import ZOO, ZooModel  # noqa: E402
-from zoo_worker import train  # noqa: E402
+from zoo_worker import finish, train  # noqa: E402
 
 _tokens = ZOO["llama"].batch
 
@@ -43,14 +40,7 @@ CASES = {z.name: z for z in [
 def main() -> int:
     out_path, names = sys.argv[1], sys.argv[2:]
     rank = int(os.environ["RANK"])
-    results = {}
-    for name in names:
-        results[name] = train(CASES[name], "criterion", rank)
-    if rank == 0:
-        Path(out_path).write_text(json.dumps(results, indent=1))
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    return 0
+    return finish({name: train(CASES[name], "criterion", rank) for name in names}, out_path, rank)
 
 
 if __name__ == "__main__":

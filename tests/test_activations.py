@@ -217,29 +217,19 @@ def test_zoo_models_step_with_everything_recomputed(name):
     """A zoo model (tests/zoo.py) through ``recompute{budget=1}`` (every activation the
     pass can rebuild, matmuls included): the hand-off shrinks, and the lowered step's
     loss and gradients are eager's, bit for bit (the same ops, run again)."""
-    import copy
-
     from dcir.passes import PassManager, parse_pipeline
     from dcir.passes.recompute import footprint
     from dcir_lowering import backend
-    from zoo import ZOO
+    from zoo import ZOO, captured_step, eager_and_lowered
 
-    z = ZOO[name]
-    ref = z.model()
-    mine = copy.deepcopy(ref)
-    inputs, y = z.batch(torch.Generator().manual_seed(1), 2)
-    kwargs = {**inputs, "labels": y}
-    module = dcir.compile_to_ir(ref, (), kwargs=kwargs, loss_fn=lambda out: out.loss)
+    ref, mine, kwargs, module = captured_step(ZOO[name])
     handed = footprint(module)[1]
     manager = PassManager(parse_pipeline("recompute{budget=1}"))
     manager.run(module)
     assert footprint(module)[1] < 0.6 * handed, (footprint(module), handed)  # 12-51% of it is left
     assert manager.stats["recompute{budget=1}"]["activations rebuilt"] > 0
     program = dcir.lower(module, backend.state_of(mine))
-    start = torch.get_rng_state()  # dropout draws the same masks on both sides
-    loss_ref = ref(**kwargs).loss
-    loss_ref.backward()
-    torch.set_rng_state(start)
-    assert program.train_step(**kwargs).item() == loss_ref.item()
+    loss_ref, loss_mine = eager_and_lowered(ref, program, kwargs)
+    assert loss_mine.item() == loss_ref.item()
     for (n, p), q in zip(ref.named_parameters(), mine.parameters()):
         assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), n

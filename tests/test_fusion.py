@@ -234,22 +234,13 @@ def test_zoo_models_step_with_fused_stretches(name):
     tensor's scale (it reassociates float sums). A gradient that is zero in exact
     arithmetic (an attention key's bias: softmax ignores a constant added per query) is
     rounding noise on both sides and is left out."""
-    from zoo import ZOO
+    from zoo import ZOO, captured_step, eager_and_lowered
 
-    z = ZOO[name]
-    ref = z.model()
-    mine = copy.deepcopy(ref)
-    inputs, y = z.batch(torch.Generator().manual_seed(1), 2)
-    kwargs = {**inputs, "labels": y}
-    module = dcir.compile_to_ir(ref, (), kwargs=kwargs, loss_fn=lambda out: out.loss)
+    ref, mine, kwargs, module = captured_step(ZOO[name])
     run_passes(module, "fuse")
     assert any(fusion.FUSE in op.attrs for _, op in module.ops()), name
     program = dcir.lower(module, backend.state_of(mine))
-    start = torch.get_rng_state()  # dropout draws the same masks on both sides
-    loss_ref = ref(**kwargs).loss
-    loss_ref.backward()
-    torch.set_rng_state(start)
-    loss_mine = program.train_step(**kwargs)
+    loss_ref, loss_mine = eager_and_lowered(ref, program, kwargs)
     assert abs(loss_ref.item() - loss_mine.item()) <= 1e-5 * abs(loss_ref.item()), (name, loss_ref, loss_mine)
     grads = {n: (p.grad, q.grad) for (n, p), (_, q) in zip(ref.named_parameters(), mine.named_parameters())
              if p.grad is not None}

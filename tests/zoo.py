@@ -21,11 +21,14 @@ eager; ``tests/zoo_worker.py`` is one rank of its world-2 runs.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+import dcir
 
 VOCAB = 128
 SEQ = 8
@@ -341,6 +344,40 @@ def eager_reference(z: ZooModel, form: str, world: int) -> tuple[torch.nn.Module
             opt.step()
             opt.zero_grad(set_to_none=True)
     return model, ranks
+
+
+def from_one_state(*steps):
+    """What each of ``steps`` (functions of nothing) returns, each run from the generator
+    state the first starts from: dropout draws the same masks in every one."""
+    start = torch.get_rng_state()
+    out = []
+    for step in steps:
+        torch.set_rng_state(start)
+        out.append(step())
+    return out
+
+
+def _eager_loss(model, kwargs) -> torch.Tensor:
+    """``model``'s own loss on ``kwargs``, backpropagated."""
+    loss = model(**kwargs).loss
+    loss.backward()
+    return loss
+
+
+def captured_step(z: ZooModel):
+    """Two copies of ``z``'s model (eager's, and one the lowered program trains), a batch
+    of two rows with its labels, and the step captured with the model's own loss."""
+    ref = z.model()
+    mine = copy.deepcopy(ref)
+    inputs, y = z.batch(torch.Generator().manual_seed(1), 2)
+    kwargs = {**inputs, "labels": y}
+    return ref, mine, kwargs, dcir.compile_to_ir(ref, (), kwargs=kwargs, loss_fn=lambda out: out.loss)
+
+
+def eager_and_lowered(ref, program, kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss of one eager step of ``ref`` and of one step of the lowered ``program``,
+    from one generator state (gradients left on the parameters)."""
+    return tuple(from_one_state(lambda: _eager_loss(ref, kwargs), lambda: program.train_step(**kwargs)))
 
 
 def worst_relative(reference: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> tuple[float, str]:

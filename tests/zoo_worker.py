@@ -81,6 +81,11 @@ def main() -> int:
         except Exception as e:  # the row records why; the next form still runs
             lines = [line.strip() for line in str(e).strip().split("\n") if line.strip()]
             results[form] = {"error": f"{type(e).__name__}: {' '.join(lines[:3])}"}
+    return finish(results, out_path, rank)
+
+
+def finish(results: dict, out_path: str, rank: int) -> int:
+    """Rank 0 writes ``results`` to ``out_path``; every rank leaves its process group."""
     if rank == 0:
         Path(out_path).write_text(json.dumps(results, indent=1))
     if torch.distributed.is_initialized():

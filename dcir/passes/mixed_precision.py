@@ -51,6 +51,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from dcir import analysis
 from dcir import ops as registry
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.dtypes import is_float, parse_dtype
@@ -186,16 +187,12 @@ def accumulate_in_reduce_dtype(func: Function, accumulators: set[str], dtype: st
 def _reduction_of(grad: Value) -> tuple[Op, int] | None:
     """(the reducing collective, the index of ``grad``'s pending value among its results) when
     ``grad`` is the result of a wait on a reduction that nothing else reads, else None."""
-    wait = grad.owner
-    if not isinstance(wait, Op) or not registry.has_trait(wait, registry.WAITS):
-        return None
-    pending = wait.operands[grad.index]
-    start = pending.owner
-    if not isinstance(start, Op) or not registry.has_trait(start, registry.REDUCES):
+    started = analysis.started_by(grad)
+    if started is None or not registry.has_trait(started[0], registry.REDUCES):
         return None
     if len(grad.uses) != 1:  # one reader, the grad.set (a return is a use too)
         return None
-    return start, pending.index
+    return started
 
 
 def _converted(m: dict) -> bool:

@@ -45,7 +45,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from dcir import fusion, roles, signature
+from dcir import analysis, fusion, roles, signature
 from dcir import ops as registry
 from dcir.activations import RECOMPUTE, draws_random
 from dcir.ir import UNIT, Function, Module, Op, PendingType, ShardType, Value
@@ -64,14 +64,11 @@ def footprint(module: Module) -> tuple[int, int]:
 def gathered_from(value: Value) -> Op | None:
     """The ``param.get`` of the shard ``value`` is the gathered parameter of (the wait of
     an all_gather, coalesced or not, of a read shard), else None."""
-    wait = value.owner
-    if not isinstance(wait, Op) or not registry.has_trait(wait, registry.WAITS):
+    started = analysis.started_by(value)
+    if started is None or not registry.has_trait(started[0], registry.GATHERS):
         return None
-    pending = wait.operands[value.index]
-    gather = pending.owner
-    if not isinstance(gather, Op) or not registry.has_trait(gather, registry.GATHERS):
-        return None
-    read = gather.operands[pending.index].owner
+    gather, index = started
+    read = gather.operands[index].owner
     return read if isinstance(read, Op) and registry.has_trait(read, registry.LOADS_STATE) else None
 
 
@@ -94,7 +91,7 @@ def _read_again(value: Value, fresh) -> list[Op]:
     if read is None:
         return [Op("param.get", [], [Value(fresh(value.name), value.type)], symbol=value.owner.symbol)]
     shard = Op("param.get", [], [Value(fresh(read.results[0].name), read.results[0].type)], symbol=read.symbol)
-    before = value.owner.operands[value.index].owner  # the forward's gather
+    before = analysis.started_by(value)[0]  # the forward's gather
     gather = Op(registry.single_form(before) or before.name, [shard.results[0]], [Value(fresh(f"{value.name}_pending"), PendingType(value.type))],
                 parens=True)
     wait = Op(registry.wait_for(gather), [gather.results[0]], [Value(fresh(value.name), value.type)], parens=True)
