@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from dcir.diagnostics import DcirError, Diagnostic
@@ -422,7 +423,7 @@ def load(engine, ckpt_dir, tag: str | None = None):
     sd = _load_dict(engine, meta, marker)
     try:
         dcp.load(sd, storage_reader=dcp.FileSystemReader(path))
-    except Exception as e:  # DCP raises CheckpointException with every rank's failure
+    except (Exception, CheckpointException) as e:  # DCP's, with every rank's failure, is a BaseException
         raise _error(f"{path}: reading the checkpoint failed: {str(e).strip()[:2000]}") from None
     groups = pickle.loads(sd["optim.param_groups"])
     if len(groups) != len(engine.optimizer.param_groups):
