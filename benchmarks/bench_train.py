@@ -27,11 +27,24 @@ Every system trains the same HF Llama (from a config, fp32) on the same batches
 * ``dcir-offload``: ``zero3`` with ``dcir-optimized``'s passes and optimizer-state
   offload, its budget half of a rank's AdamW state (2 fp32 tensors per parameter
   element, sharded over the world);
+* ``dcir-recompute``: ``recompute,prefetch,unshard,bucket`` planned by the cycle within a
+  ``memory_budget`` of ``--activation-budget``: what a rank holds whatever the schedule
+  (shards, gradient shards, optimizer state, buffers) and the shared-memory outbox, plus
+  that fraction of the step's own memory (saved activations, temporaries, gathered
+  parameters) without recompute, each as plain ``dcir`` accounts it on a one-step probe
+  run before the first (``min``: the step's peak with every activation the pass can
+  rebuild rebuilt); the budget is the memory model's, not the process's RSS;
 * ``dcir-bf16``: ``dcir`` in mixed precision (the config's ``bf16`` section: bf16
   compute and gathers, fp32 gradient reduction and master weights, docs/config.md);
 * ``fsdp2``: PyTorch FSDP2, ``fully_shard`` per decoder layer and on the root;
 * ``fsdp2-bf16``: the same with the same policy,
   ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``;
+* ``fsdp2-ckpt``: the same with every decoder layer checkpointed
+  (``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})``
+  before ``fully_shard``): FSDP2's full activation checkpointing;
+* ``fsdp2-compile-budget``: the same with every decoder layer ``torch.compile``'d before
+  ``fully_shard`` (torchtitan's order) under ``torch._functorch.config.activation_memory_budget
+  = --compile-budget``: the min-cut partitioner keeps that fraction of the activations;
 * ``fsdp2-offload``: the same with ``offload_policy=CPUOffloadPolicy()``; without an
   accelerator host memory cannot be pinned (``pin_memory=False`` then), and the
   "device" and the host are the same RAM, as for ``dcir-offload``;
@@ -73,7 +86,12 @@ memory for reuse (``MALLOC_MMAP_MAX_=0``, no trimming), as a GPU caching allocat
 does: no step after the first faults fresh pages in, which otherwise takes much of the
 time of the ops that write large tensors (22 ms for 64 MiB here) and depends on the
 allocator's history (docs/simulator.md, "page faults"); resident memory then stays at
-its peak. The default, ``system``, leaves malloc as the environment configures it.
+its peak. ``--malloc release`` does the opposite: every block of 64 KiB or more is mapped
+when allocated and unmapped when freed (``MALLOC_MMAP_THRESHOLD_=65536``, a fixed
+threshold glibc then does not raise), so a rank's peak resident memory follows its live
+tensors rather than what the heap kept (bench_activations.py measures peaks that way);
+every such allocation faults its pages in. The default, ``system``, leaves malloc as the
+environment configures it.
 
 ``--init meta`` starts the sharded systems without the full model: the Llama is built
 under ``torch.device("meta")`` and ``dcir.initialize`` initializes each rank's shards;
@@ -108,9 +126,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 #: ``--malloc``: the environment every system's processes get alike (glibc malloc's tunables)
 MALLOC = {"system": {},
-          "keep": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}}
+          "keep": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)},
+          "release": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
 SYSTEMS = ["floor", "eager", "dcir", "dcir-prefetch", "dcir-unshard", "dcir-optimized", "dcir-inductor",
-           "dcir-fused", "dcir-zero1", "dcir-zero2", "dcir-offload", "dcir-bf16", "fsdp2", "fsdp2-offload", "fsdp2-bf16", "deepspeed-zero1", "deepspeed-zero2",
+           "dcir-fused", "dcir-zero1", "dcir-zero2", "dcir-offload", "dcir-bf16", "dcir-recompute", "fsdp2", "fsdp2-offload",
+           "fsdp2-bf16", "fsdp2-ckpt", "fsdp2-compile-budget", "deepspeed-zero1", "deepspeed-zero2",
            "deepspeed", "deepspeed-offload"]
 WORKLOAD = [("layers", 6), ("hidden", 256), ("seq", 128), ("batch", 4), ("vocab", 32000), ("accumulate", 1),
             ("intermediate", 0)]  # intermediate 0: 4 x hidden
@@ -127,6 +147,35 @@ def _available(system: str, device: str = "cpu") -> str | None:
     return None
 
 
+def memory_budget(probe: dict, fraction: str) -> int:
+    """``dcir-recompute``'s ``memory_budget`` (bytes per rank) for ``--activation-budget``:
+    what a rank holds whatever the schedule, plus the shared-memory outbox, plus
+    ``fraction`` of the step's own memory without recompute (``min``: the step's peak with
+    every activation ``recompute`` can rebuild rebuilt), all as the plain ``zero3``
+    engine of ``probe`` accounts them (its largest rank: ``train_worker.Dcir.accounting``)."""
+    def need(a):
+        step = a["least_step_peak"] if fraction == "min" else float(fraction) * a["step_peak"]
+        return a["fixed"] + a["outbox"] + int(step)
+
+    return max(need(a) for a in probe["accounted"])
+
+
+def probe(ns, logs: Path) -> dict:
+    """One step of plain ``dcir`` on the workload, for what ``memory_budget`` needs (cached
+    in ``logs``; the memory model's figures do not depend on timing)."""
+    out = logs / "dcir-probe.json"
+    key = {n: getattr(ns, n) for n, _ in WORKLOAD} | {"world": ns.world, "init": ns.init, "transport": ns.transport}
+    if out.exists() and json.loads(out.read_text()).get("key") == key:
+        return json.loads(out.read_text())
+    out.unlink(missing_ok=True)
+    result = _run("dcir", argparse.Namespace(**{**vars(ns), "steps": 1, "warmup": 0, "trace": False}), out)
+    if result is None:
+        raise SystemExit("the dcir probe for --activation-budget failed; see " + str(out.with_suffix(".log")))
+    result["key"] = key
+    out.write_text(json.dumps(result))
+    return result
+
+
 def _run(system: str, ns, out: Path) -> dict | None:
     from dcir_runtime.launch import launch
 
@@ -134,6 +183,10 @@ def _run(system: str, ns, out: Path) -> dict | None:
     for name, _ in WORKLOAD:
         args += [f"--{name}", str(getattr(ns, name))]
     args += ["--device", ns.device, "--init", ns.init, "--transport", ns.transport]
+    if system == "dcir-recompute" and ns.activation_budget != "none":
+        args += ["--memory-budget", str(memory_budget(probe(ns, out.parent), ns.activation_budget))]
+    if system == "fsdp2-compile-budget":
+        args += ["--compile-budget", str(ns.compile_budget)]
     args += ["--rss-trace"] if ns.rss_trace else []
     if ns.trace and system.startswith("dcir"):
         args += ["--trace", str(out.with_name(out.stem + "-trace"))]
@@ -268,6 +321,19 @@ def chart(rows: dict, path: Path, title: str) -> str | None:
     return None
 
 
+def _fraction(text: str) -> str:
+    """``--activation-budget``: a fraction in (0, 1], ``min`` or ``none``."""
+    if text in ("min", "none"):
+        return text
+    try:
+        ok = 0 < float(text) <= 1
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{text!r}: a fraction in (0, 1], 'min' or 'none'")
+    return text
+
+
 def parser() -> argparse.ArgumentParser:
     from dcir_runtime.config import TRANSPORTS  # imports torch: not at the script's start
 
@@ -291,7 +357,16 @@ def parser() -> argparse.ArgumentParser:
                     help="system: glibc malloc as configured (large blocks are mapped fresh, and their pages "
                          "faulted in, each time); keep: every system's processes alike keep freed memory for "
                          "reuse, as a GPU caching allocator does (MALLOC_MMAP_MAX_=0, no trimming; resident "
-                         "memory stays at its peak). Default system")
+                         "memory stays at its peak); release: every block of 64 KiB or more is mapped when "
+                         "allocated and unmapped when freed (MALLOC_MMAP_THRESHOLD_=65536, which also stops glibc "
+                         "raising the threshold), so resident memory follows the live tensors. Default system")
+    ap.add_argument("--activation-budget", default="0.6", type=_fraction,
+                    help="dcir-recompute's memory_budget: what a rank holds whatever the schedule and the outbox, "
+                         "plus this fraction of the step's own memory without recompute, as plain dcir accounts "
+                         "them on a one-step probe run; 'min': the step with everything rebuildable recomputed; "
+                         "'none': no budget (default 0.6)")
+    ap.add_argument("--compile-budget", type=float, default=0.5,
+                    help="fsdp2-compile-budget's torch._functorch.config.activation_memory_budget (default 0.5)")
     ap.add_argument("--world", type=int, default=2, help="ranks of the distributed systems (default 2)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu (gloo, 1 thread per rank) or cuda (one GPU per rank, NCCL); default cpu")

@@ -20,6 +20,14 @@ step (``first_step_s``: start-up, model, capture and the first step). ``--rss-tr
 prints each rank's resident and peak memory at each stage to stderr. ``--trace DIR``
 (DCIR systems): after the measured steps, one more optimizer step runs traced
 (``Engine.trace``), each rank writing ``DIR/rank<N>.json``; it is not among the measured.
+
+Every rank also reports its resident high-water mark over the measured steps alone
+(``steps_rss_mib``: ``VmHWM``, reset through ``/proc/self/clear_refs`` before the first
+measured step, so building, capture and compiling are left out) and, for DCIR, what the
+Engine accounts (``accounted``: ``Dcir.accounting``) and each optimization cycle's record.
+``dcir-recompute`` runs the cycle with ``recompute`` under ``--memory-budget`` bytes;
+``fsdp2-ckpt`` checkpoints every decoder layer, ``fsdp2-compile-budget`` compiles each
+under ``--compile-budget`` (``Fsdp2``).
 """
 
 from __future__ import annotations
@@ -82,6 +90,26 @@ def synchronize(ns) -> None:
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def reset_peak_rss() -> bool:
+    """Start this process's resident high-water mark (``VmHWM``) afresh from its resident
+    memory now (Linux: ``/proc/self/clear_refs``); whether it could."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def hwm_rss_mib() -> float | None:
+    """This process's resident high-water mark since start or ``reset_peak_rss`` (Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
 
 
 _IMPORTED = time.monotonic()
@@ -174,6 +202,11 @@ class Dcir:
         log = self.engine.optimize_log
         return log[-1]["predicted_s"] if log else None
 
+    def optimize_log(self) -> list[dict]:
+        """Each cycle's record: the pipeline planned, why it was taken, its budget, predicted peak and step."""
+        keys = ("step", "pipeline", "reason", "switched", "budget", "predicted_s", "planned_s", "predicted_peak")
+        return [{k: r.get(k) for k in keys} for r in self.engine.optimize_log]
+
     def micro_step(self, batch):
         loss = self.engine(**batch)
         self.engine.backward(loss, scale_wrt_gas=True)  # DeepSpeed's default: divided by the accumulation
@@ -187,6 +220,24 @@ class Dcir:
     def sent_bytes(self) -> int:
         """Bytes this rank has handed to collectives, as the runtime counts them."""
         return self.engine.memory()["sent"]
+
+    def accounting(self) -> dict:
+        """What this rank holds as the runtime accounts it, in bytes, for the running program:
+        ``fixed`` whatever the schedule (shards, gradient shards, optimizer state, buffers),
+        ``step_peak`` the memory model's peak of the step, ``outbox`` the shared-memory
+        outbox, ``held`` what ``memory_budget`` is checked against (fixed and the schedule's
+        peak), and ``least_step_peak`` the step's peak with every activation ``recompute`` can
+        rebuild rebuilt (``recompute{budget=1}`` on the running program)."""
+        import dcir
+        from dcir.passes.recompute import Recompute, footprint
+        from dcir_runtime.accounting import fixed_bytes, scheduled_bytes
+
+        m = self.engine.memory()
+        fixed = fixed_bytes(m, self.engine.shards)
+        least = self.engine.ir().clone()
+        dcir.run_passes(least, [Recompute(budget=1)])
+        return {"fixed": fixed, "step_peak": m.step_peak, "outbox": m.transport, "held": fixed + scheduled_bytes(m),
+                "least_step_peak": footprint(least)[0]}
 
 
 class _Plain:
@@ -209,11 +260,15 @@ class _Plain:
 class Fsdp2(_Plain):
     """``fully_shard`` per decoder layer and on the root; with ``offload``, the
     parameters, gradients and optimizer step live on the CPU (``CPUOffloadPolicy``);
-    with ``bf16``, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``. With
+    with ``bf16``, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; with
+    ``checkpoint``, every decoder layer checkpointed (``gradient_checkpointing_enable``,
+    non-reentrant); with ``compile_budget``, every decoder layer ``torch.compile``'d
+    with ``torch._functorch.config.activation_memory_budget`` set to it. With
     ``--init meta``, FSDP2's recipe: shard the meta model, ``to_empty``, then the
     model's own init (``initialize_weights()``) on the local shards."""
 
-    def __init__(self, ns, offload: bool = False, bf16: bool = False):
+    def __init__(self, ns, offload: bool = False, bf16: bool = False, checkpoint: bool = False,
+                 compile_budget: float | None = None):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         dist.init_process_group(backend(ns))
@@ -221,6 +276,13 @@ class Fsdp2(_Plain):
         self.init = ns.init
         model = llama(ns, meta=meta)
         rss_trace(ns, "model")
+        if checkpoint:  # every decoder layer recomputed in the backward: transformers' own switch
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if compile_budget is not None:  # torchtitan's recipe: each layer compiled before fully_shard, and
+            # the min-cut partitioner told what fraction of the activations it may keep
+            torch._functorch.config.activation_memory_budget = compile_budget
+            for k, layer in enumerate(model.model.layers):
+                model.model.layers[k] = torch.compile(layer)
         # pinning host memory needs an accelerator ("Cannot access accelerator device")
         pin = torch.accelerator.is_available()
         kwargs = {"offload_policy": CPUOffloadPolicy(pin_memory=pin)} if offload else {}
@@ -282,7 +344,8 @@ class Floor(_Plain):
 #: DCIR with profile-guided passes
 SCHEDULES = {"dcir-prefetch": ("prefetch",), "dcir-unshard": ("unshard",),
              "dcir-optimized": ("prefetch", "unshard", "bucket"),
-             "dcir-fused": ("prefetch", "unshard", "bucket", "fuse")}
+             "dcir-fused": ("prefetch", "unshard", "bucket", "fuse"),
+             "dcir-recompute": ("recompute", "prefetch", "unshard", "bucket")}
 #: DCIR's other ZeRO stages and offload, each with dcir-optimized's passes: config
 #: merged into the Engine's (dcir-offload's budget is filled in by ``Dcir``)
 ENGINE_FEATURES = {"dcir-zero1": {"zero_stage": 1}, "dcir-zero2": {"zero_stage": 2},
@@ -296,6 +359,9 @@ def make(system: str, ns):
         return Dcir(ns, inductor=False)
     if system == "dcir-inductor":  # dcir-optimized's planned schedule: the two rows differ only in the lowering
         return Dcir(ns, inductor=True, passes=SCHEDULES["dcir-optimized"])
+    if system == "dcir-recompute":  # the cycle plans recompute within --memory-budget (none: 0)
+        extra = {"memory_budget": ns.memory_budget} if ns.memory_budget else {}
+        return Dcir(ns, inductor=False, passes=SCHEDULES[system], extra=extra)
     if system in SCHEDULES:
         return Dcir(ns, inductor=False, passes=SCHEDULES[system])
     if system in ENGINE_FEATURES:
@@ -307,6 +373,10 @@ def make(system: str, ns):
         return Fsdp2(ns, offload=True)
     if system == "fsdp2-bf16":
         return Fsdp2(ns, bf16=True)
+    if system == "fsdp2-ckpt":
+        return Fsdp2(ns, checkpoint=True)
+    if system == "fsdp2-compile-budget":
+        return Fsdp2(ns, compile_budget=ns.compile_budget)
     if system == "dcir-bf16":  # plain zero3, as dcir, in FSDP2's bf16 policy (DeepSpeed's bf16 section)
         return Dcir(ns, inductor=False, extra={"bf16": {"enabled": True}})
     if system in DEEPSPEED:
@@ -333,6 +403,10 @@ def main() -> None:
     ap.add_argument("--transport", choices=TRANSPORTS, default="auto",
                     help="DCIR's transport for gathers and reduce-scatters (the Engine's config key)")
     ap.add_argument("--trace", default=None, help="trace one more step after the measured ones into DIR/rank<N>.json")
+    ap.add_argument("--memory-budget", type=int, default=0,
+                    help="dcir-recompute: the Engine's memory_budget in bytes per rank (0: none)")
+    ap.add_argument("--compile-budget", type=float, default=0.5,
+                    help="fsdp2-compile-budget: torch._functorch.config.activation_memory_budget (default 0.5)")
     ns = ap.parse_args()
     torch.set_num_threads(1)
     rss_trace(ns, "start")
@@ -346,6 +420,8 @@ def main() -> None:
     for step in range(ns.warmup + ns.steps):
         wait0 = runner.wait_s() if hasattr(runner, "wait_s") else 0.0
         sent0 = runner.sent_bytes() if hasattr(runner, "sent_bytes") else None
+        if step == ns.warmup:  # the measured steps' own peak, without building, capture and compiling
+            reset = reset_peak_rss()
         if distributed:
             dist.barrier()
         synchronize(ns)
@@ -367,7 +443,11 @@ def main() -> None:
         for _ in range(ns.accumulate):
             runner.micro_step(next(data))
     predicted = runner.predicted_s() if hasattr(runner, "predicted_s") else None
-    per_rank = {"times": times, "waits": waits, "sent": sent, "peak_rss_mib": peak_rss_mib(), "predicted_s": predicted,
+    rss = peak_rss_mib()  # before the accounting below, whose planning is not part of the step
+    steps_rss = hwm_rss_mib() if ns.steps and reset else None
+    accounted = runner.accounting() if hasattr(runner, "accounting") else None
+    per_rank = {"times": times, "waits": waits, "sent": sent, "peak_rss_mib": rss, "predicted_s": predicted,
+                "accounted": accounted, "steps_rss_mib": steps_rss,
                 "first_step_s": first_step, "start_rss_mib": start_rss,
                 "peak_cuda_mib": torch.cuda.max_memory_allocated() / 2**20 if ns.device == "cuda" else None}
     everyone = [per_rank]
@@ -390,7 +470,10 @@ def main() -> None:
                        "peak_cuda_mib": [r["peak_cuda_mib"] for r in everyone],
                        "first_step_s": max(r["first_step_s"] for r in everyone),
                        "init": getattr(runner, "init", "real"),
-                       "predicted_s": everyone[0]["predicted_s"]}, f)
+                       "predicted_s": everyone[0]["predicted_s"],
+                       "accounted": [r["accounted"] for r in everyone],
+                       "steps_rss_mib": [r["steps_rss_mib"] for r in everyone],
+                       "optimize_log": runner.optimize_log() if hasattr(runner, "optimize_log") else None}, f)
     if distributed:
         dist.barrier()
         os._exit(0)  # skip process-group teardown: it is not what is measured
