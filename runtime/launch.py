@@ -40,7 +40,7 @@ def launch(argv: list[str], nproc: int, *, timeout_s: float | None = None, grace
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     failed_at, code = None, 0
     try:
-        while any(p.poll() is None for p in procs):
+        while None in [p.poll() for p in procs]:  # every rank polled: one that ended is noticed
             now = time.monotonic()
             for p in procs:
                 if p.returncode not in (None, 0) and failed_at is None:

@@ -403,6 +403,17 @@ def test_the_launcher_ends_a_run_that_takes_too_long(tmp_path, capfd):
     assert not list(tmp_path.glob("finished-*"))
 
 
+def test_the_launcher_ends_the_others_a_grace_after_a_later_rank_fails(tmp_path):
+    """Rank 1 fails while rank 0 lives on: its exit code comes back after the grace, and
+    rank 0 is ended before its two minutes of sleep are up (the launcher once polled
+    only up to the first live rank, so it noticed rank 1 only at the run's limit)."""
+    script = tmp_path / "one_fails.py"
+    script.write_text("import os, pathlib, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(3)\n"
+                      "time.sleep(120)\npathlib.Path(sys.argv[1], 'finished').touch()\n")
+    assert launch([str(script), str(tmp_path)], 2, timeout_s=100, grace_s=1) == 3
+    assert not (tmp_path / "finished").exists()
+
+
 def test_dcir_train_checks_its_config_before_starting_ranks(capfd):
     from dcir_runtime.train import main
 
