@@ -557,12 +557,10 @@ def compile_compute(gm: fx.GraphModule, only: set[int] | None = None) -> fx.Grap
       ``mem.free`` (nothing reads a freed value after the free, the verifier proves it,
       so only the release comes later: the stretch's compute keeps its memory that long)
       and ``grad.set`` (a dict entry);
-    * never: collective starts (their place is the schedule's: moving one earlier
-      allocates its buffer earlier, later starts the transfer later, and the input must
-      be computed before), ``param.set`` (compute after it reads the new value), the
-      optimizer-state store's calls (reloads, copies home, the step), the generator's
-      ``rng.get``/``rng.set``, and a random op: it runs eagerly, drawing from the
-      generator they save and set, so that a recomputed one replays its draws.
+    * never: collective starts (moving one earlier allocates its buffer earlier, later
+      starts the transfer later), ``param.set`` (compute after it reads the new value),
+      the optimizer-state store's calls (reloads, copies home, the step), ``rng.get``,
+      ``rng.set`` and random ops (eager's generator: ``dcir.activations``).
 
     A stretch with fewer than ``MIN_COMPILED_OPS`` ops Inductor could fuse (views and
     matmuls aside: Inductor calls the same library kernels for those) runs as it is:
