@@ -143,8 +143,11 @@ CASES.update({
     # ... within a memory budget that leaves the schedule little room
     "transformer_optimize_budget": (TinyTransformer, _transformer_batch, None,
                                     {"memory_budget": 640_000, "optimize": {"passes": _SCHEDULE, "profile_at": [1]}}),
+    # ... shrunk under the planned schedule to 1 byte less than it holds: the schedule
+    # passes alone may already be at their floor (the activations), recompute is not
     "transformer_optimize_shrink": (TinyTransformer, _transformer_batch, None,
-                                    {"memory_budget": 640_000, "optimize": {"passes": _SCHEDULE, "profile_at": [1]}}),
+                                    {"memory_budget": 640_000,
+                                     "optimize": {"passes": [*_SCHEDULE, "recompute"], "profile_at": [1]}}),
     # ZeRO-1 and ZeRO-2: replicated parameters, sharded optimizer state (and gradients)
     "mlp_zero1": (mlp, _mlp_batch, _squared, {"zero_stage": 1}),
     "mlp_zero2": (mlp, _mlp_batch, _squared, {"zero_stage": 2}),
