@@ -92,8 +92,8 @@ def _read_again(value: Value, fresh) -> list[Op]:
         return [Op("param.get", [], [Value(fresh(value.name), value.type)], symbol=value.owner.symbol)]
     shard = Op("param.get", [], [Value(fresh(read.results[0].name), read.results[0].type)], symbol=read.symbol)
     before = analysis.started_by(value)[0]  # the forward's gather
-    gather = Op(registry.single_form(before) or before.name, [shard.results[0]], [Value(fresh(f"{value.name}_pending"), PendingType(value.type))],
-                parens=True)
+    pending = Value(fresh(f"{value.name}_pending"), PendingType(value.type))
+    gather = Op(registry.single_form(before) or before.name, [shard.results[0]], [pending], parens=True)
     wait = Op(registry.wait_for(gather), [gather.results[0]], [Value(fresh(value.name), value.type)], parens=True)
     return [shard, gather, wait]
 
