@@ -194,7 +194,7 @@ def bind(sch: Schema, n_operands: int, attrs: dict, *, check_values: bool = True
             if a.is_tensor and value is not None:
                 raise MappingError(f"tensor argument '{a.name}' of {sch.name} must be an operand; as an attribute "
                                    f"it can only be a number (torch wraps it) or, if optional, absent: {{{a.name} = none}}")
-            if a.type == "Tensor":
+            if a.type == "Tensor" and not _takes_undefined(sch):
                 raise MappingError(f"'{a.name}' of {sch.name} is a required tensor; it cannot be none")
             expected = _value_fits(a.type, value)
             if expected is not None:
@@ -219,6 +219,14 @@ def bind(sch: Schema, n_operands: int, attrs: dict, *, check_values: bool = True
     if next_operand < n_operands:
         raise MappingError(f"{sch.name} takes at most {next_operand} tensor operands, got {n_operands}")
     return bound
+
+
+def _takes_undefined(sch: Schema) -> bool:
+    """ATen's derivative kernels (``*_backward``) take an undefined tensor, given as
+    None, for an input the forward did not have: AOTAutograd calls
+    ``_scaled_dot_product_efficient_attention_backward`` with ``attn_bias=None`` when
+    attention had no bias (the CUDA path of every causal ``sdpa``)."""
+    return sch.name.split(".")[1].endswith("_backward")
 
 
 def _check_absent(sch: Schema, a: Arg, absent, present: int) -> None:
