@@ -375,13 +375,15 @@ class Program:
     gradients by FQN; ``train_step(*args, **kwargs)`` does both, with the gradient of
     every output all ones (for a loss: ``loss.backward()``), and accumulates into the
     parameters' ``.grad``. Arguments are matched to the ``{input = ...}`` arguments by
-    their names (``args[0]`` or a keyword such as ``labels``).
+    their names (``args[0]`` or a keyword such as ``labels``). ``device``: where the
+    program's own tensors (``constants``, ``gathered_copies``, tangents) live.
     """
 
     module: Module
     state: dict
     graphs: dict[str, fx.GraphModule]
     runs: dict[str, object]
+    device: torch.device
 
     def function(self, role: str):
         return self.module.role(role)
@@ -432,7 +434,7 @@ class Program:
         zeros where it has none (the loss did not use that output); without ``given``,
         ones (the gradient of the outputs' sum)."""
         bw = self.function(self.backward_for(last)[0])
-        device = next((t.device for t in self.state.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        device = self.device
         out = []
         for arg, k in signature.grads(bw):
             dtype = torch_dtype(arg.type.dtype)
@@ -476,7 +478,7 @@ def call_inputs(func: Function, args: tuple, kwargs: dict) -> list:
 
 
 def lower(module: Module, state: dict, *, inductor: bool = False, group: str | None = None,
-          store_prefix: str = "", optimizer_state=None) -> Program:
+          store_prefix: str = "", optimizer_state=None, device: torch.device | str | None = None) -> Program:
     """Lower ``module`` (verified first) to a ``Program`` over ``state`` (FQN -> tensor).
     Buffers with a ``value`` attribute that ``state`` lacks are made from it. With
     ``group`` (a process group's name), collectives run over it through the C++
@@ -485,9 +487,11 @@ def lower(module: Module, state: dict, *, inductor: bool = False, group: str | N
     collectives, see ``compile_compute``); without it, the stretches whose ops the ``fuse``
     pass marked (``dcir.fusion``) are compiled, the rest runs op by op. ``optimizer_state`` is the store that
     optimizer state, ``optim.step`` and host copies run on
-    (``dcir_runtime.offload.StateStore``); a module with any of them needs one."""
+    (``dcir_runtime.offload.StateStore``); a module with any of them needs one. The
+    tensors the program makes (``constants``, ``gathered_copies``) go on ``device``:
+    the Engine's; by default ``state``'s (``device_of``)."""
     verify(module)
-    device = next((t.device for t in state.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    device = device_of(state.values()) if device is None else torch.device(device)
     state = {**constants(module, device), **gathered_copies(module, device), **state}
     if optimizer_state is not None:
         state[OPTIMIZER_STATE] = optimizer_state
@@ -516,7 +520,7 @@ def lower(module: Module, state: dict, *, inductor: bool = False, group: str | N
         marked = {i for i, op in enumerate(func.ops) if fusion.FUSE in op.attrs}
         return compile_compute(gm, marked) if marked else gm
 
-    return Program(module, state, graphs, {role: compiled(role, gm) for role, gm in graphs.items()})
+    return Program(module, state, graphs, {role: compiled(role, gm) for role, gm in graphs.items()}, device)
 
 
 _STATE_CALLS = (_state_get, _state_set, _grad_set, _call, _rng_get, _rng_set)
@@ -757,7 +761,14 @@ def stretch_times(runner) -> list[tuple[list[int], float]]:
     return [(c.ops, statistics.median(c.times)) for c in children if isinstance(c, _Compiled) and c.times]
 
 
-def constants(module: Module, device: torch.device | str = "cpu") -> dict:
+def device_of(tensors) -> torch.device:
+    """Where a program over ``tensors`` runs: the first tensor's device; with none,
+    torch's default device (``torch.set_default_device``)."""
+    first = next((t.device for t in tensors if isinstance(t, torch.Tensor)), None)
+    return first if first is not None else torch.get_default_device()
+
+
+def constants(module: Module, device: torch.device | str) -> dict:
     """The buffers whose text spells out their value (``{value = [...]}``), as tensors on ``device``."""
     out = {}
     for name, decl in module.decls.items():
@@ -768,7 +779,7 @@ def constants(module: Module, device: torch.device | str = "cpu") -> dict:
     return out
 
 
-def gathered_copies(module: Module, device: torch.device | str = "cpu") -> dict:
+def gathered_copies(module: Module, device: torch.device | str) -> dict:
     """Storage for the buffers the schedule keeps: gathered copies of parameters (filled
     by ``@unshard``) and gradient accumulators (``zero1``, zero at the start)."""
     from dcir.memory import GRAD_ACC_OF, UNSHARD_OF

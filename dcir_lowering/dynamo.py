@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Function, Module, Value
 from dcir.verifier import verify
-from dcir_lowering.backend import constants, lower_function
+from dcir_lowering.backend import constants, device_of, lower_function
 from dcir_lowering.frontend import GraphLowering, _type, _where, benign_breaks  # noqa: F401  (re-exported)
 
 
@@ -185,7 +185,7 @@ def _through_dcir(name: str, gm: fx.GraphModule, example_inputs):
         module, none_at = graph_to_module(gm, name)
         verify(module)
         lowered = lower_function(module, name)
-        state = constants(module)
+        state = constants(module, device_of(example_inputs))  # the inputs' device (the model's)
 
     def run(args):
         outputs = list(lowered(state, {}, *args))

@@ -209,7 +209,7 @@ class Engine:
         self.transport_bytes = transport.fit(self.process_group, self.config.transport, self.transport_bytes, module)
 
     def _lowered(self, module: dcir.Module):
-        """``module`` lowered over this engine's state."""
+        """``module`` lowered over this engine's state; what it makes (replicas...) on the engine's device."""
         state = dict(self.model.named_buffers())
         if self.state_store is not None and self._place_loaded_state and module.role("step") is not None:
             from dcir_runtime.checkpoint import place_loaded_state
@@ -218,7 +218,7 @@ class Engine:
         elif self.state_store is not None and module.role("step") is not None:
             self.state_store.bind(module)
         return lower(module, state, inductor=self.config.inductor, group=self.group,
-                     store_prefix=self.store_prefix, optimizer_state=self.state_store)
+                     store_prefix=self.store_prefix, optimizer_state=self.state_store, device=self.device)
 
     def _fixed_bytes(self, m: MemoryStats) -> int:
         """What a rank holds whatever the schedule (``accounting.fixed_bytes``)."""

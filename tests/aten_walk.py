@@ -14,7 +14,7 @@ import dcir
 from dcir import aten
 from dcir.ir import DType
 from dcir.verifier import verify
-from dcir_lowering.backend import constants, lower_function
+from dcir_lowering.backend import constants, device_of, lower_function
 from dcir_lowering.dynamo import graph_to_module
 
 
@@ -82,7 +82,7 @@ def walk_sample(op, sample, seen: Walked, *, random: bool) -> None:
     verify(parsed)
     _record(parsed, seen)
     torch.manual_seed(0)
-    got = list(lower_function(parsed, "f")(constants(parsed), {}, *tensors))
+    got = list(lower_function(parsed, "f")(constants(parsed, device_of(tensors)), {}, *tensors))
     for i in none_at:
         got.insert(i, None)
     assert len(got) == len(expected)

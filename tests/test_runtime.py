@@ -273,6 +273,42 @@ def test_memory_is_named_fields_that_read_as_the_mapping_it_was():
     assert stats.shard_bytes >= m.parameters and stats.gathered_peak >= stats.gathered_now >= 0
 
 
+class _Scaled(torch.nn.Module):
+    """No buffers (the program's state holds none of the model's tensors), and a
+    constant the captured program spells out (``{value = [...]}``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc(x) * torch.tensor([1.0, 2.0, 3.0], device=x.device)
+
+
+def test_the_tensors_a_program_makes_are_on_the_engines_device():
+    """ZeRO-1's replicas and gradient accumulators, constants and the backward's
+    tangents go on the engine's device, not on the CPU: a model without buffers gives
+    the program's state no device to follow, and on a GPU the replicas of ``mlp_zero1``
+    were CPU tensors its forward fed to addmm (found by tests/test_gpu.py). The meta
+    device stands in for the GPU: lowered again for an engine there, every tensor the
+    program holds or makes is there."""
+    engine = dcir.initialize(_Scaled(), config={"zero_stage": 1, "gradient_accumulation_steps": 2},
+                             loss_fn=lambda y: y.pow(2).mean())
+    engine.backward(engine(torch.randn(2, 8)))
+    engine.step()
+    attrs = [a for d in engine.module.decls.values() for a in d.attrs]
+    assert {"unshard.of", "grad_acc.of", "value"} <= set(attrs), attrs  # each kind of tensor a program makes
+    engine.device = torch.device("meta")
+    program = engine._lowered(engine.module)
+    made = {n: t.device for n, t in program.state.items() if isinstance(t, torch.Tensor)}
+    assert len(made) >= 5 and all(d.type == "meta" for d in made.values()), made
+    assert program.device.type == "meta" and all(t.is_meta for t in program.tangents())
+    plain = dcir.initialize(torch.nn.Linear(8, 3), loss_fn=lambda y: y.sum())  # a program holding no tensor at all
+    plain.backward(plain(torch.randn(2, 8)))
+    plain.device = torch.device("meta")
+    assert all(t.is_meta for t in plain._lowered(plain.module).tangents())
+
+
 def test_meta_kernels_trace_the_ops():
     from torch.fx.experimental.proxy_tensor import make_fx
 
