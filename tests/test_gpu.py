@@ -42,6 +42,9 @@ CASES = ["mlp", "transformer", "transformer_prefetch_unshard_bucket", "tied_froz
          "mlp_offload", "transformer_offload_accumulate4", "hf_llama_offload_optimize"]
 
 WORLDS = [1] + ([GPUS] if GPUS > 1 else [])
+#: cases sized for sharded state: mlp_offload's budget (520 B) is under the state of one
+#: whole parameter (1 KiB), which one rank holds unsharded, so it cannot compile at world 1
+SHARDED_ONLY = {"mlp_offload"}
 
 
 def _on_gpus(argv: list[str], world: int, timeout_s: float) -> int:
@@ -52,7 +55,8 @@ def _on_gpus(argv: list[str], world: int, timeout_s: float) -> int:
 @pytest.mark.parametrize("world", WORLDS)
 def test_training_on_cuda_matches_eager(tmp_path, world):
     out = tmp_path / "results.json"
-    assert _on_gpus(["equivalence", str(out), *CASES], world, timeout_s=900) == 0
+    cases = [c for c in CASES if world > 1 or c not in SHARDED_ONLY]
+    assert _on_gpus(["equivalence", str(out), *cases], world, timeout_s=900) == 0
     results = json.loads(out.read_text())
     worst = {name: r["max_rel_err"] for name, r in results.items()}
     print(json.dumps(worst, indent=1))
