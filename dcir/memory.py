@@ -11,7 +11,9 @@ they come from. For one function:
   any view of it;
 * some storage outlives its last use: what the function returns, what it hands to
   ``grad.set`` (the caller holds gradients until the function returns) and the
-  function's arguments (the caller's, unless the function frees them);
+  function's arguments (the caller's, unless the function frees them), except the
+  saved values a backward takes: they are handed over (a boxed call), and go after
+  their last use;
 * state (``param.get``: parameter shards, buffers) is not the schedule's: it is held
   whatever the order, so it is not counted.
 
@@ -72,10 +74,12 @@ def storage_bases(func: Function) -> dict[Value, Value]:
     return bases
 
 
-def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None = None) -> Timeline:
+def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None = None,
+             kept: set[Value] = frozenset()) -> Timeline:
     """The memory model of ``func`` as scheduled. ``arg_storage`` says, for arguments,
     which storage each is part of and its size (arguments with the same storage key
-    share it); by default every argument is its own storage of its type's size."""
+    share it); by default every argument is its own storage of its type's size.
+    ``kept``: saved arguments whose storage the caller holds anyway (``kept_by_caller``)."""
     bases = storage_bases(func)
     own = lambda v: bases.get(v, v)  # noqa: E731
     n = len(func.ops)
@@ -86,6 +90,11 @@ def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None
     held: set[Value] = {own(v) for v in func.returns}  # live to the end
     allocs = [0] * n
     born: dict[Value, int] = {}
+    args = _arg_storages(func, arg_storage or {}, bases)
+    # the saved values a backward is handed (boxed, dcir_lowering.backend.lower_function)
+    # are its own: they go after their last use; the others stay the caller's
+    handed = {own(a) for a in signature.args(func, signature.SAVED) if a not in kept} if roles.takes_saved(func) \
+        else set()
     for i, op in enumerate(func.ops):
         d = registry.lookup(op.name)
         for v in op.operands:
@@ -106,21 +115,12 @@ def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None
                 born[r] = i
                 allocs[i] += allocated[r]
                 last.setdefault(r, i)
-    args: dict[Value, int] = {}
-    by_key: dict[object, Value] = {}
-    for a in func.args:
-        key, nbytes = (arg_storage or {}).get(a, (a, device_bytes(a)))
-        if key in by_key:  # shares the storage of an earlier argument
-            bases[a] = by_key[key]
-        else:
-            by_key[key] = a
-            args[a] = nbytes
     releases: list[list[Value]] = [[] for _ in range(n)]
     size = {**allocated, **args}
     storage = {}
     for v in list(allocated) + list(args):
-        released = v in freed_at or (v not in held and v not in args)
-        end = freed_at.get(v, last.get(v)) if released else n - 1
+        released = v in freed_at or (v not in held and (v not in args or v in handed))
+        end = freed_at.get(v, last.get(v, 0)) if released else n - 1  # an unused handed value: at once
         if released:
             releases[end].append(v)
         storage[v] = (size[v], born.get(v, -1), end)
@@ -131,6 +131,21 @@ def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None
         live += allocs[i] - sum(size[v] for v in releases[i])
         after.append(live)
     return Timeline(func, entry, during, after, storage)
+
+
+def _arg_storages(func: Function, arg_storage: dict, bases: dict[Value, Value]) -> dict[Value, int]:
+    """The storage of ``func``'s arguments and its bytes, one entry per storage (an
+    argument that shares an earlier one's storage is made a view of it in ``bases``)."""
+    args: dict[Value, int] = {}
+    by_key: dict[object, Value] = {}
+    for a in func.args:
+        key, nbytes = arg_storage.get(a, (a, device_bytes(a)))
+        if key in by_key:
+            bases[a] = by_key[key]
+        else:
+            by_key[key] = a
+            args[a] = nbytes
+    return args
 
 
 def saved_storage(module: Module) -> dict[Value, tuple[object, int]]:
@@ -149,6 +164,25 @@ def saved_storage(module: Module) -> dict[Value, tuple[object, int]]:
             # module state is not the schedule's memory
             state = isinstance(base.owner, Op) and registry.has_trait(base.owner, registry.LOADS_STATE)
             out[arg] = (base, 0 if state else device_bytes(base))
+    return out
+
+
+def kept_by_caller(module: Module) -> set[Value]:
+    """The saved arguments of the backwards whose storage the caller holds whatever the
+    backward does: one of ``@forward``'s arguments (the batch) or outputs (the model's
+    outputs, which the user's loss holds), or module state."""
+    fw = roles.saver(module.functions.values())
+    if fw is None:
+        return set()
+    bases = storage_bases(fw)
+    own = lambda v: bases.get(v, v)  # noqa: E731
+    theirs = {own(v) for v in (*fw.args, *signature.results(fw, signature.OUTPUT))}
+    out = set()
+    for bw in module.functions.values():
+        if roles.takes_saved(bw):
+            out.update(arg for ret, arg in signature.saved_pairs(fw, bw)
+                       if own(ret) in theirs or not isinstance(own(ret).owner, Op)
+                       or registry.has_trait(own(ret).owner, registry.LOADS_STATE))
     return out
 
 
@@ -176,11 +210,11 @@ def resident(module: Module) -> int:
 def timelines(module: Module) -> dict[str, Timeline]:
     """The memory model of every function of ``module``, saved values shared as
     ``@forward`` made them, gathered copies of parameters held throughout."""
-    saved = saved_storage(module)
+    saved, kept = saved_storage(module), kept_by_caller(module)
     held = resident(module)
     out = {}
     for name, f in module.functions.items():
-        t = timeline(f, saved if roles.takes_saved(f) else None)
+        t = timeline(f, saved, kept) if roles.takes_saved(f) else timeline(f)
         if held:
             t.entry += held
             t.during = [x + held for x in t.during]

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from dcir import aten, custom_ops, fusion, signature
+from dcir import aten, custom_ops, fusion, roles, signature
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.analysis import view_bases
 from dcir.ir import Function, Module, Op, ShardType
@@ -69,6 +69,15 @@ def _grad_set(grads: dict, name: str, value: torch.Tensor) -> None:
     grads[name] = value
 
 
+def _unbox(box: list) -> tuple:
+    """A boxed function's arguments, taken out of the caller's list, which is emptied:
+    the function then holds the only reference to each, and its graph lets it go after
+    its last use (a backward's saved activations, as AOTAutograd's boxed calls do)."""
+    args = tuple(box)
+    box.clear()
+    return args
+
+
 def _rng_get(where: torch.Tensor) -> torch.Tensor:
     """``rng.get``: the state of the default generator of ``where``'s device."""
     if where.device.type == "cpu":
@@ -85,8 +94,11 @@ def _rng_set(state: torch.Tensor, where: torch.Tensor) -> None:
 
 
 def lower_function(module: Module, name: str, group: str | None = None,
-                   shards_in_state: bool = False, store_prefix: str = "") -> fx.GraphModule:
-    """Function ``name`` of ``module`` as a GraphModule taking ``(state, grads, *args)``;
+                   shards_in_state: bool = False, store_prefix: str = "", boxed: bool | None = None) -> fx.GraphModule:
+    """Function ``name`` of ``module`` as a GraphModule taking ``(state, grads, *args)``,
+    or ``(state, grads, args)`` when ``boxed`` (``args`` a list the function empties:
+    ``_unbox``; by default a function that takes ``@forward``'s saved values is boxed,
+    so each saved activation goes after its last use, as the memory model has it);
     collectives run over the process group named ``group`` when one is given, and
     sharded parameters come from the shard store (under ``store_prefix + FQN``), or
     from ``state`` when ``shards_in_state``."""
@@ -94,9 +106,11 @@ def lower_function(module: Module, name: str, group: str | None = None,
     g = fx.Graph()
     state = g.placeholder("state")
     grads = g.placeholder("grads")
-    env = {}
-    for a in func.args:
-        env[a] = g.placeholder(_py_name(a.name))
+    if boxed if boxed is not None else roles.takes_saved(func):
+        unboxed = g.call_function(_unbox, (g.placeholder("args"),))
+        env = {a: g.call_function(_item, (unboxed, k)) for k, a in enumerate(func.args)}
+    else:
+        env = {a: g.placeholder(_py_name(a.name)) for a in func.args}
     lowering = _Distributed(module, func, group, shards_in_state, store_prefix) if group is not None else None
     offloading = _Offloading(module, func, state)
     for k, op in enumerate(func.ops):
@@ -107,7 +121,8 @@ def lower_function(module: Module, name: str, group: str | None = None,
         else:
             _lower_op(module, func, op, g, env, state, grads)
         for node in reversed(g.nodes):  # the nodes this op became, for the profiler
-            if node.op == "placeholder" or OP_INDEX in node.meta:
+            if node.op == "placeholder" or OP_INDEX in node.meta or node.target is _unbox or \
+                    (node.target is _item and node.args[0].target is _unbox):  # the arguments, no op's
                 break
             node.meta[OP_INDEX] = k
     results = tuple(env[v] for v in func.returns)
@@ -445,7 +460,7 @@ class Program:
     def backward(self, saved, grads: list, last: bool = True) -> dict:
         """Gradients by FQN; ``last``: this is the last micro-step of an optimizer step."""
         out: dict = {}
-        self.backward_for(last)[2](self.state, out, *saved, *grads)
+        self.backward_for(last)[2](self.state, out, [*saved, *grads])
         return out
 
     @torch.no_grad()
@@ -523,7 +538,7 @@ def lower(module: Module, state: dict, *, inductor: bool = False, group: str | N
     return Program(module, state, graphs, {role: compiled(role, gm) for role, gm in graphs.items()}, device)
 
 
-_STATE_CALLS = (_state_get, _state_set, _grad_set, _call, _rng_get, _rng_set)
+_STATE_CALLS = (_state_get, _state_set, _grad_set, _call, _rng_get, _rng_set, _unbox)
 
 
 def _runs_in_runtime(node: fx.Node, runtime: set) -> bool:

@@ -184,12 +184,11 @@ def _through_dcir(name: str, gm: fx.GraphModule, example_inputs):
     with unset_fake_temporarily():
         module, none_at = graph_to_module(gm, name)
         verify(module)
-        lowered = lower_function(module, name)
+        lowered = lower_function(module, name, boxed=True)
         state = constants(module, device_of(example_inputs))  # the inputs' device (the model's)
 
-    def run(args):
-        outputs = list(lowered(state, {}, *args))
-        args.clear()  # boxed calling convention: let the inputs go as early as AOTAutograd can
+    def run(args):  # boxed: the graph empties ``args`` and lets each input go after its last use
+        outputs = list(lowered(state, {}, args))
         for i in none_at:
             outputs.insert(i, None)
         return outputs

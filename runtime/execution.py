@@ -204,7 +204,10 @@ class Execution:
         fn = self._timed(name, ctx.installed)
         out_grads: dict = {}
         with torch.no_grad():
-            out = self._run(name, fn, program.state, out_grads, *saved, *program.tangents(given, last))
+            tangents = program.tangents(given, last)  # held here to the end, as autograd holds the given ones
+            box = [*saved, *tangents]
+            del saved  # the backward empties the box: each saved activation goes after its last use
+            out = self._run(name, fn, program.state, out_grads, box)
             if last:  # what the last backward hands to @step: optimizer state reloaded early
                 self._step_args = tuple(out or ())
             self.precision.unscale(out_grads)

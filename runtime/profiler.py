@@ -35,6 +35,7 @@ import torch.fx as fx
 
 from dcir.cost import COMPILED, DEVICE, LAUNCH, OPTIMIZER, TIME, is_transfer
 from dcir.ir import Function, Module
+from dcir.memory import GRAD_ACC_OF, UNSHARD_OF
 from dcir.ops import COMPUTE, has_trait
 from dcir_lowering.backend import OP_INDEX, OPTIMIZER_STATE, reads_state, store_call, stretch_times
 
@@ -95,6 +96,12 @@ class _Recorder(fx.Interpreter):
         self.storages: dict[int, weakref.ref] = {}
         self.ready: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # collectives already waited
         self.wait = torch.ops.dcir.wait if hasattr(torch.ops, "dcir") else None
+
+    def run(self, *args):
+        try:
+            return super().run(*args)
+        finally:  # a kept recording must not hold the outputs (the forward's saved activations)
+            self.env.clear()
 
     def _track(self, out) -> None:
         for t in _tensors(out):
@@ -175,6 +182,10 @@ class Profile:
             self.stretches[name] = stretch_times(compiled)
         state = args[0]  # a lowered function takes (state, grads, *args)
         rec = _Recorder(gm, len(self.module.functions[name].ops), state.get(OPTIMIZER_STATE), sync)
+        # the schedule's own buffers (gathered copies, gradient accumulators) are live
+        # throughout, as the memory model has them (dcir.memory.resident)
+        rec._track([state[n] for n, d in self.module.decls.items()
+                    if (UNSHARD_OF in d.attrs or GRAD_ACC_OF in d.attrs) and n in state])
         out = rec.run(*args)
         self.runs.setdefault(name, []).append(rec)
         return out

@@ -85,7 +85,8 @@ from dcir import analysis, roles, signature
 from dcir import ops as registry
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Decl, Function, HostType, Module, Op, PendingType, SymbolRef, Value
-from dcir.memory import OPTIM_KEY, OPTIM_STATE_OF, Bytes, device_bytes, format_bytes, saved_storage, timeline
+from dcir.memory import (OPTIM_KEY, OPTIM_STATE_OF, Bytes, device_bytes, format_bytes, kept_by_caller, saved_storage,
+                         timeline)
 from dcir.passes import Pass
 from dcir.rewrite import Rewriter
 
@@ -214,7 +215,7 @@ def _hand_over(module: Module, step: Function, micro_steps: int, stats: Counter)
     bw = roles.last_micro_step(module.functions.values(), roles.BACKWARD)
     if not reloads or bw is None or bw.returns:
         return
-    line = timeline(bw, saved_storage(module))
+    line = timeline(bw, saved_storage(module), kept_by_caller(module))
     peak, during = line.peak, list(line.during)
     placed: list[tuple[Op, int]] = []
     for reload in reloads:
