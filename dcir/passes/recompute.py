@@ -72,11 +72,23 @@ def gathered_from(value: Value) -> Op | None:
     return read if isinstance(read, Op) and registry.has_trait(read, registry.LOADS_STATE) else None
 
 
+#: ops whose result is their operand under another name: a saved ``detach(x)`` gives the
+#: backward ``x`` too (the forward saves a softmax's result detached, and its dropout's
+#: input as it is)
+ALIASES = ("aten.detach.default", "aten.alias.default")
+
+
+def _alias_in(value: Value, saved: set[Value]) -> Value | None:
+    """A saved value that is ``value`` under another name (``ALIASES``), if any."""
+    return next((r for u, _ in value.uses if isinstance(u, Op) and u.name in ALIASES
+                 for r in u.results if r in saved), None)
+
+
 def _at_hand(module: Module, value: Value, saved: set[Value]) -> bool:
     """Whether the backward has ``value`` without holding it for the forward: another
-    saved activation, a parameter or buffer it reads again, or a sharded parameter it
-    gathers again."""
-    if value in saved or gathered_from(value) is not None:
+    saved activation (or one that is it under another name), a parameter or buffer it
+    reads again, or a sharded parameter it gathers again."""
+    if value in saved or gathered_from(value) is not None or _alias_in(value, saved) is not None:
         return True
     owner = value.owner
     return isinstance(owner, Op) and registry.has_trait(owner, registry.LOADS_STATE) and \
@@ -143,6 +155,10 @@ def _rebuild(fw: Function, bws: list[Function], ret: Value, ops: list[Op], rewri
     for bw in bws:
         env = dict(signature.saved_pairs(fw, bw))  # forward value -> the backward's
         arg = env.pop(ret)
+        for v in {v for op in ops for v in op.operands if v not in env}:
+            alias = _alias_in(v, set(env))
+            if alias is not None:
+                env[v] = env[alias]
         rewriter = rewriters[bw.name]
         users = [u for u, _ in arg.uses if isinstance(u, Op)]
         anchor = min(users, key=bw.ops.index) if users else None
