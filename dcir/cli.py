@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the predicted schedule as a Chrome trace (Perfetto) to OUT, on --simulate's machine")
     p.add_argument("--memory-plot", metavar="OUT", type=Path,
                    help="draw live bytes over the ops of every function to OUT (PNG; needs matplotlib)")
-    p.add_argument("--budget", metavar="SIZE", help="the memory budget line of --memory-plot, e.g. 2GiB")
+    p.add_argument("--budget", metavar="SIZE",
+                   help="the memory budget line of --memory-plot and the budget counter of --emit-trace, e.g. 2GiB")
     p.add_argument("--help-pass", metavar="NAME", help="describe one pass and its options, then exit")
     p.add_argument("--load", action="append", default=[], metavar="MODULE",
                    help="import the Python module MODULE first, which registers the custom ops (torch.library) the "
@@ -174,7 +175,7 @@ class _Result:
             from dcir import trace
 
             machine = _on_program_ranks(module, args.machine) if args.simulate else None
-            trace.write(args.emit_trace, trace.predicted(module, machine))
+            trace.write(args.emit_trace, trace.predicted(module, machine, budget=args.budget))
         if args.memory_plot:
             from dcir.memplot import plot
 

@@ -176,7 +176,7 @@ class Engine:
         the next one is."""
         from dcir_runtime.trace import Tracer
 
-        self.execution.tracer = Tracer(lambda: self.module, path, self.rank)
+        self.execution.tracer = Tracer(lambda: self.module, path, self.rank, self._pass_budget)
 
     def profiled_ir(self) -> dcir.Module | None:
         """The last profiled module (ops carry ``prof.*`` attributes), if any."""

@@ -34,10 +34,12 @@ from dcir_runtime.profiler import Profile
 class Tracer:
     """Records the functions one step runs, then writes ``path``."""
 
-    def __init__(self, module_of: Callable[[], Module], path: str | Path, rank: int):
+    def __init__(self, module_of: Callable[[], Module], path: str | Path, rank: int,
+                 budget_of: Callable[[], int | None] = lambda: None):
         self.module_of = module_of  # the program running when the traced step starts
         self.path = Path(path)
         self.rank = rank
+        self.budget_of = budget_of  # the memory budget the step's own memory has (drawn as a counter)
         self.profile: Profile | None = None
 
     @property
@@ -71,7 +73,7 @@ class Tracer:
             if us:
                 starts.setdefault(name, min(b for b, _ in us.values()))
             events += _measured(func, us, rec.mem, rec.faults, pid)
-        events += chrome.predicted(self.module, None, pid, starts)
+        events += chrome.predicted(self.module, None, pid, starts, self.budget_of())
         self.path.parent.mkdir(parents=True, exist_ok=True)
         chrome.write(self.path, events)
         return self.path
@@ -91,8 +93,9 @@ def _measured(func, us: dict[int, tuple[float, float]], mem: list[int], faults: 
             continue
         b, e = us[k]
         args = {"function": func.name, "op": k}
-        out.append({"ph": "X", "pid": pid, "tid": rows[COMPUTE], "name": chrome.slice_name(op), "cat": "compute",
-                    "ts": b, "dur": max(e - b, 0.001), "args": args | {"page faults": faults[k]}})
+        cat, extra = chrome.category(op, COMPUTE)
+        out.append({"ph": "X", "pid": pid, "tid": rows[COMPUTE], "name": chrome.slice_name(op), "cat": cat,
+                    "ts": b, "dur": max(e - b, 0.001), "args": args | extra | {"page faults": faults[k]}})
         out.append({"ph": "C", "pid": pid, "name": "live bytes", "ts": b, "args": {"bytes": mem[k]}})
         lane = lane_of(op)
         if lane == COMPUTE:

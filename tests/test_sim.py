@@ -329,6 +329,26 @@ def test_emit_trace_writes_the_predicted_lanes(tmp_path):
     assert any(e["ph"] == "C" and e["name"] == "predicted live bytes" for e in events)
 
 
+def test_the_trace_marks_recomputed_ops_and_draws_activations_and_the_budget(tmp_path):
+    """Perfetto's view of a recomputing schedule: the rebuilt ops' slices are in category
+    ``compute,recompute``, and counters beside the live bytes give the saved activations,
+    the recomputed ones and the budget."""
+    text = (ROOT / "tests" / "golden" / "passes" / "recompute.dcir").read_text().split("// -----")[0]
+    module = dcir.parse(text)
+    dcir.run_passes(module, "recompute")
+    path, out = tmp_path / "m.dcir", tmp_path / "pred.json"
+    path.write_text(dcir.print(module))
+    assert opt_main([str(path), "--emit-trace", str(out),
+                     "--budget", "8KiB", "-o", os.devnull]) == 0
+    events = json.loads(out.read_text())["traceEvents"]
+    rebuilt = [e for e in events if e["ph"] == "X" and e["cat"] == f"{COMPUTE},recompute"]
+    assert [e["name"] for e in rebuilt] == ["aten.relu.default %h"] and rebuilt[0]["args"]["recompute"] is True
+    counters = {e["name"]: e["args"]["bytes"] for e in events if e["ph"] == "C"}  # each track's last value
+    assert {"predicted live bytes: saved activations", "predicted live bytes: recomputed"} <= counters.keys()
+    budget = [e["args"]["bytes"] for e in events if e["ph"] == "C" and e["name"] == "memory budget"]
+    assert budget == [8192, 0]  # drawn across the step, back to 0 after it
+
+
 def test_memory_plot_draws_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "mem.png"
@@ -393,7 +413,7 @@ def test_dcir_train_writes_a_perfetto_trace_per_rank(tmp_path, capsys):
         faults = [e["args"].get("page faults") for e in slices if rows[e["tid"]] == "compute"]
         assert faults and all(type(n) is int and n >= 0 for n in faults), faults
         counters = {e["name"] for e in events if e["ph"] == "C"}
-        assert counters == {"live bytes", "predicted live bytes"}
+        assert counters == {"live bytes", "predicted live bytes", "predicted live bytes: saved activations"}
     # the ranks' traces line up wait by wait: trace_lateness reads them
     sys.path.insert(0, str(ROOT))
     try:
