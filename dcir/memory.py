@@ -228,6 +228,13 @@ def peaks(module: Module) -> dict[str, int]:
     return {name: t.peak for name, t in timelines(module).items()}
 
 
+def step_peak(module: Module) -> int:
+    """The peak of ``module``'s own memory over a step: the largest of its functions'
+    peaks, each counting the activations the backward is handed, temporaries, gathered
+    parameters and the buffers the program keeps."""
+    return max(peaks(module).values(), default=0)
+
+
 #: A pass option that is a size in bytes (written ``2GiB``, ``512MB`` or a number).
 Bytes = int
 

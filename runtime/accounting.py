@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from dcir.ir import Module
-from dcir.memory import GRAD_ACC_OF, UNSHARD_OF, peaks
+from dcir.memory import GRAD_ACC_OF, UNSHARD_OF, step_peak
 from dcir_runtime.native import runtime_stats
 from dcir_runtime.offload import StateStore
 
@@ -65,13 +65,6 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def step_peak(module: Module | None) -> int:
-    """The memory model's peak of ``module``'s own memory over a step: the largest of its
-    functions' peaks, each counting the activations the backward is handed, temporaries,
-    gathered parameters and the buffers the program keeps (``dcir.memory.timelines``)."""
-    return max(peaks(module).values(), default=0) if module is not None else 0
-
-
 class StepPeak:
     """``step_peak`` of the program an engine runs, computed once per program."""
 
@@ -81,7 +74,7 @@ class StepPeak:
 
     def __call__(self, module: Module | None) -> int:
         if module is not self.module:
-            self.module, self.peak = module, step_peak(module)
+            self.module, self.peak = module, step_peak(module) if module is not None else 0
         return self.peak
 
 

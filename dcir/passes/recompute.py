@@ -49,7 +49,7 @@ from dcir import analysis, fusion, roles, signature
 from dcir import ops as registry
 from dcir.activations import RECOMPUTE, draws_random
 from dcir.ir import UNIT, Function, Module, Op, PendingType, ShardType, Value
-from dcir.memory import Bytes, device_bytes, peaks, saved_storage
+from dcir.memory import Bytes, device_bytes, saved_storage, step_peak
 from dcir.passes import Pass
 from dcir.rewrite import Rewriter
 
@@ -57,8 +57,8 @@ from dcir.rewrite import Rewriter
 def footprint(module: Module) -> tuple[int, int]:
     """What the pass lowers: the memory model's peak over the module's functions, then
     the bytes the forward hands to the backward (lower later peaks need)."""
-    handed = sum(size for _, size in dict(saved_storage(module).values()).items())
-    return max(peaks(module).values(), default=0), handed
+    handed = sum(dict(saved_storage(module).values()).values())  # one entry per storage
+    return step_peak(module), handed
 
 
 def gathered_from(value: Value) -> Op | None:
@@ -161,7 +161,10 @@ def _rebuild(fw: Function, bws: list[Function], ret: Value, ops: list[Op], rewri
                 env[v] = env[alias]
         rewriter = rewriters[bw.name]
         users = [u for u, _ in arg.uses if isinstance(u, Op)]
-        anchor = min(users, key=bw.ops.index) if users else None
+        if not users:  # this backward does not read it: it just stops taking it
+            rewriter.remove_arg(arg)
+            continue
+        anchor = min(users, key=bw.ops.index)
         fresh = bw.name_maker()
         for op in ops:
             for v in op.operands:
