@@ -10,6 +10,11 @@
 #   $OUT/gpu_suite.txt      python -m pytest -m gpu tests/test_gpu.py -v
 #   $OUT/bench_gpu.txt      benchmarks/bench_train.py --device cuda --world 1 (table),
 #   $OUT/bench_gpu.json     ... its figures (step times, x floor, CUDA allocator peaks)
+#   $OUT/bench_gpu_logs.tgz ... each run's raw figures and output (bench_train_logs/)
+#
+# A lent device has 15 minutes in all: one round of the seven systems took ~190 s on an
+# H100 (each run starts its own processes), the GPU suite ~60 s, the native build ~15 s;
+# hence one round by default (ROUNDS=3 where there is time).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-device-out}"
@@ -35,7 +40,10 @@ begin=$SECONDS
 suite=$?
 echo "GPU suite: exit $suite in $((SECONDS - begin)) s"; tail -3 "$OUT/gpu_suite.txt"
 begin=$SECONDS
+work=$(mktemp -d)  # the runs' logs are many files: they come back as one archive
 "$py" benchmarks/bench_train.py --device cuda --world 1 --systems "${SYSTEMS:-floor,eager,dcir,dcir-optimized,dcir-zero2,dcir-offload,fsdp2}" \
-  --rounds "${ROUNDS:-3}" --json "$OUT/bench_gpu.json" --chart "$OUT/bench_gpu.png" > "$OUT/bench_gpu.txt" 2>&1
+  --rounds "${ROUNDS:-1}" --json "$work/bench_gpu.json" --chart "$OUT/bench_gpu.png" > "$OUT/bench_gpu.txt" 2>&1
 echo "benchmark: exit $? in $((SECONDS - begin)) s"; tail -14 "$OUT/bench_gpu.txt"
+cp "$work/bench_gpu.json" "$OUT/" 2>/dev/null
+tar -czf "$OUT/bench_gpu_logs.tgz" -C "$work" bench_train_logs 2>/dev/null
 exit $suite
