@@ -135,7 +135,7 @@ class Planner:
         after = estimate_module(module, micro_steps=micro)
         # settle: a plan the cost model finds no faster than the running schedule is not taken
         # (unless memory forced this cycle: then the plan within the smaller budget is)
-        forced = self._replanned_for_memory and self._budget_cut > 0 and not self._cut_applied
+        forced = self._replanned_for_memory and not self._cut_applied
         self._cut_applied = self._cut_applied or forced
         same = schedule_text(module) == schedule_text(running)  # nothing to switch to
         take = (after.seconds < before.seconds or forced) and not same
@@ -173,7 +173,8 @@ class Planner:
             return
         if self.config.optimize is not None and not self._replanned_for_memory:
             self._replanned_for_memory = True
-            self._budget_cut += over
+            if self.log:  # a plan made within the budget ran over: what it missed comes off the next
+                self._budget_cut += over
             self.profile, self.warming = self.profile or Profile(running), None
             return
         least = held - _rebuildable(running)

@@ -20,6 +20,7 @@ import dcir
 from activations_worker import CASES
 from dcir.activations import RECOMPUTE, recomputed
 from dcir.memory import saved_storage
+from dcir.passes.recompute import Recompute, footprint
 from dcir_runtime import native
 from dcir_runtime.launch import launch
 from models import Checkpointed, checkpointed_llama, tiny_llama
@@ -168,17 +169,26 @@ def test_a_budget_only_recompute_meets_says_so():
         _train_engine({"memory_budget": fixed + int(0.8 * peak)}, steps=1)
 
 
-def test_a_memory_budget_the_activations_exceed_is_met_by_recomputing():
-    """With ``memory_budget`` at 60% of the step's own memory and the optimization cycle
-    allowed to recompute, the step that ran over is followed by a plan within the
-    budget, and training is bit for bit the run without a budget."""
+@pytest.mark.parametrize("share", [0.6, "floor"])
+def test_a_memory_budget_the_activations_exceed_is_met_by_recomputing(share):
+    """With ``memory_budget`` at 60% of the step's own memory, or at the floor (every
+    activation ``recompute`` can rebuild rebuilt), and the optimization cycle allowed to
+    recompute, the captured step that ran over is followed by a plan within the budget
+    (its overshoot is not a plan's error: nothing comes off the budget for it), and
+    training is bit for bit the run without a budget."""
     free, held = _train_engine({})
     fixed, peak = held[-1]
-    budget = fixed + int(0.6 * peak)
+    if share == "floor":
+        least = free.ir().clone()
+        dcir.run_passes(least, [Recompute(budget=1)])
+        budget = fixed + footprint(least)[0]
+    else:
+        budget = fixed + int(share * peak)
     engine, planned = _train_engine({"memory_budget": budget,
                                      "optimize": {"passes": ["recompute", "prefetch"], "profile_at": [1]}})
     (cycle,) = engine.optimize_log
     assert cycle["reason"] == "memory" and cycle["pipeline"].startswith("recompute"), cycle
+    assert cycle["budget"] == budget - fixed, cycle  # the captured step's overshoot is no plan's error
     assert planned[0][0] + planned[0][1] > budget  # the captured step: over
     assert all(f + p <= budget for f, p in planned[2:]), (planned, budget)  # planned: within
     assert any(RECOMPUTE in op.attrs for _, op in engine.ir().ops())
