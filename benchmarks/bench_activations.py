@@ -32,6 +32,10 @@ buffers, the memory model's step peak, the outbox) and their budget.
 
 Ratios are against the baselines of the same run: "x ckpt speed" is ``fsdp2-ckpt``'s step
 over a point's (above 1: faster), "x ckpt RSS" a point's peak over ``fsdp2-ckpt``'s; the
+simulator's own check is "x pred step" (a point's measured step over the step time the
+cycle predicted for the plan it runs) and "x pred peak" (the last profiled step's
+measured peak, by the profiler following the step's storages, over the memory model's
+for the same program: from the second cycle on, the plan's); the
 matched-memory line compares ``fsdp2-ckpt`` with the fastest DCIR point whose peak is at
 most ``fsdp2-ckpt``'s, and with DCIR's curve interpolated at that peak.
 
@@ -89,7 +93,10 @@ def summarize(runs: dict[str, list[dict]], budgets: dict[str, int]) -> dict[str,
                        "accounted_mib": max(accounted) / 2**20 if accounted else None,
                        "budget_mib": budgets[label] / 2**20 if label in budgets else None,
                        "predicted_s": bench_train._median([r.get("predicted_s") for r in results]),
-                       "pipeline": next((log[-1]["pipeline"] for r in results if (log := r.get("optimize_log"))), None)}
+                       "pipeline": next((log[-1]["pipeline"] for r in results if (log := r.get("optimize_log"))), None),
+                       "x_predicted_peak": _peak_ratio(results)}
+        if rows[label]["predicted_s"]:
+            rows[label]["x_predicted_step"] = rows[label]["step_s"] / rows[label]["predicted_s"]
     ckpt = rows.get("fsdp2-ckpt")
     plain = rows.get("fsdp2")
     for row in rows.values():
@@ -98,6 +105,19 @@ def summarize(runs: dict[str, list[dict]], budgets: dict[str, int]) -> dict[str,
         row["x_fsdp2_speed"] = plain["step_s"] / row["step_s"] if plain else None
         row["x_fsdp2_rss"] = row["peak_rss_mib"] / plain["peak_rss_mib"] if plain else None
     return rows
+
+
+def _peak_ratio(results: list[dict]) -> float | None:
+    """The profiled step's measured peak over the memory model's for the same program
+    (the last cycle's profile, which from the second on is of the plan), the median of
+    the runs."""
+    ratios = []
+    for r in results:
+        cycles = [c for c in r.get("optimize_log") or () if c.get("measured_peak")]
+        if cycles:
+            c = cycles[-1]
+            ratios.append(max(c["measured_peak"].values()) / max(c["predicted_peak_profiled"].values()))
+    return statistics.median(ratios) if ratios else None
 
 
 def matched(rows: dict[str, dict]) -> dict | None:
@@ -126,12 +146,14 @@ def table(rows: dict[str, dict], skipped: dict[str, str]) -> str:
         return format(v, spec) if v is not None else "-"
 
     head = (f"{'point':<20}{'step s':>8}{'min-max s':>14}{'peak RSS MiB':>14}{'accounted MiB':>15}{'budget MiB':>12}"
-            f"{'predicted s':>13}{'x ckpt speed':>14}{'x ckpt RSS':>12}{'x fsdp2 speed':>15}{'x fsdp2 RSS':>13}")
+            f"{'predicted s':>13}{'x pred step':>12}{'x pred peak':>12}{'x ckpt speed':>14}{'x ckpt RSS':>12}"
+            f"{'x fsdp2 speed':>15}{'x fsdp2 RSS':>13}")
     lines = [head, "-" * len(head)]
     for label, r in rows.items():
         lines.append(f"{label:<20}{r['step_s']:>8.3f}{r['step_s_min']:>7.2f}-{r['step_s_max']:<6.2f}"
                      f"{r['peak_rss_mib']:>14,.0f}{f(r['accounted_mib'], '.1f'):>15}{f(r['budget_mib'], '.1f'):>12}"
-                     f"{f(r['predicted_s'], '.3f'):>13}{f(r['x_ckpt_speed'], '.2f'):>14}{f(r['x_ckpt_rss'], '.3f'):>12}"
+                     f"{f(r['predicted_s'], '.3f'):>13}{f(r.get('x_predicted_step'), '.2f'):>12}"
+                     f"{f(r['x_predicted_peak'], '.2f'):>12}{f(r['x_ckpt_speed'], '.2f'):>14}{f(r['x_ckpt_rss'], '.3f'):>12}"
                      f"{f(r['x_fsdp2_speed'], '.2f'):>15}{f(r['x_fsdp2_rss'], '.3f'):>13}")
     for label, why in skipped.items():
         lines.append(f"{label:<20}not run: {why}")

@@ -203,8 +203,10 @@ class Dcir:
         return log[-1]["predicted_s"] if log else None
 
     def optimize_log(self) -> list[dict]:
-        """Each cycle's record: the pipeline planned, why it was taken, its budget, predicted peak and step."""
-        keys = ("step", "pipeline", "reason", "switched", "budget", "predicted_s", "planned_s", "predicted_peak")
+        """Each cycle's record: the pipeline planned, why it was taken, its budget, predicted peak and step,
+        and the profiled step's measured peak per function beside the memory model's for it."""
+        keys = ("step", "pipeline", "reason", "switched", "budget", "predicted_s", "planned_s", "predicted_peak",
+                "measured_peak", "predicted_peak_profiled")
         return [{k: r.get(k) for k in keys} for r in self.engine.optimize_log]
 
     def micro_step(self, batch):

@@ -50,9 +50,11 @@ class Planner:
         self.profiled: dcir.Module | None = None
         self.history = ProfileHistory()      # every profile so far, combined per op by the median
         self.log: list[dict] = []
-        self._budget_cut = 0                 # taken off the passes' budget after a step went over
-        self._replanned_for_memory = False
-        self._cut_applied = False
+        self._budget_cut = 0                 # taken off the passes' budget after a plan's step went over
+        # a step over the budget forces one plan for the captured schedule, and one more,
+        # its overshoot off the budget, for a plan that went over too
+        self._replanned_captured = self._replanned_plan = False
+        self._forced = False                 # the next plan is taken even if slower: memory asked for it
 
     def passes(self, specs: list[str], budget: int | None = None) -> list:
         """The passes of ``specs``, with what the engine knows filled in where the spec
@@ -135,8 +137,7 @@ class Planner:
         after = estimate_module(module, micro_steps=micro)
         # settle: a plan the cost model finds no faster than the running schedule is not taken
         # (unless memory forced this cycle: then the plan within the smaller budget is)
-        forced = self._replanned_for_memory and not self._cut_applied
-        self._cut_applied = self._cut_applied or forced
+        forced, self._forced = self._forced, False
         same = schedule_text(module) == schedule_text(running)  # nothing to switch to
         take = (after.seconds < before.seconds or forced) and not same
         record.update(predicted_before_s=before.seconds, predicted_s=after.seconds if take else before.seconds,
@@ -158,10 +159,12 @@ class Planner:
 
     def check_budget(self, fixed: int, scheduled: int, running: dcir.Module) -> None:
         """After a step: holding more than the memory budget is an error, unless the
-        optimization cycle can plan again within less (once: the overshoot, agreed
-        across ranks, comes off the budget the passes get, and the next step is
-        profiled). ``fixed`` and ``scheduled`` are what the rank holds whatever the
-        schedule, and what the schedule holds (``dcir_runtime.accounting``)."""
+        optimization cycle can plan again: once for the captured schedule, within the
+        whole budget (its passes never saw it), and once for a plan that went over,
+        within less (its overshoot, agreed across ranks, comes off the budget the passes
+        get); the next step is profiled and the plan taken even if slower. ``fixed``
+        and ``scheduled`` are what the rank holds whatever the schedule, and what the
+        schedule holds (``dcir_runtime.accounting``)."""
         budget = self.config.memory_budget
         if budget is None:
             return
@@ -171,12 +174,14 @@ class Planner:
             over = int(self.group.most(over))
         if over <= 0:
             return
-        if self.config.optimize is not None and not self._replanned_for_memory:
-            self._replanned_for_memory = True
-            if self.log:  # a plan made within the budget ran over: what it missed comes off the next
-                self._budget_cut += over
-            self.profile, self.warming = self.profile or Profile(running), None
-            return
+        if self.config.optimize is not None:
+            planned = any(r["switched"] for r in self.log)
+            if not (self._replanned_plan if planned else self._replanned_captured):
+                if planned:  # a plan made within the budget ran over: what it missed comes off the next
+                    self._replanned_plan, self._budget_cut = True, self._budget_cut + over
+                self._replanned_captured = self._forced = True
+                self.profile, self.warming = self.profile or Profile(running), None
+                return
         least = held - _rebuildable(running)
         advice = (f"recomputing every activation that can be rebuilt, the step fits {format_bytes(least)}: add "
                   "'recompute' to optimize.passes" if least <= budget else
