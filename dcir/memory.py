@@ -81,7 +81,9 @@ def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None
     share it); by default every argument is its own storage of its type's size.
     ``kept``: saved arguments whose storage the caller holds anyway (``kept_by_caller``)."""
     bases = storage_bases(func)
-    own = lambda v: bases.get(v, v)  # noqa: E731
+    args = _arg_storages(func, arg_storage or {}, bases)
+    # a view's base, and through an argument that shares an earlier one's storage, that one
+    own = lambda v: bases.get(bases.get(v, v), bases.get(v, v))  # noqa: E731
     n = len(func.ops)
     state: set[Value] = set()      # storage of module state: not the schedule's
     allocated: dict[Value, int] = {}
@@ -90,7 +92,6 @@ def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None
     held: set[Value] = {own(v) for v in func.returns}  # live to the end
     allocs = [0] * n
     born: dict[Value, int] = {}
-    args = _arg_storages(func, arg_storage or {}, bases)
     # the saved values a backward is handed (boxed, dcir_lowering.backend.lower_function)
     # are its own: they go after their last use; the others stay the caller's
     handed = {own(a) for a in signature.args(func, signature.SAVED) if a not in kept} if roles.takes_saved(func) \
