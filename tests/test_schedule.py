@@ -190,6 +190,38 @@ def test_the_backward_lets_each_saved_activation_go_after_its_last_use():
     assert measured < held_to_the_end - 2**20, (measured, held_to_the_end)  # the 2 MiB GELU output went early
 
 
+SHARED_SAVED = """
+module @shared {
+  func @forward(%x: f32[64, 64] {input = "args[0]"}) -> (f32[] {output}, f32[64, 64] {saved}, f32[64, 64] {saved}) role forward {
+    %p = aten._log_softmax.default(%x) {dim = 1, half_to_float = false} : f32[64, 64]
+    %d = aten.detach.default(%p) : f32[64, 64]
+    %loss = aten.sum.default(%p) : f32[]
+    return %loss, %p, %d
+  }
+  func @backward(%p: f32[64, 64] {saved}, %d: f32[64, 64] {saved}, %g: f32[] {grad = 0}) role backward {
+    %e = aten.expand.default(%g) {size = [64, 64]} : f32[64, 64]
+    %a = aten.mul.Tensor(%e, %p) : f32[64, 64]
+    %dd = aten.detach.default(%d) : f32[64, 64]
+    %b = aten.mul.Tensor(%a, %dd) : f32[64, 64]
+    return
+  }
+}
+"""
+
+
+def test_two_saved_values_of_one_tensor_live_until_the_last_use_of_either():
+    """``%p`` and ``%d`` are one forward tensor (a log_softmax and its detach): one
+    storage in the backward, live until the last op that reads it through either, here
+    a view of ``%d`` (it once ended at ``%p``'s last use, 16 MiB under the profiler on
+    the activations benchmark)."""
+    from dcir.memory import timelines
+
+    module = dcir.parse(SHARED_SAVED)
+    storage = timelines(module)["backward"].storage
+    (size, _, end), = [s for v, s in storage.items() if v.name in ("p", "d")]
+    assert (size, end) == (64 * 64 * 4, 3)
+
+
 def _profile(text: str, seed: int | None) -> dcir.Module:
     """``text`` with a profile: each op's analytic time, or with ``seed`` that time
     scaled by a random factor between 1/3 and 3 (a profile taken on a busy machine)."""
