@@ -69,8 +69,8 @@ def points(ns, probe: dict) -> tuple[list[tuple[str, str, dict]], dict[str, str]
     skipped = {}
     for fraction in ns.budgets.split(","):
         if fraction != "min" and float(fraction) < least:
-            skipped[f"dcir-{fraction}"] = (f"infeasible: with every activation recompute can rebuild rebuilt the "
-                                           f"step keeps {least:.2f} of its memory")
+            skipped[f"dcir-{fraction}"] = ("not run: infeasible: with every activation recompute can rebuild "
+                                           f"rebuilt the step keeps {least:.2f} of its memory")
             continue
         run.append((f"dcir-{fraction}", "dcir-recompute", {"activation_budget": fraction}))
     run += [("fsdp2", "fsdp2", {}), ("fsdp2-ckpt", "fsdp2-ckpt", {})]
@@ -153,10 +153,11 @@ def table(rows: dict[str, dict], skipped: dict[str, str]) -> str:
         lines.append(f"{label:<20}{r['step_s']:>8.3f}{r['step_s_min']:>7.2f}-{r['step_s_max']:<6.2f}"
                      f"{r['peak_rss_mib']:>14,.0f}{f(r['accounted_mib'], '.1f'):>15}{f(r['budget_mib'], '.1f'):>12}"
                      f"{f(r['predicted_s'], '.3f'):>13}{f(r.get('x_predicted_step'), '.2f'):>12}"
-                     f"{f(r['x_predicted_peak'], '.2f'):>12}{f(r['x_ckpt_speed'], '.2f'):>14}{f(r['x_ckpt_rss'], '.3f'):>12}"
+                     f"{f(r['x_predicted_peak'], '.2f'):>12}{f(r['x_ckpt_speed'], '.2f'):>14}"
+                     f"{f(r['x_ckpt_rss'], '.3f'):>12}"
                      f"{f(r['x_fsdp2_speed'], '.2f'):>15}{f(r['x_fsdp2_rss'], '.3f'):>13}")
     for label, why in skipped.items():
-        lines.append(f"{label:<20}not run: {why}")
+        lines.append(f"{label:<20}{why}")
     return "\n".join(lines)
 
 
@@ -255,6 +256,9 @@ def main(argv=None) -> int:
                 runs[label].append(result)
                 print(f"  round {r + 1}: {label:<20} median step {statistics.median(result['step_s']):.3f} s, "
                       f"peak {max(result['steps_rss_mib']):.0f} MiB", flush=True)
+    for label, results in runs.items():
+        if not results:  # say so in the table and the JSON, as an infeasible point is
+            skipped[label] = f"failed in every round (its output: {logs / f'act-{label}-0.log'})"
     rows = summarize(runs, budgets)
     print()
     print(table(rows, skipped))
