@@ -106,7 +106,7 @@ def lower_function(module: Module, name: str, group: str | None = None,
     g = fx.Graph()
     state = g.placeholder("state")
     grads = g.placeholder("grads")
-    if boxed if boxed is not None else roles.takes_saved(func):
+    if roles.takes_saved(func) if boxed is None else boxed:
         unboxed = g.call_function(_unbox, (g.placeholder("args"),))
         env = {a: g.call_function(_item, (unboxed, k)) for k, a in enumerate(func.args)}
     else:
