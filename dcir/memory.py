@@ -202,10 +202,15 @@ GRAD_ACC_OF = "grad_acc.of"
 OPTIM_STATE_OF, OPTIM_KEY = "optim.state_of", "optim.key"
 
 
-def resident(module: Module) -> int:
-    """Bytes the schedule holds between calls: gathered copies of parameters, and
+def resident_buffers(module: Module) -> list[str]:
+    """The buffers the schedule holds between calls: gathered copies of parameters, and
     gradient accumulators (``zero1``)."""
-    return sum(d.full_type.nbytes for d in module.decls.values() if UNSHARD_OF in d.attrs or GRAD_ACC_OF in d.attrs)
+    return [name for name, d in module.decls.items() if UNSHARD_OF in d.attrs or GRAD_ACC_OF in d.attrs]
+
+
+def resident(module: Module) -> int:
+    """Bytes of ``resident_buffers``."""
+    return sum(module.decls[name].full_type.nbytes for name in resident_buffers(module))
 
 
 def timelines(module: Module) -> dict[str, Timeline]:

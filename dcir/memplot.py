@@ -57,10 +57,11 @@ def _saved(func: Function, own: dict[Value, Value]) -> set[Value]:
     return {own.get(v, v) for v in values}
 
 
-def split(module: Module) -> dict[str, dict[str, list[int]]]:
+def split(module: Module, lines: dict | None = None) -> dict[str, dict[str, list[int]]]:
     """Per function, per category, the bytes live while each op runs: the memory model's
-    storages (``Timeline.storage``) sorted by what they hold; they add up to its ``during``."""
-    lines = timelines(module)
+    storages (``Timeline.storage``; ``lines``: its ``timelines(module)`` when the caller
+    has them) sorted by what they hold; they add up to its ``during``."""
+    lines = lines or timelines(module)
     held = {c: 0 for c in CATEGORIES}
     for d in module.decls.values():
         if UNSHARD_OF in d.attrs:

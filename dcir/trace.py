@@ -95,7 +95,8 @@ def predicted(module: Module, machine: Machine | None, pid: int = 0,
     when it has one). ``starts_us``: where each function starts (default: one after the
     other, in module order); ``budget``: the memory budget's counter (bytes)."""
     machine = calibrate(module, machine)
-    lines, parts = timelines(module), split(module)
+    lines = timelines(module)
+    parts = split(module, lines)
     out = metadata(pid, f"rank {pid}", PREDICTED_ROWS, "predicted ")
     at, spans = 0.0, []
     for name, func in module.functions.items():

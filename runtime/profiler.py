@@ -35,7 +35,7 @@ import torch.fx as fx
 
 from dcir.cost import COMPILED, DEVICE, LAUNCH, OPTIMIZER, TIME, is_transfer
 from dcir.ir import Function, Module
-from dcir.memory import GRAD_ACC_OF, UNSHARD_OF
+from dcir.memory import resident_buffers
 from dcir.ops import COMPUTE, has_trait
 from dcir_lowering.backend import OP_INDEX, OPTIMIZER_STATE, reads_state, store_call, stretch_times
 
@@ -83,7 +83,7 @@ class _Recorder(fx.Interpreter):
     the program runs as scheduled and ``spans`` record when each op began and ended
     (``dcir_runtime.trace``)."""
 
-    def __init__(self, gm: fx.GraphModule, n_ops: int, store, sync: bool = True):
+    def __init__(self, gm: fx.GraphModule, n_ops: int, store, sync: bool = True, held: list = ()):
         super().__init__(gm, garbage_collect_values=True)
         self.store = store  # the optimizer-state store the function's host copies run on (offload), or None
         self.sync = sync
@@ -96,6 +96,7 @@ class _Recorder(fx.Interpreter):
         self.storages: dict[int, weakref.ref] = {}
         self.ready: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # collectives already waited
         self.wait = torch.ops.dcir.wait if hasattr(torch.ops, "dcir") else None
+        self._track(held)  # live throughout: counted from the start
 
     def run(self, *args):
         try:
@@ -181,11 +182,10 @@ class Profile:
         if compiled is not None and stretch_times(compiled):
             self.stretches[name] = stretch_times(compiled)
         state = args[0]  # a lowered function takes (state, grads, *args)
-        rec = _Recorder(gm, len(self.module.functions[name].ops), state.get(OPTIMIZER_STATE), sync)
         # the schedule's own buffers (gathered copies, gradient accumulators) are live
-        # throughout, as the memory model has them (dcir.memory.resident)
-        rec._track([state[n] for n, d in self.module.decls.items()
-                    if (UNSHARD_OF in d.attrs or GRAD_ACC_OF in d.attrs) and n in state])
+        # throughout, as the memory model has them
+        held = [state[n] for n in resident_buffers(self.module) if n in state]
+        rec = _Recorder(gm, len(self.module.functions[name].ops), state.get(OPTIMIZER_STATE), sync, held)
         out = rec.run(*args)
         self.runs.setdefault(name, []).append(rec)
         return out
