@@ -61,6 +61,11 @@ class Config:
     #: ``"auto"`` (shared memory where it can be set up, else the process group),
     #: ``"shared_memory"`` (every rank on one host, a CPU model) or ``"process_group"``
     transport: str = "auto"
+    #: an inf or NaN loss (as ``engine.backward`` saw it) or gradient at an optimizer step:
+    #: ``"error"`` raises, on every rank, a message that names the step, the ranks and the
+    #: first parameter it shows in; ``"skip"`` skips the step as fp16's loss scaling does.
+    #: None: ``"error"``, and under ``fp16`` the loss scaler's skipping (``"skip"`` is the same)
+    nonfinite: str | None = None
 
     def __post_init__(self):
         given = [k for k in ("mixed_precision", "bf16", "fp16") if getattr(self, k) is not None]
@@ -69,6 +74,9 @@ class Config:
         if self.inductor and any(_names_fuse(spec) for spec in [*self.passes, *(self.optimize or {}).get("passes", [])]):
             raise _error("the config sets inductor, which compiles every stretch of compute, and runs the fuse "
                          "pass, which chooses the stretches to compile: give one of them")
+        if self.fp16 is not None and self.nonfinite == "error":
+            raise _error("fp16's loss scaler skips the steps that overflow: give nonfinite 'skip' or leave it out, "
+                         "not 'error'")
 
     @classmethod
     def load(cls, config) -> "Config":
@@ -191,6 +199,16 @@ def _transport(v):
     return v
 
 
+#: the values of ``nonfinite`` (``dcir_runtime.precision``)
+NONFINITE = ("error", "skip")
+
+
+def _nonfinite(v):
+    if v is not None and v not in NONFINITE:
+        raise ValueError(f"{v!r}; one of {', '.join(NONFINITE)} (or null: error, and fp16's skipping under fp16)")
+    return v
+
+
 def _bool(v):
     if not isinstance(v, bool):
         raise ValueError(f"{v!r}; true or false")
@@ -202,7 +220,7 @@ _CHECKS = {"zero_stage": _stage, "passes": _passes, "gradient_accumulation_steps
            "optimize": _optimize, "offload": _offload, "gradient_clipping": _max_norm,
            "mixed_precision": _precision("check_policy"), "bf16": _precision("check_bf16"),
            "fp16": _precision("check_fp16"), "max_programs": _positive_int,
-           "transport": _transport}
+           "transport": _transport, "nonfinite": _nonfinite}
 
 
 def _error(message: str) -> DcirError:

@@ -105,6 +105,7 @@ class Execution:
         evaluation) is over; replicas (zero1/2, unshard) come from the loaded shards."""
         self.steps, self.micro_steps = steps, micro_steps
         self._pending, self._backward_done = None, False
+        self.precision.losses.clear()  # the losses of a step that did not happen
         self._gather_next = True
 
     def boundary_next(self) -> bool:
@@ -185,6 +186,7 @@ class Execution:
             raise DcirError(Diagnostic(
                 "engine.backward(loss): this loss was not computed from the outputs of the engine's last forward; "
                 "nothing was changed"))
+        self.precision.saw_loss(self.micro_steps % self.config.gradient_accumulation_steps + 1, loss)
         if scale_wrt_gas:
             loss = loss / self.config.gradient_accumulation_steps
         loss.backward()
@@ -220,7 +222,10 @@ class Execution:
     def step(self) -> bool:
         """Ends a micro-step; at the accumulation boundary clips, runs the optimizer (or
         ``@step``), clears the gradients and advances the schedule. Returns whether the
-        optimizer ran."""
+        optimizer ran. An inf or NaN loss or gradient (``Precision.step_or_skip``) skips
+        the step, or raises a ``DcirError`` (config ``nonfinite``): either way the
+        parameters, the optimizer state, ``steps`` and the schedule are as they were and
+        the gradients are dropped, so the next micro-step starts the next optimizer step."""
         if self._pending is not None:
             raise DcirError(Diagnostic("engine.step() before engine.backward(loss) of the last forward: nothing was "
                                        "changed"))
@@ -231,8 +236,9 @@ class Execution:
         self.micro_steps += 1
         if self.micro_steps % self.config.gradient_accumulation_steps:
             return False
-        if not self.precision.step_or_skip(self.shards, self.group, self.optimizer, self.steps):
-            return False  # fp16: inf/NaN gradients skip the step
+        if not self.precision.step_or_skip(self.shards, self.group, self.optimizer, self.steps,
+                                           self.config.nonfinite):
+            return False  # an inf or NaN skipped the step (fp16, nonfinite 'skip'); 'error' raised
         if self.config.gradient_clipping is not None:
             self.clip(self.config.gradient_clipping, 2.0)
         if self.program.step_gm is not None:  # the program's own step: state moves as it says

@@ -14,21 +14,29 @@ pass places the casts in the IR (``dcir/passes/mixed_precision.py``): the shards
 optimizer and its state stay fp32.
 
 With loss scaling, ``backward`` seeds the backward with the scale instead of 1, so
-small fp16 gradients do not flush to zero, and divides the gradient shards by it. At the
-optimizer step the ranks agree whether any gradient is inf or NaN; if one is, the
-step is skipped (the weights and the optimizer state are untouched), the scale goes
-down, ``engine.skipped_steps`` counts it and a warning says so. The scaler's state is
-``engine.loss_scaler``, which checkpoints save and load.
+small fp16 gradients do not flush to zero, and divides the gradient shards by it. The
+scaler's state is ``engine.loss_scaler``, which checkpoints save and load.
+
+At every optimizer step, in any precision, the ranks agree (one all_reduce of a flag)
+whether a loss ``engine.backward`` saw or a gradient shard is inf or NaN. If one is, the
+weights and the optimizer state are left as they are and the step's gradients dropped;
+under fp16 the step is skipped and the scale goes down; otherwise the config's
+``nonfinite`` says: ``"error"`` raises the same ``DcirError`` on every rank, naming
+the step, the ranks and the first parameter it shows in (from one all_gather of what
+each rank found), and ``"skip"`` skips the step with a warning that says the same.
+A skipped step counts in ``engine.skipped_steps``, not in ``engine.steps``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from dcir.diagnostics import DcirError, Diagnostic
 from dcir.dtypes import parse_dtype
 from dcir.passes.mixed_precision import MASTER, MixedPrecision
 from dcir.shapes import torch_dtype
@@ -187,21 +195,86 @@ class LossScaler:
         self.last_overflow_iter, self.cur_hysteresis = state["last_overflow_iter"], state["cur_hysteresis"]
 
 
+# ---- inf and NaN at the optimizer step -----------------------------------------------------
+
+def _nonfinite_here(losses: list, shards: dict) -> bool:
+    """Whether one of ``losses`` or of the shards' gradients holds an inf or a NaN (one
+    host sync: the per-tensor flags are stacked on the device first)."""
+    tensors = [loss for _, loss in losses] + [s.grad for s in shards.values() if s.grad is not None]
+    if not tensors:
+        return False
+    flags = [torch.isfinite(t).all() for t in tensors]
+    return not bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
+
+
+def _findings(rank: int, losses: list, shards: dict) -> dict:
+    """What this rank saw: how many losses, the non-finite ones as (micro-step, value),
+    and the position (in the model's parameter order, the shards') of the first shard
+    whose value, and of the first whose gradient, is not finite."""
+    def first(values) -> int | None:
+        return next((i for i, t in enumerate(values) if t is not None and not torch.isfinite(t).all()), None)
+    values = [loss.item() for _, loss in losses]
+    return {"rank": rank, "seen": len(losses),
+            "losses": [(micro, v) for (micro, _), v in zip(losses, values) if not math.isfinite(v)],
+            "value": first([s.detach() for s in shards.values()]), "grad": first([s.grad for s in shards.values()])}
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _describe(step: int, found: list[dict], names: list[str]) -> str:
+    """What the ranks ``found`` (``_findings``, one per rank) at optimizer step ``step``
+    (1-based: ``engine.steps`` + 1), the same words on every rank."""
+    parts = []
+    bad = [(f["rank"], micro, v) for f in found for micro, v in f["losses"]]
+    if bad:
+        rank, micro, value = bad[0]
+        n, others = len(bad) - 1, _ranks(sorted({r for r, _, _ in bad[1:]}))
+        more = f", and {n} more non-finite loss{'es' * (n > 1)} on {others}" if n else ""
+        parts.append(f"the loss is {value} (rank {rank}, micro-step {micro}{more})")
+    elif any(f["seen"] for f in found):
+        parts.append("the loss is finite")
+    for key, what in (("value", "parameter is {}"), ("grad", "gradient is {}'s")):
+        firsts = [f[key] for f in found if f[key] is not None]
+        if firsts:
+            at = min(firsts)
+            parts.append(f"the first non-finite {what.format(names[at])} "
+                         f"({_ranks([f['rank'] for f in found if f[key] == at])})")
+            break
+    return f"step {step}: " + "; ".join(parts)
+
+
+def _gathered(group, mine: dict) -> list[dict]:
+    """Every rank's ``mine``, in rank order: a collective, run only once the ranks agreed
+    that one of them found something."""
+    if group.world == 1:
+        return [mine]
+    out: list = [None] * group.world
+    dist.all_gather_object(out, mine)
+    return out
+
+
 # ---- what the Engine's execution asks ------------------------------------------------------
 
 class Precision:
-    """One engine's policy, its loss scaler (None without fp16) and the count of the
-    optimizer steps skipped for inf/NaN gradients; ``Execution`` asks it at each
-    backward and step."""
+    """One engine's policy, its loss scaler (None without fp16), the losses of this
+    optimizer step that ``engine.backward`` saw, and the count of the optimizer steps
+    skipped for an inf or NaN; ``Execution`` asks it at each backward and step."""
 
     def __init__(self, config):
         self.policy = policy_of(config)
         self.loss_scaler = LossScaler(config.fp16) if config.fp16 is not None else None
         self.skipped_steps = 0
+        self.losses: list[tuple[int, torch.Tensor]] = []  # (micro-step of the step, 1-based; the loss)
 
     def loss_scale(self) -> float:
         """The factor ``backward`` seeds the backward with (1 without loss scaling)."""
         return self.loss_scaler.cur_scale if self.loss_scaler is not None else 1.0
+
+    def saw_loss(self, micro_step: int, loss: torch.Tensor) -> None:
+        """``engine.backward`` backpropagates ``loss``, the ``micro_step``-th of the optimizer step (1-based)."""
+        self.losses.append((micro_step, loss.detach()))
 
     def unscale(self, grads: dict) -> None:
         """Divide this micro-step's gradient shards by the loss scale, in place."""
@@ -211,18 +284,32 @@ class Precision:
             g.div_(self.loss_scaler.cur_scale)
 
     @torch.no_grad()
-    def step_or_skip(self, shards: dict, group, optimizer, steps: int) -> bool:
-        """At the optimizer step, under loss scaling: whether to take it. The ranks agree
-        whether any gradient shard holds an inf or a NaN; if one does, the gradients are
-        dropped, the step counted in ``skipped_steps`` and the scale adjusted."""
-        scaler = self.loss_scaler
-        if scaler is None:
+    def step_or_skip(self, shards: dict, group, optimizer, steps: int, nonfinite: str | None) -> bool:
+        """At the optimizer step (``steps`` taken so far): whether to take it. The ranks
+        agree whether a loss of the step or a gradient shard holds an inf or a NaN; if
+        one does, the gradients are dropped (the parameters and the optimizer state are
+        untouched) and, under fp16, the step is skipped and the scale adjusted; else
+        ``nonfinite`` ``"skip"`` skips it and ``"error"`` (None) raises the same
+        ``DcirError`` on every rank."""
+        losses, self.losses = self.losses, []
+        bad = group.most(float(_nonfinite_here(losses, shards))) > 0
+        if self.loss_scaler is not None:
+            return self._scaled(bad, group, optimizer, steps)
+        if not bad:
             return True
-        bad = any(not torch.isfinite(s.grad).all() for s in shards.values() if s.grad is not None)
-        flag = torch.tensor([float(bad)], device=group.collective_device())
-        if group.world > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        overflow = bool(flag.item())
+        said = _describe(steps + 1, _gathered(group, _findings(group.rank, losses, shards)), list(shards))
+        optimizer.zero_grad(set_to_none=True)
+        if nonfinite != "skip":
+            raise DcirError(Diagnostic(f"{said}; the step's gradients were dropped, nothing else changed "
+                                       "(config nonfinite 'skip' skips such steps)"))
+        self.skipped_steps += 1
+        if group.rank == 0:
+            log.warning("dcir: %s; step skipped (%d so far)", said, self.skipped_steps)
+        return False
+
+    def _scaled(self, overflow: bool, group, optimizer, steps: int) -> bool:
+        """fp16: the scaler learns whether the step overflowed; an overflow skips it."""
+        scaler = self.loss_scaler
         attempted = scaler.cur_scale
         scaler.update_scale(overflow)
         if not overflow:
