@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import pickle
 import re
+import resource
 import secrets
 import shutil
 import signal
@@ -55,6 +57,7 @@ FORMAT = 1
 #: Test-only: ``DCIR_TEST_KILL_IN_SAVE=1`` makes every rank SIGKILL itself after its
 #: shards are written and before the commit, the way a job killed mid-save dies.
 KILL_IN_SAVE = "DCIR_TEST_KILL_IN_SAVE"
+log = logging.getLogger("dcir")
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 
 
@@ -254,76 +257,178 @@ def _verify_files(path: Path, marker: dict, rank: int, world: int) -> list[str]:
     return problems
 
 
+def _collective(what: str, fn, *args, **kwargs) -> None:
+    """A collective of the checkpoint over the process group; a peer that died or stalled
+    past the timeout is an error that says so, on this rank, not gloo's traceback."""
+    try:
+        fn(*args, **kwargs)
+    except RuntimeError as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise _error(f"{what}: the ranks could not exchange their state ({reason}); a rank that crashed or "
+                     "stalled leaves the others waiting here") from None
+
+
 def _agree(problems: list[str], world: int) -> list[str]:
     """Every rank's problems, on every rank (so all raise the same error together)."""
     if world == 1:
         return problems
     everyone = [None] * world
-    dist.all_gather_object(everyone, problems)
+    _collective("checking the checkpoint's files", dist.all_gather_object, everyone, problems)
     return sorted({p for ps in everyone for p in ps})
 
 
 # ---- save ------------------------------------------------------------------------------------
 
-def save(engine, ckpt_dir, tag: str | None = None, client_state=None) -> Path:
-    """Writes the engine's state to ``ckpt_dir/<tag>/`` (default tag ``step<N>``); a
-    collective: every rank must call it. Returns the checkpoint's directory."""
+def _agreed(world: int, what: str, fn):
+    """Runs ``fn()`` on this rank and returns every rank's result, or raises the first
+    failing rank's error on every rank together (no rank is left waiting in a barrier
+    for one that failed)."""
+    try:
+        mine = ("ok", fn())
+    except CheckpointException as e:  # DCP's, on every rank, with the failing ranks' errors
+        mine = ("failed", _reason(e)) if world == 1 or dist.get_rank() in e.failures else ("elsewhere", _reason(e))
+    except Exception as e:
+        mine = ("failed", _reason(e))
+    everyone = [mine]
+    if world > 1:
+        everyone = [None] * world
+        _collective(what, dist.all_gather_object, everyone, mine)
+    failed = ([(r, reason) for r, (status, reason) in enumerate(everyone) if status == "failed"]
+              or [(r, reason) for r, (status, reason) in enumerate(everyone) if status == "elsewhere"])
+    if failed:
+        raise _error(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}")
+    return [result for _, result in everyone]
+
+
+def _reason(e: BaseException) -> str:
+    """One line for an exception: DCP's first failure (not its tracebacks), or the error."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]
+    if isinstance(e, DcirError):
+        return e.diagnostics[0].message
+    return str(e).strip().splitlines()[0][:500] if str(e).strip() else type(e).__name__
+
+
+def _check_savable(engine) -> None:
     if _accumulating(engine) and any("grad_acc.of" in d.attrs for d in (engine.module.decls.values()
                                                                         if engine.module is not None else ())):
         raise _error(f"save_checkpoint inside gradient accumulation (micro-step {engine.micro_steps} of "
                      f"{engine.config.gradient_accumulation_steps}) under a program with per-rank gradient "
                      "accumulators (zero1): those are not resharded; save at an optimizer-step boundary")
+
+
+def _check_keep(keep_last) -> int | None:
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise _error(f"keep_last: how many of the newest complete checkpoints to keep, 1 or more (None: all); "
+                     f"not {keep_last!r}")
+    return keep_last
+
+
+def save(engine, ckpt_dir, tag: str | None = None, client_state=None, keep_last: int | None = None) -> Path:
+    """Writes the engine's state to ``ckpt_dir/<tag>/`` (default tag ``step<N>``); a
+    collective: every rank must call it. Returns the checkpoint's directory. Once it
+    is committed, unfinished saves' ``.tmp-`` directories are removed and, with
+    ``keep_last=K``, every complete checkpoint but the newest K. A save that fails
+    raises on every rank, removes what it wrote and leaves ``latest`` as it was."""
+    _check_savable(engine)
     tag = _check_tag(tag if tag is not None else f"step{engine.steps}")
+    keep_last = _check_keep(keep_last)
     root = Path(ckpt_dir)
     rank, world = engine.rank, engine.world
     nonce = [secrets.token_hex(4) if rank == 0 else None]
     if world > 1:
-        dist.broadcast_object_list(nonce, src=0)
+        _collective(f"saving checkpoint {tag!r} in {root}", dist.broadcast_object_list, nonce, src=0)
     tmp = root / f"{tag}.tmp-{nonce[0]}"
-    if rank == 0:
-        tmp.mkdir(parents=True)
-    if world > 1:
-        dist.barrier()
-    sd = _state_dict(engine, client_state)
-    elementwise = sorted(k for k, v in sd.items() if k.startswith("optim.") and _is_elementwise(v))
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp))
+    try:
+        _agreed(world, f"saving checkpoint {tag!r} in {root}",
+                lambda: tmp.mkdir(parents=True) if rank == 0 else None)
+        sd = _state_dict(engine, client_state)
+        elementwise = sorted(k for k, v in sd.items() if k.startswith("optim.") and _is_elementwise(v))
+        _agreed(world, f"saving checkpoint {tag!r} in {root}", lambda: _write(engine, sd, tmp))
+        names = sorted(p.name for p in tmp.iterdir())  # every rank's files are written
+        everyone = _agreed(world, f"checksumming checkpoint {tag!r} in {root}",
+                           lambda: {n: _crc(tmp / n) for n in _mine(names, rank, world)})
+        crc = {k: v for part in everyone for k, v in part.items()}
+        _agreed(world, f"committing checkpoint {tag!r} in {root}",
+                lambda: _commit(engine, root, tmp, tag, _marker(engine, tag, elementwise, tmp, crc), keep_last)
+                if rank == 0 else None)
+    except DcirError as e:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # what the failed save wrote: a full disk gets it back
+        now = latest(root)
+        if now == tag and _step_of(root / tag) == engine.steps:  # rank 0 committed; a peer did not confirm
+            raise _error(f"{e.diagnostics[0].message}; the checkpoint was committed: {tag!r} is the latest") from None
+        kept = f"{now!r} stays the latest checkpoint" if now else "there is no complete checkpoint yet"
+        raise _error(f"{e.diagnostics[0].message}; nothing was saved: {kept}") from None
+    return root / tag
+
+
+def _write(engine, sd: dict, tmp: Path) -> None:
+    """This rank's files of the checkpoint: DCP's, and on rank 0 the model's config."""
+    try:
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp))
+    except CheckpointException as e:
+        if engine.rank in e.failures and (hint := _disk_hint(tmp)):  # the writer's own error rarely says why
+            e = CheckpointException(str(e), {engine.rank: (OSError(f"{_reason(e)} ({hint})"), None)})
+        raise e from None
     if os.environ.get(KILL_IN_SAVE):
         os.kill(os.getpid(), signal.SIGKILL)
     config = getattr(engine.model, "config", None)
-    if rank == 0 and hasattr(config, "to_json_string"):
+    if engine.rank == 0 and hasattr(config, "to_json_string"):
         (tmp / "config.json").write_text(config.to_json_string())
-    if world > 1:
-        dist.barrier()  # every rank's files are written
-    names = sorted(p.name for p in tmp.iterdir())
-    crcs = {n: _crc(tmp / n) for n in _mine(names, rank, world)}
-    everyone = [None] * world
-    if world > 1:
-        dist.all_gather_object(everyone, crcs)
-    else:
-        everyone = [crcs]
+
+
+def _disk_hint(path: Path) -> str:
+    """Why writing under ``path`` may have failed: this process's file-size limit, or a
+    full disk; "" when neither holds."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft != resource.RLIM_INFINITY:
+        return f"this process's file-size limit, RLIMIT_FSIZE, is {soft} bytes"
+    free = shutil.disk_usage(path).free
+    return f"the disk holding {path} has {free} bytes free" if free < (64 << 20) else ""
+
+
+def _marker(engine, tag: str, elementwise: list[str], tmp: Path, crc: dict[str, int]) -> dict:
+    return {"format": FORMAT, "tag": tag, "step": engine.steps, "micro_steps": engine.micro_steps,
+            "world_size": engine.world, "zero_stage": engine.config.zero_stage,
+            "gradient_accumulation_steps": engine.config.gradient_accumulation_steps,
+            "offload": engine.config.offload, "time": time.time(), **_manifest_of_model(engine),
+            "elementwise": elementwise,
+            "files": {n: [(tmp / n).stat().st_size, crc[n]] for n in sorted(crc)}}
+
+
+def _commit(engine, root: Path, tmp: Path, tag: str, marker: dict, keep_last: int | None) -> None:
+    """Rank 0: the marker, the rename to ``root/tag``, ``latest``; then the cleaning."""
+    _write_atomic(tmp / MARKER, json.dumps(marker, indent=1))
+    _fsync_dir(tmp)
     final = root / tag
-    if rank == 0:
-        crc = {k: v for part in everyone for k, v in part.items()}
-        marker = {"format": FORMAT, "tag": tag, "step": engine.steps, "micro_steps": engine.micro_steps,
-                  "world_size": world, "zero_stage": engine.config.zero_stage,
-                  "gradient_accumulation_steps": engine.config.gradient_accumulation_steps,
-                  "offload": engine.config.offload, "time": time.time(), **_manifest_of_model(engine),
-                  "elementwise": elementwise,
-                  "files": {n: [(tmp / n).stat().st_size, crc[n]] for n in names}}
-        _write_atomic(tmp / MARKER, json.dumps(marker, indent=1))
-        _fsync_dir(tmp)
-        if final.exists():  # the same tag again: the new one replaces it
-            old = root / f"{tag}.tmp-{nonce[0]}-old"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, final)
-        _write_atomic(root / LATEST, tag + "\n")
-        _fsync_dir(root)
-    if world > 1:
-        dist.barrier()
-    return final
+    if final.exists():  # the same tag again: the new one replaces it
+        old = tmp.with_name(tmp.name + "-old")
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+    _write_atomic(root / LATEST, tag + "\n")
+    _fsync_dir(root)
+    _clean(root, tag, keep_last)
+
+
+def _clean(root: Path, newest: str, keep_last: int | None) -> None:
+    """After a commit: unfinished saves' leftovers (``.tmp-`` directories and files of
+    killed saves), and with ``keep_last`` the complete checkpoints older than the newest
+    ``keep_last`` (``newest``, just committed, is always kept)."""
+    for d in root.iterdir():
+        if ".tmp-" in d.name and d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
+        elif ".tmp-" in d.name:
+            d.unlink(missing_ok=True)
+    if keep_last is None:
+        return
+    done = sorted((d for d in root.iterdir() if d.is_dir() and (d / MARKER).is_file() and d.name != newest),
+                  key=lambda d: (_step_of(d), d.stat().st_mtime), reverse=True)
+    for d in done[keep_last - 1:]:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 # ---- load ------------------------------------------------------------------------------------
@@ -392,27 +497,61 @@ def _is_elementwise(value) -> bool:
     return isinstance(value, DTensor)
 
 
-def load(engine, ckpt_dir, tag: str | None = None):
-    """Loads ``ckpt_dir/<tag>`` (default: the latest complete one) into the engine, at
-    this world size, stage and offload setting; a collective. Returns (the
-    checkpoint's directory, the ``client_state`` it was saved with)."""
+def _candidates(ckpt_dir, tag: str | None) -> list[str]:
+    """Rank 0: the checkpoint ``tag`` names; with no tag the latest, then every older
+    complete one, newest first (to fall back to when the newer are damaged)."""
+    first = _resolve(ckpt_dir, tag)
+    if tag is not None:
+        return [str(first)]
+    older = [d for d in Path(ckpt_dir).iterdir()
+             if d.is_dir() and ".tmp-" not in d.name and (d / MARKER).is_file() and d.name != first.name]
+    return [str(first)] + [str(d) for d in sorted(older, key=lambda d: (_step_of(d), d.stat().st_mtime),
+                                                  reverse=True)]
+
+
+def _choose(engine, ckpt_dir, tag: str | None) -> tuple[Path, dict]:
+    """The checkpoint to load and its marker, its files checked by every rank: ``tag``'s,
+    or with no tag the newest complete one that is not damaged, saying which newer
+    ones were (a job killed while its disk was failing resumes from the one before)."""
     rank, world = engine.rank, engine.world
-    # every rank resolves the same directory (the one rank 0 finds), or all raise
     found: list = [None]
-    if rank == 0:
+    if rank == 0:  # every rank tries the same directories (the ones rank 0 finds), or all raise
         try:
-            found = [str(_resolve(ckpt_dir, tag))]
+            found = [_candidates(ckpt_dir, tag)]
         except DcirError as e:
             found = [("error", e.diagnostics[0].message)]
     if world > 1:
-        dist.broadcast_object_list(found, src=0)
+        _collective(f"loading a checkpoint from {ckpt_dir}", dist.broadcast_object_list, found, src=0)
     if isinstance(found[0], tuple):
         raise _error(found[0][1])
-    path = Path(found[0])
-    marker = _read_marker(path)
-    problems = _agree(_verify_files(path, marker, rank, world), world)
-    if problems:
-        raise _error(f"{path} is damaged; not loading it:\n  " + "\n  ".join(problems))
+    damaged = []
+    for path in map(Path, found[0]):
+        try:
+            marker = _read_marker(path)
+        except DcirError as e:
+            if tag is not None:
+                raise
+            damaged.append((path, [e.diagnostics[0].message.removeprefix(f"{path}: ")]))
+            continue
+        problems = _agree(_verify_files(path, marker, rank, world), world)
+        if not problems:
+            if damaged and rank == 0:
+                log.warning("dcir: %s; loading %s, the newest complete checkpoint that is not",
+                            "; ".join(f"{p} is damaged ({', '.join(ps)})" for p, ps in damaged), path)
+            return path, marker
+        damaged.append((path, problems))
+    if len(damaged) == 1:
+        raise _error(f"{damaged[0][0]} is damaged; not loading it:\n  " + "\n  ".join(damaged[0][1]))
+    raise _error(f"every complete checkpoint in {Path(ckpt_dir)} is damaged; not loading any:\n  "
+                 + "\n  ".join(f"{p}: {problem}" for p, ps in damaged for problem in ps))
+
+
+def load(engine, ckpt_dir, tag: str | None = None):
+    """Loads ``ckpt_dir/<tag>`` (default: the latest complete one, or when its files are
+    damaged the newest complete one that is not, with a warning) into the engine, at
+    this world size, stage and offload setting; a collective. Returns (the
+    checkpoint's directory, the ``client_state`` it was saved with)."""
+    path, marker = _choose(engine, ckpt_dir, tag)
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     _check_keys(engine, path, marker, meta)
     mid = marker["micro_steps"] % marker["gradient_accumulation_steps"]

@@ -162,7 +162,7 @@ class Engine:
     optimize_log = _part("planner.log", "one record per optimization cycle (docs/passes.md)")
     precision = _part("execution.precision.policy", "the mixed-precision policy (docs/config.md)")
     loss_scaler = _part("execution.precision.loss_scaler", "fp16's dynamic loss scaler, or None")
-    skipped_steps = _part("execution.precision.skipped_steps", "optimizer steps skipped for inf/NaN gradients")
+    skipped_steps = _part("execution.precision.skipped_steps", "optimizer steps skipped (fp16 overflow, nonfinite 'skip')")
 
     @property
     def loss_scale(self) -> float:
@@ -299,16 +299,16 @@ class Engine:
 
     # ---- state -------------------------------------------------------------------------------------
 
-    def save_checkpoint(self, save_dir, tag: str | None = None, client_state=None):
-        """Writes everything needed to continue (shards, optimizer state, steps, RNG,
-        the position in gradient accumulation, ``client_state``) to ``save_dir/<tag>/``
-        (default ``step<N>``) on torch.distributed.checkpoint, visible only once complete;
-        a collective. Returns its directory (``dcir_runtime.checkpoint``, docs/checkpoint.md)."""
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state=None, keep_last: int | None = None):
+        """Writes everything needed to continue (shards, optimizer state, steps, RNG, the position in
+        accumulation, ``client_state``) to ``save_dir/<tag>/`` (default ``step<N>``) on DCP, visible once
+        complete, keeping the newest ``keep_last`` complete checkpoints (None: all); a collective.
+        Returns its directory (``dcir_runtime.checkpoint``, docs/checkpoint.md)."""
         from dcir_runtime import checkpoint
-        return checkpoint.save(self, save_dir, tag, client_state)
+        return checkpoint.save(self, save_dir, tag, client_state, keep_last)
 
     def load_checkpoint(self, load_dir, tag: str | None = None):
-        """Loads ``load_dir/<tag>`` (default: the latest complete checkpoint), saved at any
+        """Loads ``load_dir/<tag>`` (default: the latest undamaged checkpoint), saved at any
         world size, ZeRO stage or offload setting; a collective. Returns (its directory,
         the ``client_state`` it was saved with). On any error the engine is unchanged."""
         from dcir_runtime import checkpoint

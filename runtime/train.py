@@ -58,9 +58,12 @@ def _args(argv):
                     help="save a checkpoint every N optimizer steps into --checkpoint-dir (default 0: never)")
     ap.add_argument("--checkpoint-dir", default="checkpoints", metavar="DIR",
                     help="where --save-every saves (default checkpoints/)")
+    ap.add_argument("--keep-last", type=int, default=None, metavar="K",
+                    help="keep only the newest K complete checkpoints in --checkpoint-dir (default: every one)")
     ap.add_argument("--resume", default=None, metavar="DIR",
-                    help="continue from the latest complete checkpoint in DIR, if there is one (else start fresh); "
-                         "under torchrun --max-restarts a restarted job finds its last save this way")
+                    help="continue from the latest complete checkpoint in DIR, if there is one (else start fresh; "
+                         "one whose files are damaged is skipped for the one before, with a warning); under torchrun "
+                         "--max-restarts a restarted job finds its last save this way")
     ap.add_argument("--timeout", type=float, default=900, help="end the local run after this many seconds (900)")
     ap.add_argument("--list-breaks", action="store_true",
                     help="list where Dynamo splits the model's forward (graph breaks: file:line, reason, source) "
@@ -212,7 +215,8 @@ def _train(engine, ns, batches: _Batches):
         if engine.steps == done:
             continue  # fp16: the step was skipped (inf/NaN gradients)
         if ns.save_every and engine.steps % ns.save_every == 0:
-            engine.save_checkpoint(ns.checkpoint_dir, client_state={"data": batches.generator.get_state()})
+            engine.save_checkpoint(ns.checkpoint_dir, client_state={"data": batches.generator.get_state()},
+                                   keep_last=ns.keep_last)
         if engine.steps == kill_at:
             _test_kill(engine.rank)
     train_s = time.perf_counter() - t0

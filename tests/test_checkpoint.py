@@ -151,8 +151,8 @@ def test_kill_mid_save_and_bad_checkpoints(tmp_path, capfd):
     """The job is killed in the middle of its third save: the second checkpoint stays
     the latest and loads; the partial one is never picked, nor is it when a stale
     ``latest`` names it: a load with no tag takes the complete checkpoint with the
-    highest step. Damaged, mismatched or absent checkpoints are one clear error on every
-    rank, and the engine is unchanged."""
+    highest step; the next commit removes the partial one. Damaged, mismatched or absent
+    checkpoints are one clear error on every rank, and the engine is unchanged."""
     ckpt = tmp_path / "ckpt"
     spec = {"model": "mlp", "micro": 4, "out": str(tmp_path / "never"), "save": str(ckpt), "save_at": [1, 2, 4],
             "kill_in_save": True}
@@ -167,6 +167,7 @@ def test_kill_mid_save_and_bad_checkpoints(tmp_path, capfd):
     (ckpt / "latest").unlink()
     assert checkpoint.latest(ckpt) == "step2"
     shutil.copytree(partial[0], ckpt / "step4")  # a directory without COMPLETE
+    kept = Path(shutil.copytree(partial[0], tmp_path / "partial"))  # the next commit removes the leftover
     for stale in ("step9", partial[0].name, "step4"):  # missing, unfinished, unmarked
         (ckpt / "latest").write_text(stale + "\n")
         assert checkpoint.latest(ckpt) == "step2", stale
@@ -176,11 +177,10 @@ def test_kill_mid_save_and_bad_checkpoints(tmp_path, capfd):
     assert code == 0, out
     assert [_result(tmp_path / "resumed", r)["resumed"] for r in range(2)] == [("step2", 2)] * 2
     assert checkpoint.latest(ckpt) == "last" and json.loads((ckpt / "last" / "COMPLETE").read_text())["step"] == 4
-    assert sorted(d.name for d in ckpt.iterdir() if ".tmp-" not in d.name) == ["last", "latest", "step1", "step2",
-                                                                                "step4"]
+    assert sorted(d.name for d in ckpt.iterdir()) == ["last", "latest", "step1", "step2", "step4"]  # no .tmp- left
 
     unmarked = tmp_path / "unmarked"
-    shutil.copytree(partial[0], unmarked / "step4")
+    shutil.copytree(kept, unmarked / "step4")
     truncated, corrupt = tmp_path / "truncated", tmp_path / "corrupt"
     for d in (truncated, corrupt):
         shutil.copytree(ckpt, d)

@@ -140,3 +140,112 @@ def test_zero1_does_not_save_inside_accumulation(tmp_path):
         ") under a program with per-rank gradient accumulators (zero1): those are not resharded; save at an optimizer-step boundary")  # noqa: E501
     _micro_step(engine)
     assert engine.save_checkpoint(tmp_path) == tmp_path / "step1"
+
+
+def _steps(engine, root, n: int, **save) -> list[str]:
+    """``n`` optimizer steps, each saved; the tags."""
+    tags = []
+    for _ in range(n):
+        for _ in range(2):
+            _micro_step(engine)
+        tags.append(engine.save_checkpoint(root, **save).name)
+    return tags
+
+
+def test_a_save_that_fails_leaves_the_previous_checkpoint_latest(tmp_path):
+    """A disk that fills during a save (a file-size limit on this process: the write
+    fails with EFBIG, as a full filesystem's with ENOSPC): the error says so and that the
+    previous checkpoint stays the latest; what the save wrote is gone; the next save works."""
+    import resource
+
+    engine = _engine()
+    _steps(engine, tmp_path, 1)
+    for _ in range(2):
+        _micro_step(engine)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))
+    try:
+        message = _error(lambda: engine.save_checkpoint(tmp_path))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert message == (f"error: saving checkpoint 'step2' in {tmp_path} failed on rank 0: [Errno 27] File too large "
+                       "(this process's file-size limit, RLIMIT_FSIZE, is 1024 bytes); nothing was saved: 'step1' "
+                       "stays the latest checkpoint"), message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step1"]
+    assert engine.load_checkpoint(tmp_path)[0] == tmp_path / "step1"
+    assert engine.steps == 1
+    _steps(engine, tmp_path, 1)
+    assert (tmp_path / "latest").read_text() == "step2\n"
+
+
+def test_leftovers_of_killed_saves_go_and_keep_last_keeps_the_newest(tmp_path):
+    engine = _engine()
+    (tmp_path / "step9.tmp-0badc0de").mkdir(parents=True)
+    (tmp_path / "step9.tmp-0badc0de" / "__0_0.distcp").write_bytes(b"half")
+    (tmp_path / ".latest.tmp-0badc0de").write_text("step9\n")
+    assert _steps(engine, tmp_path, 4, keep_last=2) == ["step1", "step2", "step3", "step4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step3", "step4"]
+    _steps(engine, tmp_path, 1)  # without keep_last nothing complete goes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step3", "step4", "step5"]
+    assert _error(lambda: engine.save_checkpoint(tmp_path, keep_last=0)) == (
+        "error: keep_last: how many of the newest complete checkpoints to keep, 1 or more (None: all); not 0")
+
+
+def test_a_damaged_latest_falls_back_to_the_newest_good_one(tmp_path, caplog):
+    """With no tag, a load skips damaged checkpoints, newest first, and says which; a
+    tag still loads only that one; when every checkpoint is damaged, none loads."""
+    engine = _engine()
+    _steps(engine, tmp_path, 3)
+    name, size = _largest_file(tmp_path / "step3")
+    with open(tmp_path / "step3" / name, "r+b") as f:  # one bit-flipped byte
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with open(tmp_path / "step2" / name, "r+b") as f:
+        f.truncate(100)
+    with caplog.at_level("WARNING", logger="dcir"):
+        path, _ = engine.load_checkpoint(tmp_path)
+    assert path == tmp_path / "step1" and engine.steps == 1
+    corrupt = f"file {name} is corrupt: its CRC-32 differs from the manifest's"
+    truncated = f"file {name} is truncated or changed: 100 bytes, the manifest says {size}"
+    assert caplog.messages == [f"dcir: {tmp_path / 'step3'} is damaged ({corrupt}); {tmp_path / 'step2'} is damaged "
+                               f"({truncated}); loading {tmp_path / 'step1'}, the newest complete checkpoint that is "
+                               "not"]
+    assert _error(lambda: engine.load_checkpoint(tmp_path, "step3")) == (
+        f"error: {tmp_path / 'step3'} is damaged; not loading it:\n  {corrupt}")
+    (tmp_path / "step1" / "COMPLETE").write_text("{")
+    unreadable = (f"{tmp_path / 'step1' / 'COMPLETE'} is unreadable (Expecting property name enclosed in double "
+                  "quotes: line 1 column 2 (char 1)): the checkpoint is damaged")
+    assert _error(lambda: engine.load_checkpoint(tmp_path)) == (
+        f"error: every complete checkpoint in {tmp_path} is damaged; not loading any:\n"
+        f"  {tmp_path / 'step3'}: {corrupt}\n  {tmp_path / 'step2'}: {truncated}\n  {tmp_path / 'step1'}: {unreadable}")
+    assert engine.steps == 1
+
+
+def test_a_save_whose_cleaning_fails_after_the_commit_says_it_was_committed(tmp_path, monkeypatch):
+    from dcir_runtime import checkpoint
+
+    engine = _engine()
+
+    def broken(*args):
+        raise OSError("[Errno 5] Input/output error")
+
+    monkeypatch.setattr(checkpoint, "_clean", broken)
+    assert _error(lambda: _steps(engine, tmp_path, 1)) == (
+        f"error: committing checkpoint 'step1' in {tmp_path} failed on rank 0: [Errno 5] Input/output error"
+        "; the checkpoint was committed: 'step1' is the latest")
+    assert checkpoint.latest(tmp_path) == "step1"
+
+
+def test_a_peer_that_stalls_in_a_checkpoint_collective():
+    """gloo's timeout inside a save's or load's exchange: one line that names it, no traceback."""
+    from dcir_runtime import checkpoint
+
+    def timed_out():
+        raise RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation")
+
+    assert _error(lambda: checkpoint._collective("saving checkpoint 'step5' in ckpt", timed_out)) == (
+        "error: saving checkpoint 'step5' in ckpt: the ranks could not exchange their state ([../gloo/transport/"
+        "tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation"
+        "); a rank that crashed or stalled leaves the others waiting here")
