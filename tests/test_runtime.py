@@ -193,8 +193,8 @@ FAULTS = {  # how rank 1 fails, over which transport: what rank 0's collective s
 def test_a_faulty_rank_fails_the_others_fast(how, transport, capfd):
     """Rank 1 exits (or stalls) between forward and backward; rank 0's next collective
     fails with a message naming the op and why. A rank that exited is noticed by what
-    its process did (a closed socket; its pid, on shared memory), not by the timeout of
-    60 s, whose message would be another; one that stalls, by the timeout of 4 s. The
+    its process did (a closed socket; its pid, on shared memory), within 2 s, not by the
+    timeout of 60 s, whose message would be another; one that stalls, by the timeout of 4 s. The
     runtime ends the run (exit code 17, or rank 1's 3), not the launcher (124); the
     outboxes' names are gone from /dev/shm though no rank ended normally."""
     timeout_s = 60 if how == "exit" else 4
@@ -202,6 +202,9 @@ def test_a_faulty_rank_fails_the_others_fast(how, transport, capfd):
     failure = re.search(r"RankFailure: rank 0 of 2: step 2 failed in @backward: dcir runtime: all_gather of "
                         r"%\w+ \(line \d+\) \(process group '\w+'\) failed: (.*)", out)
     assert failure and re.fullmatch(FAULTS[how, transport], failure[1]), out
+    if how == "exit":  # both clocks are this host's
+        exited, failed = (float(re.search(rf"rank {r} (?:exits|failed) at ([\d.]+)", out)[1]) for r in (1, 0))
+        assert 0 <= failed - exited < 2.0, (failed - exited, out)
     assert "frame #" not in out  # no C++ backtrace
     assert code in ((3, 17) if how == "exit" else (17,)), (code, out)
     segments = _segments(out)
