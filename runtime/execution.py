@@ -30,14 +30,10 @@ from dcir.roles import EVAL, FORWARD
 from dcir_lowering.backend import Program
 from dcir_lowering.outputs import Outputs
 from dcir_runtime.config import Config
-from dcir_runtime.group import ProcessGroup
+from dcir_runtime.group import ProcessGroup, RankFailure
 from dcir_runtime.offload import ABSENT
 from dcir_runtime.precision import Precision
 from dcir_runtime.profiler import Profile
-
-
-class RankFailure(RuntimeError):
-    """A collective failed: another rank crashed, diverged or timed out."""
 
 
 @dataclass

@@ -19,6 +19,11 @@ import torch.distributed as dist
 
 from dcir.diagnostics import DcirError, Diagnostic
 
+
+class RankFailure(RuntimeError):
+    """A collective failed: another rank crashed, diverged or timed out."""
+
+
 #: How long the other ranks wait for rank 0 to capture and compile the step (tens of
 #: seconds for a large model; a collective's ``timeout_s`` would be too short).
 CAPTURE_TIMEOUT_S = 900
@@ -68,12 +73,18 @@ class ProcessGroup:
         only GPU tensors, gloo CPU ones."""
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
-    def most(self, value: float) -> float:
-        """The largest of every rank's ``value`` (float64), on every rank."""
+    def most(self, value: float, what: str) -> float:
+        """The largest of every rank's ``value`` (float64), on every rank; ``what`` it
+        agrees on names it in the RankFailure of a peer that crashed or stalled."""
         if self.world == 1:
             return value
         agreed = torch.tensor([float(value)], dtype=torch.float64, device=self.collective_device())
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        try:
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        except RuntimeError as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise RankFailure(f"rank {self.rank} of {self.world}: agreeing on {what} failed: {reason} (a rank that "
+                              "crashed or stalled leaves the others waiting here)") from None
         return agreed.item()
 
     @torch.no_grad()

@@ -171,7 +171,7 @@ class Planner:
         held = fixed + scheduled
         over = held - budget
         if self.config.optimize is not None and self.group.world > 1:
-            over = int(self.group.most(over))
+            over = int(self.group.most(over, "the plan's memory"))
         if over <= 0:
             return
         if self.config.optimize is not None:

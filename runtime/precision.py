@@ -292,7 +292,8 @@ class Precision:
         ``nonfinite`` ``"skip"`` skips it and ``"error"`` (None) raises the same
         ``DcirError`` on every rank."""
         losses, self.losses = self.losses, []
-        bad = group.most(float(_nonfinite_here(losses, shards))) > 0
+        bad = group.most(float(_nonfinite_here(losses, shards)), "whether the step's numbers are finite")
+        bad = bad > 0
         if self.loss_scaler is not None:
             return self._scaled(bad, group, optimizer, steps)
         if not bad:

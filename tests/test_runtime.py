@@ -212,6 +212,24 @@ def test_a_faulty_rank_fails_the_others_fast(how, transport, capfd):
     assert not [s for s in segments if Path(s).exists()], out
 
 
+def test_a_peer_lost_while_the_ranks_agree_on_a_value(monkeypatch):
+    """The engine's own small agreements over torch.distributed (a step's numbers finite,
+    a plan's memory) fail as its collectives do: a RankFailure naming what was agreed."""
+    from dcir_runtime.group import ProcessGroup, RankFailure
+
+    def timed_out(*args, **kwargs):
+        raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation")
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", timed_out)
+    monkeypatch.setattr(ProcessGroup, "collective_device", lambda self: torch.device("cpu"))  # no group here
+    group = ProcessGroup(rank=1, world=2, name="0", created=False, device=torch.device("cpu"))
+    with pytest.raises(RankFailure) as e:
+        group.most(1.0, "whether the step's numbers are finite")
+    assert str(e.value) == (
+        "rank 1 of 2: agreeing on whether the step's numbers are finite failed: [gloo/transport/tcp/unbound_buffer.cc:78] "
+        "Timed out waiting 3000ms for recv operation (a rank that crashed or stalled leaves the others waiting here)")
+
+
 def test_user_errors_are_messages_on_every_rank(capfd):
     code, out = _run(capfd, 2, "errors", timeout_s=120)
     assert code == 0, out
