@@ -27,6 +27,7 @@ Engine hands to the next.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable
 
@@ -44,6 +45,7 @@ from dcir_runtime.execution import Execution, Installed, RankFailure
 from dcir_runtime.group import ProcessGroup
 from dcir_runtime.plan import Planner
 from dcir_runtime.shards import ShardedParameters, ShardOptimizer, check_scheduler_factory
+from dcir_runtime.trace import Tracer
 
 __all__ = ["Engine", "RankFailure", "initialize"]
 
@@ -126,12 +128,9 @@ class Engine:
         self.programs = programs.Programs()
 
     def __del__(self):
-        sharded = getattr(self, "sharded", None)
-        if sharded is not None:
-            try:
-                sharded.drop()
-            except Exception:  # interpreter shutdown: the library may be gone already
-                pass
+        with contextlib.suppress(Exception):  # interpreter shutdown: the library may be gone already
+            if getattr(self, "sharded", None) is not None:
+                self.sharded.drop()
 
     # ---- what the parts hold, under the Engine's names ----------------------------------------
 
@@ -174,8 +173,6 @@ class Engine:
         Chrome trace (Perfetto) of this rank with measured and predicted rows
         (``dcir_runtime.trace``). A step the optimization cycle profiles is not traced:
         the next one is."""
-        from dcir_runtime.trace import Tracer
-
         self.execution.tracer = Tracer(lambda: self.module, path, self.rank, self._pass_budget)
 
     def profiled_ir(self) -> dcir.Module | None:
@@ -270,6 +267,10 @@ class Engine:
             return False
         self._after_step()
         return True
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next ``engine.step()`` runs the optimizer (DeepSpeed's name)."""
+        return self.execution.boundary_next()
 
     def train(self, mode: bool = True) -> "Engine":
         """Training mode (dropout on, BatchNorm updating its statistics), as ``nn.Module.train``;

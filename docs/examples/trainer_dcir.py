@@ -1,0 +1,81 @@
+"""A transformers Trainer script, sharded through DCIR by one argument (docs/integrations.md).
+
+    torchrun --nproc-per-node 2 docs/examples/trainer_dcir.py --out run        # DcirTrainer
+    torchrun --nproc-per-node 2 docs/examples/trainer_dcir.py --out ddp --stock  # the same under DDP
+
+A Llama built from a config trains on sequences of a fixed random corpus for 30
+optimizer steps: 2 sequences per rank and micro-step, 2 micro-steps per step, AdamW with
+weight decay, warmup then a cosine schedule, gradients clipped to norm 1, a checkpoint
+every 5 steps. ``--resume`` continues from the newest complete checkpoint in ``--out``
+(a job stopped by SIGKILL, restarted). At the end the model is saved in ``--out/final``
+(``from_pretrained`` loads it) and rank 0 writes the logged losses to ``--out/log.json``.
+"""
+
+import argparse
+import json
+import os
+import signal
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+from dcir_runtime.hf import DcirTrainer
+
+
+class Corpus(torch.utils.data.Dataset):
+    """240 sequences of 32 tokens, the same on every run: each an arithmetic progression
+    modulo 512 from a start and stride drawn from its own seed (learnable: each token
+    follows from the two before it)."""
+
+    def __len__(self):
+        return 240
+
+    def __getitem__(self, i):
+        start, stride = torch.randint(0, 512, (2,), generator=torch.Generator().manual_seed(i))
+        ids = (start + stride * torch.arange(32)) % 512
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+class KillAt(TrainerCallback):
+    """``--kill-at N``: rank 1 SIGKILLs itself at the end of step N, once (a marker file
+    in ``--out`` remembers), as a preempted job dies."""
+
+    def __init__(self, step: int, marker: str):
+        self.step, self.marker = step, marker
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step and int(os.environ.get("RANK", 0)) == 1 and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="the Trainer's output_dir")
+    ap.add_argument("--stock", action="store_true", help="the stock Trainer (DDP) instead of DcirTrainer")
+    ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out, if any")
+    ap.add_argument("--kill-at", type=int, default=0, help="rank 1 SIGKILLs itself after this step, once")
+    ns = ap.parse_args()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    args = TrainingArguments(
+        output_dir=ns.out, max_steps=30, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        learning_rate=3e-3, weight_decay=0.1, warmup_steps=5, lr_scheduler_type="cosine", max_grad_norm=1.0,
+        logging_steps=1, save_steps=5, report_to=[], disable_tqdm=True, seed=0,
+        use_cpu=not torch.cuda.is_available())  # on CPU, accelerate joins the ranks over gloo only with use_cpu
+    trainer_class = Trainer if ns.stock else DcirTrainer  # the one line that differs from a DDP script
+    trainer = trainer_class(model=model, args=args, train_dataset=Corpus(),
+                            callbacks=[KillAt(ns.kill_at, os.path.join(ns.out, "killed"))] if ns.kill_at else None)
+    resume = ns.resume and os.path.isdir(ns.out) and get_last_checkpoint(ns.out) is not None
+    trainer.train(resume_from_checkpoint=True if resume else None)
+    trainer.save_model(os.path.join(ns.out, "final"))
+    if args.process_index == 0:
+        losses = [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e]
+        with open(os.path.join(ns.out, "log.json"), "w") as f:
+            json.dump(losses, f)
+
+
+if __name__ == "__main__":
+    main()
