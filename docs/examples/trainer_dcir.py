@@ -56,6 +56,8 @@ def main():
     ap.add_argument("--stock", action="store_true", help="the stock Trainer (DDP) instead of DcirTrainer")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out, if any")
     ap.add_argument("--kill-at", type=int, default=0, help="rank 1 SIGKILLs itself after this step, once")
+    ap.add_argument("--bf16", action="store_true", help="bf16 mixed precision (TrainingArguments(bf16=True))")
+    ap.add_argument("--fsdp", action="store_true", help="with --stock: the stock Trainer's FSDP instead of DDP")
     ns = ap.parse_args()
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -64,7 +66,9 @@ def main():
         output_dir=ns.out, max_steps=30, per_device_train_batch_size=2, gradient_accumulation_steps=2,
         learning_rate=3e-3, weight_decay=0.1, warmup_steps=5, lr_scheduler_type="cosine", max_grad_norm=1.0,
         logging_steps=1, save_steps=5, report_to=[], disable_tqdm=True, seed=0,
-        use_cpu=not torch.cuda.is_available())  # on CPU, accelerate joins the ranks over gloo only with use_cpu
+        use_cpu=not torch.cuda.is_available(),  # on CPU, accelerate joins the ranks over gloo only with use_cpu
+        bf16=ns.bf16, **({"fsdp": True, "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
+                         if ns.fsdp else {}))
     trainer_class = Trainer if ns.stock else DcirTrainer  # the one line that differs from a DDP script
     trainer = trainer_class(model=model, args=args, train_dataset=Corpus(),
                             callbacks=[KillAt(ns.kill_at, os.path.join(ns.out, "killed"))] if ns.kill_at else None)
