@@ -47,13 +47,14 @@ def runs(tmp_path_factory):
 
 def test_the_trainer_script_logs_the_losses_of_ddp(runs):
     """30 optimizer steps of 2 x 2 micro-batches with warmup, a cosine schedule, weight
-    decay and clipping: every logged loss within 1e-5 of DDP's (the gradients' sums
-    run in another order)."""
+    decay and clipping, evaluated every 10: every logged loss, training and evaluation,
+    within 1e-5 of DDP's (the gradients' sums run in another order)."""
     ours, theirs = (json.loads((runs / name / "log.json").read_text()) for name in ("dcir", "ddp"))
-    assert [s for s, _ in ours] == [s for s, _ in theirs] == list(range(1, 31))
-    worst = max(abs(a - b) / abs(b) for (_, a), (_, b) in zip(ours, theirs))
-    assert worst <= 1e-5, (worst, ours, theirs)
-    assert ours[-1][1] < ours[0][1]  # it learns
+    for key, steps in (("loss", list(range(1, 31))), ("eval_loss", [10, 20, 30])):
+        assert [s for s, _ in ours[key]] == [s for s, _ in theirs[key]] == steps
+        worst = max(abs(a - b) / abs(b) for (_, a), (_, b) in zip(ours[key], theirs[key]))
+        assert worst <= 1e-5, (key, worst, ours, theirs)
+    assert ours["loss"][-1][1] < ours["loss"][0][1]  # it learns
 
 
 def test_killed_at_step_15_and_resumed_ends_bit_for_bit(runs, tmp_path):
@@ -84,7 +85,7 @@ def test_bf16_is_the_engines_bf16(tmp_path):
     for name, extra in (("dcir", ("--bf16",)), ("ddp", ("--stock", "--bf16"))):
         run = _launch(tmp_path / name, *extra)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    ours, theirs = (json.loads((tmp_path / name / "log.json").read_text()) for name in ("dcir", "ddp"))
+    ours, theirs = (json.loads((tmp_path / name / "log.json").read_text())["loss"] for name in ("dcir", "ddp"))
     worst = max(abs(a - b) / abs(b) for (_, a), (_, b) in zip(ours, theirs))
     assert worst <= 1e-3, (worst, ours, theirs)
 

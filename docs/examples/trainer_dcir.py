@@ -3,12 +3,13 @@
     torchrun --nproc-per-node 2 docs/examples/trainer_dcir.py --out run        # DcirTrainer
     torchrun --nproc-per-node 2 docs/examples/trainer_dcir.py --out ddp --stock  # the same under DDP
 
-A Llama built from a config trains on sequences of a fixed random corpus for 30
-optimizer steps: 2 sequences per rank and micro-step, 2 micro-steps per step, AdamW with
-weight decay, warmup then a cosine schedule, gradients clipped to norm 1, a checkpoint
-every 5 steps. ``--resume`` continues from the newest complete checkpoint in ``--out``
-(a job stopped by SIGKILL, restarted). At the end the model is saved in ``--out/final``
-(``from_pretrained`` loads it) and rank 0 writes the logged losses to ``--out/log.json``.
+A Llama built from a config trains on sequences of a fixed corpus for 30 optimizer
+steps: 2 sequences per rank and micro-step, 2 micro-steps per step, AdamW with weight
+decay, warmup then a cosine schedule, gradients clipped to norm 1, a checkpoint every 5
+steps, an evaluation on 16 held-out sequences every 10. ``--resume`` continues from the
+newest complete checkpoint in ``--out`` (a job stopped by SIGKILL, restarted). At the
+end the model is saved in ``--out/final`` (``from_pretrained`` loads it) and rank 0
+writes the logged training and evaluation losses to ``--out/log.json``.
 """
 
 import argparse
@@ -24,15 +25,18 @@ from dcir_runtime.hf import DcirTrainer
 
 
 class Corpus(torch.utils.data.Dataset):
-    """240 sequences of 32 tokens, the same on every run: each an arithmetic progression
-    modulo 512 from a start and stride drawn from its own seed (learnable: each token
-    follows from the two before it)."""
+    """``size`` sequences of 32 tokens, the same on every run: each an arithmetic
+    progression modulo 512 from a start and stride drawn from its own seed (learnable:
+    each token follows from the two before it); ``first`` is the first seed."""
+
+    def __init__(self, size: int = 240, first: int = 0):
+        self.size, self.first = size, first
 
     def __len__(self):
-        return 240
+        return self.size
 
     def __getitem__(self, i):
-        start, stride = torch.randint(0, 512, (2,), generator=torch.Generator().manual_seed(i))
+        start, stride = torch.randint(0, 512, (2,), generator=torch.Generator().manual_seed(self.first + i))
         ids = (start + stride * torch.arange(32)) % 512
         return {"input_ids": ids, "labels": ids.clone()}
 
@@ -65,20 +69,21 @@ def main():
     args = TrainingArguments(
         output_dir=ns.out, max_steps=30, per_device_train_batch_size=2, gradient_accumulation_steps=2,
         learning_rate=3e-3, weight_decay=0.1, warmup_steps=5, lr_scheduler_type="cosine", max_grad_norm=1.0,
-        logging_steps=1, save_steps=5, report_to=[], disable_tqdm=True, seed=0,
+        logging_steps=1, save_steps=5, eval_strategy="steps", eval_steps=10, report_to=[], disable_tqdm=True, seed=0,
         use_cpu=not torch.cuda.is_available(),  # on CPU, accelerate joins the ranks over gloo only with use_cpu
         bf16=ns.bf16, **({"fsdp": True, "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
                          if ns.fsdp else {}))
     trainer_class = Trainer if ns.stock else DcirTrainer  # the one line that differs from a DDP script
-    trainer = trainer_class(model=model, args=args, train_dataset=Corpus(),
+    trainer = trainer_class(model=model, args=args, train_dataset=Corpus(), eval_dataset=Corpus(16, first=10_000),
                             callbacks=[KillAt(ns.kill_at, os.path.join(ns.out, "killed"))] if ns.kill_at else None)
     resume = ns.resume and os.path.isdir(ns.out) and get_last_checkpoint(ns.out) is not None
     trainer.train(resume_from_checkpoint=True if resume else None)
     trainer.save_model(os.path.join(ns.out, "final"))
     if args.process_index == 0:
-        losses = [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e]
+        logged = {key: [(e["step"], e[key]) for e in trainer.state.log_history if key in e]
+                  for key in ("loss", "eval_loss")}
         with open(os.path.join(ns.out, "log.json"), "w") as f:
-            json.dump(losses, f)
+            json.dump(logged, f)
 
 
 if __name__ == "__main__":
