@@ -211,7 +211,7 @@ def _follow(job: Job, record: dict, ckpt: Path, timeout: float, stall: float) ->
     seen = job.first(DETECTED, since, timeout) if record["kind"] != "world" else None
     if seen:
         record["detected_s"] = round(seen[0] - since, 3)
-        record["detected_by"] = seen[1].string.strip()[:240]
+        record["detected_by"] = seen[1].string.strip()[:600]
     resumed = job.first(RESUMED, since, timeout)
     if resumed is None:
         raise RuntimeError(f"chaos: the job did not resume after {record['kind']} (see the log)")

@@ -31,7 +31,8 @@ def test_one_fault_of_each_kind_loses_nothing(tmp_path):
     assert sorted(faults) == ["corrupt", "disk", "kill", "stop", "world"], report["faults"]
     assert faults["kill"]["detected_s"] < 2.0, faults["kill"]
     assert faults["stop"]["detected_s"] >= 3.0, faults["stop"]  # a stall is told from a death by the timeout
-    assert "failed on rank" in faults["disk"]["detected_by"] and "RLIMIT_FSIZE" in faults["disk"]["detected_by"]
+    disk = faults["disk"]["detected_by"]  # the limit, named where the writer's error does not say it
+    assert "failed on rank" in disk and ("RLIMIT_FSIZE" in disk or "File too large" in disk), disk
     assert faults["disk"]["leftovers"] == [], faults["disk"]
     assert "is damaged" in faults["corrupt"]["fell_back"], faults["corrupt"]
     assert all(f["resumed_from"] for f in report["faults"]), report["faults"]
