@@ -621,30 +621,8 @@ def _apply(engine, sd: dict, groups: list, mid: int) -> None:
     for attr in ("lr_scheduler", "loss_scaler"):
         if getattr(engine, attr, None) is not None and f"dcir.{attr}" in sd:
             getattr(engine, attr).load_state_dict(pickle.loads(sd[f"dcir.{attr}"]))
-    if engine.state_store is not None and engine.module is not None:
-        place_loaded_state(engine, engine.module)
-    elif engine.state_store is not None:
-        engine._place_loaded_state = True  # at capture (Engine._install)
-
-
-def place_loaded_state(engine, module) -> None:
-    """Optimizer state a load created (the optimizer had none) is an ordinary tensor
-    beside its shard; the state the program keeps in host memory (``offload``: a
-    ``host<...>`` buffer) goes into a host buffer of the store, as its own copies home
-    would, so it is not held on the device and the store accounts it as host memory.
-    Runs at the load when the program exists, else when it is captured."""
-    from dcir.ir import HostType
-    from dcir.memory import OPTIM_KEY, OPTIM_STATE_OF
-
-    store = engine.state_store
-    for d in module.decls.values():
-        if OPTIM_STATE_OF not in d.attrs or not isinstance(d.type, HostType):
-            continue
-        state = engine.optimizer.state[engine.shards[d.attrs[OPTIM_STATE_OF].name]]
-        key = d.attrs[OPTIM_KEY]
-        if isinstance(state.get(key), torch.Tensor) and not store.is_host(state[key]):
-            state[key] = store.wait(store.offload(state[key]))
-    store.bind(module)  # what stays on the device is counted there
+    if engine.state_store is not None:  # offloaded state to host memory: now, or when the program is captured
+        engine.state_store.place_loaded_state(engine.module)
 
 
 # ---- export ----------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ import torch
 
 import dcir
 from dcir.diagnostics import DcirError, Diagnostic
-from dcir_lowering.backend import lower
+from dcir_lowering import backend
 from dcir_runtime import native
 from dcir_runtime.accounting import MemoryStats, StepPeak, fixed_bytes, measure, scheduled_bytes
 from dcir_runtime.capture import source_name
@@ -121,7 +121,6 @@ class Engine:
         self.planner = Planner(config, group, self.sharded.store_prefix, source_name(model, group.world))
         self.execution = Execution(config, group, self.shards, self.optimizer, self.lr_scheduler)
         self._config = config
-        self._place_loaded_state = False  # a checkpoint loaded before capture: offloaded state goes home
         self.capture_s = 0.0
         self._step_peak = StepPeak()
         self.training = model.training
@@ -200,22 +199,24 @@ class Engine:
     def _install(self, module: dcir.Module) -> None:
         """Run ``module`` as the training program from the next call on (a replan): the
         programs of other shapes are captured again, against it."""
-        program = self._lowered(module)
+        program = self.lower(module)
         self.execution.install(module, program)
         self.programs.replace_base(module, program)
         self.transport_bytes = transport.fit(self.process_group, self.config.transport, self.transport_bytes, module)
 
-    def _lowered(self, module: dcir.Module):
-        """``module`` lowered over this engine's state; what it makes (replicas...) on the engine's device."""
+    def lower(self, module: dcir.Module) -> backend.Program:
+        """``module`` lowered over this engine's state, all it makes (replicas...) on the engine's device;
+        a module with ``@step`` binds the optimizer-state store first (``StateStore.bind``)."""
+        if self.state_store is not None and module.role("step") is not None:
+            self.state_store.bind(module)  # places the state a checkpoint load left, if one did
         state = dict(self.model.named_buffers())
-        if self.state_store is not None and self._place_loaded_state and module.role("step") is not None:
-            from dcir_runtime.checkpoint import place_loaded_state
-            place_loaded_state(self, module)  # binds the store too
-            self._place_loaded_state = False
-        elif self.state_store is not None and module.role("step") is not None:
-            self.state_store.bind(module)
-        return lower(module, state, inductor=self.config.inductor, group=self.group,
-                     store_prefix=self.store_prefix, optimizer_state=self.state_store, device=self.device)
+        return backend.lower(module, state, inductor=self.config.inductor, group=self.group,
+                             store_prefix=self.store_prefix, optimizer_state=self.state_store, device=self.device)
+
+    def optimizer_state_keys(self) -> list[str]:
+        """The optimizer's per-element state tensors (Adam: ``exp_avg``, ``exp_avg_sq``), which
+        the ``offload`` pass may keep in host memory (``ShardOptimizer.state_keys``)."""
+        return self._optim.state_keys(self.device)
 
     def _fixed_bytes(self, m: MemoryStats) -> int:
         """What a rank holds whatever the schedule (``accounting.fixed_bytes``)."""

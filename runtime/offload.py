@@ -41,6 +41,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from dcir.ir import HostType
+from dcir.memory import OPTIM_KEY, OPTIM_STATE_OF
+
 #: A state tensor the optimizer has not created yet (before its first step).
 ABSENT = None
 
@@ -66,6 +69,7 @@ class StateStore:
         self.peak = 0
         self.wait_s = 0.0  # host time blocked in wait(): the copies compute did not hide
         self._names: dict[str, tuple[str, str]] = {}
+        self._loaded = False  # a checkpoint load replaced the state: the next bind places it
         self._cuda = device.type == "cuda"
         # a copy stream per direction on a GPU; on a CPU both directions share the memory
         # bus, and one thread copies
@@ -73,14 +77,37 @@ class StateStore:
         self._thread = None if self._cuda else ThreadPoolExecutor(1, thread_name_prefix="dcir-offload")
 
     def bind(self, module) -> None:
-        """Learn which buffer of ``module`` is which parameter's state tensor."""
-        from dcir.memory import OPTIM_KEY, OPTIM_STATE_OF
+        """Learn which buffer of ``module`` is which parameter's state tensor; after a
+        checkpoint load (``place_loaded_state``), put the loaded state where ``module`` keeps it first."""
+        if self._loaded:
+            self._offload_loaded(module)
         self._names = {name: (d.attrs[OPTIM_STATE_OF].name, d.attrs[OPTIM_KEY])
                        for name, d in module.decls.items() if OPTIM_STATE_OF in d.attrs}
         for st in self.optimizer.state.values():  # what is on the device already (kept across plans)
             for t in st.values():
                 if isinstance(t, torch.Tensor) and t.dim() > 0 and not self.is_host(t):
                     self._count(t)
+
+    def place_loaded_state(self, module=None) -> None:
+        """A checkpoint load filled the optimizer's state: place it as ``module`` (the running
+        program) keeps it, now; with no program yet (None), at the next ``bind``, when one is captured."""
+        self._loaded = True
+        if module is not None:
+            self.bind(module)
+
+    def _offload_loaded(self, module) -> None:
+        """Optimizer state a load created (the optimizer had none) is an ordinary tensor
+        beside its shard; the state ``module`` keeps in host memory (``offload``: a
+        ``host<...>`` buffer) goes into a host buffer of this store, as its own copies home
+        would, so it is not held on the device and the store accounts it as host memory."""
+        self._loaded = False
+        for d in module.decls.values():
+            if OPTIM_STATE_OF not in d.attrs or not isinstance(d.type, HostType):
+                continue
+            state = self.optimizer.state[self.params[d.attrs[OPTIM_STATE_OF].name]]
+            key = d.attrs[OPTIM_KEY]
+            if isinstance(state.get(key), torch.Tensor) and not self.is_host(state[key]):
+                state[key] = self.wait(self.offload(state[key]))
 
     # ---- accounting ----------------------------------------------------------------------
 

@@ -142,8 +142,8 @@ def capture_program(engine, args: tuple, kwargs: dict, k: tuple, training: bool)
     captured = capture(engine.model, args, kwargs, loss_fn=engine.loss_fn, config=engine.config,
                        group=engine.process_group, key=f"{engine.store_prefix}program/{mode[0]:d}{mode[1]:d}",
                        local=base is not None, training=training, passes=engine.planner.passes,
-                       state_keys=lambda: engine._optim.state_keys(engine.device))
-    installed = Installed(captured.module, engine._lowered(captured.module), captured.outputs)
+                       state_keys=engine.optimizer_state_keys)
+    installed = Installed(captured.module, engine.lower(captured.module), captured.outputs)
     matches = fits(installed.module, args, kwargs)
     if base is not None:
         check_collectives(base.module, installed.module)

@@ -320,14 +320,14 @@ def test_the_tensors_a_program_makes_are_on_the_engines_device():
     attrs = [a for d in engine.module.decls.values() for a in d.attrs]
     assert {"unshard.of", "grad_acc.of", "value"} <= set(attrs), attrs  # each kind of tensor a program makes
     engine.device = torch.device("meta")
-    program = engine._lowered(engine.module)
+    program = engine.lower(engine.module)
     made = {n: t.device for n, t in program.state.items() if isinstance(t, torch.Tensor)}
     assert len(made) >= 5 and all(d.type == "meta" for d in made.values()), made
     assert program.device.type == "meta" and all(t.is_meta for t in program.tangents())
     plain = dcir.initialize(torch.nn.Linear(8, 3), loss_fn=lambda y: y.sum())  # a program holding no tensor at all
     plain.backward(plain(torch.randn(2, 8)))
     plain.device = torch.device("meta")
-    assert all(t.is_meta for t in plain._lowered(plain.module).tangents())
+    assert all(t.is_meta for t in plain.lower(plain.module).tangents())
 
 
 def test_meta_kernels_trace_the_ops():
