@@ -53,10 +53,9 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+import bench_train
 
-import bench_train  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 #: the workload: activations are most of a step's memory at this sequence length
 WORKLOAD = {"seq": 1024, "vocab": 4096, "layers": 4, "hidden": 256, "batch": 1}

@@ -25,15 +25,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-import dcir  # noqa: E402
-from dcir_lowering.backend import state_of  # noqa: E402
+import dcir
+from dcir_lowering.backend import state_of
 
 
 def llama(layers: int):

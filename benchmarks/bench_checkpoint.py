@@ -48,7 +48,6 @@ def rank_main(system: str, out: str, ckpt: str, ns) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    sys.path.insert(0, str(HERE))
     from train_worker import Fsdp2, batches, llama
 
     torch.set_num_threads(1)

@@ -62,14 +62,11 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import dcir  # noqa: E402
-from dcir import aten as _aten  # noqa: E402
-from dcir.ir import DType  # noqa: E402
-from dcir.ops import STORAGE_SHARING  # noqa: E402
-from dcir.printer import attr_value  # noqa: E402
+import dcir
+from dcir import aten as _aten
+from dcir.ir import DType
+from dcir.ops import STORAGE_SHARING
+from dcir.printer import attr_value
 
 TARGET_S = 5.0
 I64_MAX = 9223372036854775807

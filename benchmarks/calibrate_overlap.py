@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -110,7 +109,6 @@ def main() -> int:
     if ns.rank:
         rank_main(ns)
         return 0
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from dcir_runtime.launch import launch
 
     args = [str(Path(__file__).resolve()), "--rank", "--mib", str(ns.mib), "--chunks", str(ns.chunks),

@@ -40,20 +40,16 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import dcir
+from dcir.cost import planning
+from dcir.hardware import load
+from dcir.passes import PassManager, parse_pipeline
+from dcir.sim import held_bytes, simulate_module
 
-import dcir  # noqa: E402
-from benchmarks.bench_compiler import generate  # noqa: E402
-from dcir.cost import planning  # noqa: E402
-from dcir.hardware import load  # noqa: E402
-from dcir.passes import PassManager, parse_pipeline  # noqa: E402
-from dcir.sim import held_bytes, simulate_module  # noqa: E402
+from bench_compiler import generate
 
 #: Llama-3-70B (transformers' LlamaConfig of meta-llama/Meta-Llama-3-70B)
 LLAMA3_70B = {"hidden": 8192, "heads": 64, "kv_heads": 8, "intermediate": 28672, "vocab": 128256, "layers": 80}

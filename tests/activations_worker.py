@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from models import Checkpointed, checkpointed_llama  # noqa: E402
-from zoo import ZOO, ZooModel  # noqa: E402
-from zoo_worker import finish, train  # noqa: E402
+from models import Checkpointed, checkpointed_llama
+from zoo import ZOO, ZooModel
+from zoo_worker import finish, train
 
 _tokens = ZOO["llama"].batch
 

@@ -17,10 +17,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import dcir  # noqa: E402
-from custom_op_lib import GatedMLP, batches  # noqa: E402
+import dcir
+from custom_op_lib import GatedMLP, batches
 
 STEPS, ROWS, WORLD, LR = 3, 2, 2, 1e-2
 

@@ -19,10 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import dcir  # noqa: E402
-from models import tiny_llama  # noqa: E402
+import dcir
+from models import tiny_llama
 
 WORLD = 2
 #: case -> per step, each rank's (rows, sequence length)

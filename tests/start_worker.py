@@ -23,12 +23,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import dcir  # noqa: E402
-from dist_worker import ROWS, TinyTransformer, _add_average, _llama_batch, _rank_grads, _slice  # noqa: E402
-from dist_worker import _transformer_batch  # noqa: E402
-from models import tiny_llama  # noqa: E402
+import dcir
+from dist_worker import ROWS, TinyTransformer, _add_average, _llama_batch, _rank_grads, _slice
+from dist_worker import _transformer_batch
+from models import tiny_llama
 
 
 def init_fn(module: torch.nn.Module) -> None:

@@ -3,15 +3,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import dcir
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import bench_compiler  # noqa: E402
-
-import dcir  # noqa: E402
+import bench_compiler  # benchmarks/ (pytest's pythonpath)
 
 
 def test_generated_module_is_valid_and_canonical():

@@ -7,16 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import bench_train  # noqa: E402
-import trace_lateness  # noqa: E402
+import bench_train  # benchmarks/ (pytest's pythonpath)
+import trace_lateness
 
 #: the smallest workload the benchmark Llama takes (one head is 64 wide); 4 steps, so DCIR's
 #: profiled steps (2-4) are behind it when --trace traces the fifth

@@ -415,22 +415,14 @@ def test_dcir_train_writes_a_perfetto_trace_per_rank(tmp_path, capsys):
         counters = {e["name"] for e in events if e["ph"] == "C"}
         assert counters == {"live bytes", "predicted live bytes", "predicted live bytes: saved activations"}
     # the ranks' traces line up wait by wait: trace_lateness reads them
-    sys.path.insert(0, str(ROOT))
-    try:
-        from benchmarks.trace_lateness import main
-    finally:
-        sys.path.remove(str(ROOT))
+    from trace_lateness import main  # benchmarks/ (pytest's pythonpath)
     assert main([str(tmp_path / "trace")]) == 0
     out = capsys.readouterr().out
     assert "waits per rank" in out and "(predicted: n/a)" not in out and "lateness per rank: " in out, out
 
 
 def test_predict_at_scale_runs_quickly(capsys):
-    sys.path.insert(0, str(ROOT))
-    try:
-        from benchmarks.predict_at_scale import main
-    finally:
-        sys.path.remove(str(ROOT))
+    from predict_at_scale import main  # benchmarks/ (pytest's pythonpath)
     assert main(["--layers", "6", "--accumulate", "1,4"]) == 0
     out = capsys.readouterr().out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["4"])}
@@ -455,11 +447,7 @@ def _trace(waits_us: list[float], compute_us: list[float], predicted_us: list[fl
 
 
 def test_trace_lateness_separates_the_transfer_from_the_late_peer(capsys):
-    sys.path.insert(0, str(ROOT))
-    try:
-        from benchmarks.trace_lateness import lateness, main
-    finally:
-        sys.path.remove(str(ROOT))
+    from trace_lateness import lateness, main  # benchmarks/ (pytest's pythonpath)
     compute = [100.0, 1000.0, 3000.0, 500.0]
     transfer = [50.0, 400.0, 200.0, 80.0]
     late = [200 + 0.1 * c for c in compute]  # rank 0 arrives first at every wait

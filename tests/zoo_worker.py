@@ -27,10 +27,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import dcir  # noqa: E402
-from zoo import FORMS, LR, ZOO, eager_reference, micro_batches, rank_slice, worst_relative  # noqa: E402
+import dcir
+from zoo import FORMS, LR, ZOO, eager_reference, micro_batches, rank_slice, worst_relative
 
 
 def train(z, form: str, rank: int) -> dict:
