@@ -17,6 +17,8 @@ from functools import cached_property
 from itertools import zip_longest
 from typing import Iterator, Union
 
+from dcir.layout import ShardLayout
+
 # ---- types -------------------------------------------------------------------------
 
 #: Element types and their size in bytes. The spelling is the one used in the text.
@@ -51,7 +53,7 @@ class ShardType:
 
     The full tensor is flattened and padded to a multiple of ``parts``; every rank
     holds ``ceil(numel / parts)`` elements, so collectives have the same size on
-    every rank even when the split is uneven.
+    every rank even when the split is uneven (``dcir.layout.ShardLayout``).
     """
 
     full: TensorType
@@ -63,7 +65,12 @@ class ShardType:
 
     @property
     def numel(self) -> int:
-        return -(-self.full.numel // self.parts)
+        return self.layout.chunk
+
+    @property
+    def layout(self) -> ShardLayout:
+        """Which of the full tensor's flattened elements each rank holds."""
+        return ShardLayout(self.full.numel, self.parts)
 
     @property
     def nbytes(self) -> int:

@@ -9,7 +9,8 @@
 // average) exactly once, whichever of the results is waited on first.
 //
 // Shard layout (the IR's shard<T, N>): T flattened, zero-padded to a multiple of N,
-// rank r holding elements [r * chunk, (r + 1) * chunk), chunk = ceil(numel / N).
+// rank r holding elements [r * chunk, (r + 1) * chunk), chunk = ceil(numel / N): the
+// rule of the Python side's dcir.layout.ShardLayout, written here only in chunk_of.
 //
 // With CUDA (DCIR_WITH_CUDA), every collective runs on a dedicated communication stream
 // that first waits, through an event, for the work already queued on the compute stream;
@@ -225,6 +226,8 @@ void start(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>&
   for (const auto& r : results) pending[r.unsafeGetTensorImpl()] = {r, p};
 }
 
+// Elements of each rank's flat shard: follows dcir.layout.ShardLayout.chunk (dcir/layout.py),
+// the one Python statement of the layout; tests/test_layout.py checks that the two agree.
 int64_t chunk_of(int64_t numel, int64_t world) { return (numel + world - 1) / world; }
 
 // ---- shared-memory transport ------------------------------------------------------------

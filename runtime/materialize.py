@@ -37,17 +37,18 @@ import torch.distributed as dist
 from torch.utils import swap_tensors
 
 from dcir.diagnostics import DcirError, Diagnostic
+from dcir.layout import ShardLayout
 
 #: how many names an error lists before "and N more"
 _LISTED = 20
 
 
 def flat_shard(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """This rank's flat shard: ``full`` flattened, zero-padded to a multiple of the
-    world size, elements ``[rank * chunk, (rank + 1) * chunk)``."""
-    chunk = -(-full.numel() // world)
-    lo, hi = min(rank * chunk, full.numel()), min((rank + 1) * chunk, full.numel())
-    shard = torch.zeros(chunk, dtype=full.dtype, device=full.device)  # only the shard is new memory
+    """This rank's flat shard of ``full`` in the ``ShardLayout``: ``full`` flattened,
+    zero-padded to a multiple of the world size, elements ``[rank * chunk, (rank + 1) * chunk)``."""
+    layout = ShardLayout(full.numel(), world)
+    lo, hi = layout.range_of(rank)
+    shard = torch.zeros(layout.chunk, dtype=full.dtype, device=full.device)  # only the shard is new memory
     shard[:hi - lo] = full.reshape(-1)[lo:hi]
     return shard
 
@@ -372,7 +373,7 @@ def _scatter(group, model: torch.nn.Module, out: dict) -> Callable:
         if not flag.item():
             return
         dtype, numel = dtypes[name]
-        mine = torch.empty(-(-numel // group.world), dtype=dtype, device=group.device)
+        mine = torch.empty(ShardLayout(numel, group.world).chunk, dtype=dtype, device=group.device)
         parts = None
         if group.rank == 0:
             parts = [flat_shard(full, r, group.world).to(group.device) for r in range(group.world)]

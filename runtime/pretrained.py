@@ -9,7 +9,7 @@ buffers and reports every missing, unexpected and mis-shaped key in one error, b
 any tensor data is read, so a bad checkpoint never loads halfway.
 
 ``read_shard(name, rank, world, dtype)`` returns the rank's flat shard in the engine's
-layout (``materialize.flat_shard``: the tensor flattened, zero-padded to a multiple
+layout (``dcir.layout.ShardLayout``: the tensor flattened, zero-padded to a multiple
 of ``world``, elements ``[rank * chunk, (rank + 1) * chunk)``). It reads only the rows
 (slices along the first dimension) that overlap those elements, through safetensors'
 ``get_slice``, so a rank holds its shard plus at most two partial rows of one tensor at
@@ -38,6 +38,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from dcir.diagnostics import DcirError, Diagnostic, Note
+from dcir.layout import ShardLayout
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -122,17 +123,17 @@ class Checkpoint:
         self._stored_as = stored_as
 
     def read_shard(self, name: str, rank: int, world: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Rank ``rank``'s flat shard of ``name`` among ``world``: its elements ``[rank *
-        chunk, (rank + 1) * chunk)`` of the flattened tensor, ``chunk = ceil(numel /
-        world)``, zero-padded past the end, as ``dtype`` (default: as stored). Reads only
-        the rows those elements lie in."""
+        """Rank ``rank``'s flat shard of ``name`` among ``world`` (``ShardLayout``): its
+        elements ``[rank * chunk, (rank + 1) * chunk)`` of the flattened tensor, ``chunk =
+        ceil(numel / world)``, zero-padded past the end, as ``dtype`` (default: as
+        stored). Reads only the rows those elements lie in."""
         key = self._key(name)
         stored = self.tensors[key]
         if not 0 <= rank < world:
             raise DcirError(Diagnostic(f"rank {rank} is outside a world of {world} (reading {name} from {self.path})"))
-        chunk = -(-stored.numel // world)
-        part = self._elements(key, stored, min(rank * chunk, stored.numel), min((rank + 1) * chunk, stored.numel))
-        shard = torch.zeros(chunk, dtype=dtype or part.dtype)
+        layout = ShardLayout(stored.numel, world)
+        part = self._elements(key, stored, *layout.range_of(rank))
+        shard = torch.zeros(layout.chunk, dtype=dtype or part.dtype)
         shard[:part.numel()].copy_(part)
         return shard
 

@@ -1,9 +1,10 @@
 """What an Engine holds of the model: this rank's flat shard of every parameter, in the
 runtime's shard store, and the optimizer built over those shards.
 
-A shard follows the IR's ``shard<T, N>`` layout: the parameter flattened, zero-padded
-to a multiple of the world size, rank ``r`` holding elements ``[r * chunk, (r + 1) *
-chunk)``. Tied parameters are one shard, named by the parameter's first FQN.
+A shard follows the IR's ``shard<T, N>`` layout (``dcir.layout.ShardLayout``): the
+parameter flattened, zero-padded to a multiple of the world size, rank ``r`` holding
+elements ``[r * chunk, (r + 1) * chunk)``. Tied parameters are one shard, named by the
+parameter's first FQN.
 """
 
 from __future__ import annotations

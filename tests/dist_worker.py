@@ -42,8 +42,10 @@ import torch
 import torch.nn.functional as F
 
 import dcir
+from dcir.layout import ShardLayout
 from dcir_runtime import RankFailure
 from dcir_runtime.accounting import scheduled_bytes
+from dcir_runtime.materialize import flat_shard
 from dcir_runtime.native import runtime_stats
 from models import Breaks, Tied  # a graph break; tied embeddings, a frozen layer
 from models import mlp, tiny_llama  # mlp: 16*8+16 and 4*16+4 split unevenly over 3
@@ -521,10 +523,7 @@ def native_ops(transport: str) -> None:
     d, g = torch.ops.dcir, engine.group
     assert d.shm_active(g) == (transport != "process_group"), (transport, engine.transport_bytes)
     full = torch.arange(10.0, device=where).reshape(2, 5)
-    chunk = -(-10 // world)
-    flat = F.pad(full.reshape(-1), (0, chunk * world - 10))
-    mine = slice(rank * chunk, (rank + 1) * chunk)
-    shard = flat[mine].clone()
+    shard = flat_shard(full, rank, world)
     assert torch.equal(d.wait(d.all_gather(shard, [2, 5], g, "t")), full)
     a, b = d.all_gather_coalesced([shard, shard * 2], [2, 5, 10], [2, 1], g, "t")
     d.wait(b)
@@ -532,20 +531,21 @@ def native_ops(transport: str) -> None:
     assert torch.equal(a, full) and torch.equal(b, full.reshape(-1) * 2)
     ranks_sum = sum(range(1, world + 1))
     grad = full * (rank + 1)
-    assert torch.equal(d.wait(d.reduce_scatter(grad, "avg", g, "t")), (flat * ranks_sum / world)[mine])
-    assert torch.equal(d.wait(d.reduce_scatter(grad, "max", g, "t")), (flat * world)[mine])
+    assert torch.equal(d.wait(d.reduce_scatter(grad, "avg", g, "t")), flat_shard(full * ranks_sum / world, rank, world))
+    assert torch.equal(d.wait(d.reduce_scatter(grad, "max", g, "t")), flat_shard(full * world, rank, world))
     s1, s2 = d.reduce_scatter_coalesced([grad, grad[0]], "sum", g, "t")
     d.wait(s2)
     d.wait(s1)
-    c2 = -(-5 // world)
-    assert torch.equal(s1, (flat * ranks_sum)[mine])
-    assert torch.equal(s2, (F.pad(full[0], (0, c2 * world - 5)) * ranks_sum)[rank * c2:(rank + 1) * c2])
+    assert torch.equal(s1, flat_shard(full * ranks_sum, rank, world))
+    assert torch.equal(s2, flat_shard(full[0] * ranks_sum, rank, world))
     assert torch.equal(d.wait(d.all_reduce(grad, "avg", g, "t")), full * ranks_sum / world)
     before = runtime_stats()
     x = d.wait(d.all_gather(shard, [2, 5], g, "t"))
-    assert runtime_stats().gathered_now - before.gathered_now == chunk * world * 4  # the gathered buffer, accounted
+    # the gathered buffer, accounted
+    assert runtime_stats().gathered_now - before.gathered_now == ShardLayout(10, world).padded * 4
     d.free(x)
     assert x.untyped_storage().nbytes() == 0 and runtime_stats().gathered_now == before.gathered_now
+    _layouts_agree(d, g, rank, world, where)
     _many_in_flight(d, g, rank, world, engine.transport_bytes, where)
     try:
         d.reduce_scatter(grad, "mean", g, "t")
@@ -555,6 +555,23 @@ def native_ops(transport: str) -> None:
         raise AssertionError("an unknown reduction started")
     print_segments()
     print(f"rank {rank}: ops ok", flush=True)
+
+
+def _layouts_agree(d, g, rank: int, world: int, where: torch.device) -> None:
+    """The runtime's collectives put each rank's elements where ``ShardLayout`` says (the
+    rule the C++ ``chunk_of`` follows): fewer elements than ranks, multiples of the
+    world, uneven sizes."""
+    ranks_sum = sum(range(1, world + 1))
+    for numel in sorted({n for n in (1, world - 1, world, world + 1, 2 * world, 7, 10, 11) if n > 0}):
+        full = torch.arange(1.0, numel + 1, device=where)
+        layout = ShardLayout(numel, world)
+        start, stop = layout.range_of(rank)
+        mine = torch.zeros(layout.chunk, device=where)  # this rank's elements, then padding
+        mine[:stop - start] = full[start:stop]
+        assert torch.equal(d.wait(d.reduce_scatter(full * (rank + 1), "sum", g, "t")), mine * ranks_sum), numel
+        gathered = d.wait(d.all_gather(mine, [numel], g, "t"))
+        assert torch.equal(gathered, full), numel
+        d.free(gathered)
 
 
 def _many_in_flight(d, g, rank: int, world: int, outbox: int, where: torch.device) -> None:
