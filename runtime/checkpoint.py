@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from dcir.diagnostics import DcirError, Diagnostic
+from dcir.layout import ShardLayout
 
 MARKER = "COMPLETE"
 LATEST = "latest"
@@ -89,10 +90,13 @@ def _numel(engine, name: str) -> int:
     return engine.shapes[name].numel()
 
 
+def _layout(engine, name: str) -> ShardLayout:
+    return ShardLayout(_numel(engine, name), engine.world)
+
+
 def _local(engine, name: str, padded: torch.Tensor) -> torch.Tensor:
     """The unpadded part of this rank's flat shard (torch.chunk's split of ``numel``)."""
-    n, chunk = _numel(engine, name), padded.numel()
-    return padded.reshape(-1)[:max(0, min(chunk, n - engine.rank * chunk))]
+    return padded.reshape(-1)[:_layout(engine, name).local_numel(engine.rank)]
 
 
 def _dtensor(engine, name: str, padded: torch.Tensor, mesh):
@@ -104,7 +108,7 @@ def _dtensor(engine, name: str, padded: torch.Tensor, mesh):
 
 
 def _empty_dtensor(engine, name: str, dtype: torch.dtype, mesh):
-    chunk = -(-_numel(engine, name) // engine.world)
+    chunk = _layout(engine, name).chunk
     return _dtensor(engine, name, torch.empty(chunk, dtype=dtype), mesh)  # DCP fills every element
 
 

@@ -17,6 +17,8 @@ MAX_FUNCTION, MAX_CLASS = 60, 250
 ENGINE_CLIENTS = ("runtime/checkpoint.py", "runtime/programs.py")
 #: what changes a list in place, ``sys.path`` included
 LIST_EDITS = {"insert", "append", "extend", "remove", "pop", "clear"}
+#: the one home of the flat shard layout's rule (``ShardLayout``), and the names a world size goes by
+LAYOUT_HOME, WORLD_NAMES = "dcir/layout.py", {"world", "world_size", "parts"}
 
 
 def _units(source: str):
@@ -122,3 +124,40 @@ def test_the_seam_scans_see_each_form():
              "getattr(engine, '_x')\nengine.lower(m)\ngetattr(engine, attr)\n")
     assert _private_engine_reads(reads) == ["1: engine._optim", "2: engine._flag", "3: engine._lowered",
                                             "4: getattr(engine, '_x')"]
+
+
+def _is_world(node) -> bool:
+    return ((isinstance(node, ast.Name) and node.id in WORLD_NAMES)
+            or (isinstance(node, ast.Attribute) and node.attr in WORLD_NAMES))
+
+
+def _world_ceil_divisions(source: str) -> list[int]:
+    """Lines of ``source`` that divide by a world size rounding up, the shard layout's
+    ``chunk``: ``-(-n // world)``, ``(n + world - 1) // world``, ``math.ceil(n / world)``."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv) and _is_world(node.right) and (
+                isinstance(node.left, ast.UnaryOp) or any(map(_is_world, ast.walk(node.left)))):
+            lines.append(node.lineno)
+        name = getattr(node.func, "attr", getattr(node.func, "id", "")) if isinstance(node, ast.Call) else ""
+        if name == "ceil" and node.args and isinstance(node.args[0], ast.BinOp) and _is_world(node.args[0].right):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_the_shard_layout_is_computed_in_one_place():
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            if rel != LAYOUT_HOME and (lines := _world_ceil_divisions(path.read_text())):
+                found[rel] = lines
+    assert not found, ("a shard's size computed again (use dcir.layout.ShardLayout):\n"
+                       + "\n".join(f"{path}: lines {lines}" for path, lines in found.items()))
+    assert _world_ceil_divisions((ROOT / LAYOUT_HOME).read_text()), "the scan no longer sees the rule's own home"
+
+
+def test_the_layout_scan_sees_each_form():
+    source = ("a = -(-n // world)\nb = (n + g.world - 1) // g.world\nc = math.ceil(n / self.parts)\n"
+              "d = ceil(n / world_size)\ne = n // world\nf = total / world\ng = -(-n // 64)\n")
+    assert _world_ceil_divisions(source) == [1, 2, 3, 4]
