@@ -101,7 +101,34 @@ def capture(model: torch.nn.Module, example_inputs, *, kwargs: dict | None = Non
     outputs = Outputs.of(out, captured.produced)
     if training:
         _backward(captured)
+    _fold_clones(captured)
     return _Lowering(work, captured, name or type(model).__name__).module(), outputs
+
+
+def _fold_clones(captured: "_Captured") -> None:
+    """The forward's copies that copy nothing, gone: AOTAutograd traces ``dropout`` at
+    ``p=0`` (and any dropout outside training) as ``clone(x)``, which eager PyTorch does
+    not run (it returns ``x``); under attention that is a second [batch, heads, seq, seq]
+    tensor per layer, saved for the backward beside the softmax it copies. A clone is
+    folded into its source when neither can be seen or written outside the graph: the
+    clone is no model output, its source is no graph input (the only values a functional
+    graph writes are inputs) and no model output, and it keeps the source's layout."""
+    graph = captured.forward.graph
+    outputs = next(n for n in graph.nodes if n.op == "output").args[0]
+    visible = set(outputs[:captured.mutated_outputs() + len(captured.meta.output_info)])
+    folded = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.clone.default or node in visible:
+            continue
+        source = node.args[0]
+        layout = node.kwargs.get("memory_format", torch.preserve_format)
+        if source.op == "placeholder" or source in visible or layout is not torch.preserve_format:
+            continue
+        node.replace_all_uses_with(source)
+        graph.erase_node(node)
+        folded += 1
+    if folded:
+        captured.forward.recompile()
 
 
 def _stepper(work: torch.nn.Module, training: bool, loss_fn, param_dtype, output_dtype, cast_inputs: bool):

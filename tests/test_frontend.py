@@ -3,10 +3,13 @@ left as it was."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 import dcir
+from dcir_lowering.backend import state_of
 from models import Breaks, ConvBN, Tied
 
 
@@ -245,3 +248,35 @@ def test_a_mixture_of_experts_warms_up_on_real_tensors_and_captures(name):
     module, _ = capture(model, (), kwargs=kwargs, loss_fn=loss_fn)
     loss = dcir.lower(module, state_of(model)).train_step(**kwargs)
     assert torch.equal(loss, loss_fn(ZOO[name].model()(**kwargs)))
+
+
+class _Attention(torch.nn.Module):
+    """Softmax weights through dropout at p=0 in training (what AOTAutograd traces as a
+    clone), then used; ``expose`` also returns the weights' copy as a model output."""
+
+    def __init__(self, expose: bool = False):
+        super().__init__()
+        self.proj, self.expose = torch.nn.Linear(8, 8), expose
+
+    def forward(self, x):
+        weights = self.proj(x).softmax(-1)
+        dropped = torch.nn.functional.dropout(weights, p=0.0, training=True)
+        out = (dropped @ x.t()).pow(2).mean()
+        return (out, dropped) if self.expose else out
+
+
+def test_a_copy_that_copies_nothing_is_folded():
+    """dropout(p=0)'s clone is gone from the forward (the backward's saved values are the
+    softmax's, once); a copy the model returns stays a copy, and the step still trains
+    to eager's gradients."""
+    x = torch.randn(4, 8)
+    forward = dcir.compile_to_ir(_Attention(), (x,)).functions["forward"]
+    assert not [op for op in forward.ops if op.name == "aten.clone.default"], str(forward)
+    exposed = dcir.compile_to_ir(_Attention(expose=True), (x,)).functions["forward"]  # both outputs
+    assert [op for op in exposed.ops if op.name == "aten.clone.default"], str(exposed)
+    torch.manual_seed(0)
+    model = _Attention()
+    mine = copy.deepcopy(model)
+    expected = torch.autograd.grad(model(x), [model.proj.weight, model.proj.bias])
+    dcir.lower(dcir.compile_to_ir(model, (x,)), state_of(mine)).train_step(x)
+    torch.testing.assert_close([mine.proj.weight.grad, mine.proj.bias.grad], list(expected), rtol=0, atol=0)
