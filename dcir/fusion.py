@@ -16,8 +16,9 @@ This module is that choice's model, at the IR's level:
   those to a stretch's edges); it is cut by every other op of the runtime
   (collective starts, ``param.set``, the optimizer-state store's calls, and a random
   op, which runs eagerly so that a recompute replays its draws: ``dcir.activations``)
-  and before the first compute that reads a wait's result. A test checks it against the lowering's
-  cuts. Only stretches with ``MIN_OPS`` ops Inductor could fuse are compiled at all;
+  and before the first compute that reads a wait's result. The rules and the walk are
+  ``crossing`` and ``arrange``, written once: the lowering cuts its graph with them,
+  naming each node's kind as ``_kind`` names each op's. Only stretches with ``MIN_OPS`` ops Inductor could fuse are compiled at all;
 * an op marked ``lower.fused`` runs in a compiled stretch (the ``fuse`` pass marks them; a
   stretch is compiled when its ops are marked);
 * ``seconds`` prices one function's compute ops, each stretch compiled or not: a
@@ -37,8 +38,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
+from typing import Callable, Iterable
+
 from dcir import ops as registry
 from dcir.activations import draws_random
+from dcir.analysis import view_bases
 from dcir.ir import UNIT, Function, Module, Op
 from dcir.roles import BACKWARD, BACKWARD_LAST, EVAL, FORWARD
 
@@ -51,7 +55,21 @@ ROLES = (FORWARD, BACKWARD, BACKWARD_LAST, EVAL)
 #: ops Inductor hands to the same library kernels eager calls: nothing to fuse
 LIBRARY_KERNELS = ("aten.mm.", "aten.bmm.", "aten.addmm.", "aten.baddbmm.", "aten.convolution.")
 
-_COMPUTE, _HOIST, _SINK, _FIXED = "compute", "hoist", "sink", "fixed"
+#: What an op is to a stretch, as either representation (the IR's ops here, the lowered
+#: graph's nodes in ``dcir_lowering.backend``) says of its own: compute, or a runtime op
+#: that reads state, picks a result already made, waits on a collective, hands a
+#: gradient over, frees a buffer, or does anything else
+COMPUTE, READ, PICK, WAIT, HAND_OVER, FREE, OTHER = "compute", "read", "pick", "wait", "hand_over", "free", "other"
+#: where a runtime op goes in its stretch: to its start, to its end (or to just before
+#: the first compute that reads its result), or nowhere (it cuts the stretch)
+HOIST, SINK, FIXED = "hoist", "sink", "fixed"
+#: the kinds whose place does not depend on what came before (``crossing``)
+CROSSING = {
+    READ: HOIST,       # a reference to stored state: only the ops that cut change it
+    HAND_OVER: SINK,   # a dict entry
+    FREE: SINK,        # nothing reads a freed value after the free: only the release comes later
+    OTHER: FIXED,      # collective starts, param.set, the optimizer-state store, rng, random ops
+}
 
 
 def is_compute(op: Op) -> bool:
@@ -73,55 +91,98 @@ def _store_state(module: Module | None, op: Op) -> bool:
     return decl is not None and OPTIM_STATE_OF in decl.attrs
 
 
-def _crossing(module: Module | None, op: Op, finished: set, copies: set) -> str:
-    """How ``op`` meets a stretch (module docstring): ``finished`` holds the collectives
-    an earlier stretch's waits finished, ``copies`` the values host copies made."""
+def crossing(kind: str, sources_placed: bool, collectives_finished: bool) -> str:
+    """Where a runtime op of ``kind`` goes in its stretch (``HOIST``, ``SINK`` or
+    ``FIXED``): the picking of a result already placed, and a wait whose collectives an
+    earlier stretch's waits finished (the wait of one result of a coalesced transfer
+    finishes all of them: the others return at once), go to the stretch's start; any
+    other wait to its end (waiting later blocks less); the rest as ``CROSSING`` says."""
+    if kind == PICK:
+        return HOIST if sources_placed else SINK
+    if kind == WAIT:
+        return HOIST if sources_placed and collectives_finished else SINK
+    return CROSSING[kind]
+
+
+def arrange(items: list, kinds: list[str], sources: Callable, collectives: Callable,
+            placed: Iterable = ()) -> tuple[list, list[list]]:
+    """Cut ``items`` (ops or nodes in program order, each of ``kinds``) into stretches of
+    compute: (the items in the order they run, runtime ops moved to their stretch's edges
+    as ``crossing`` says; the compute of each stretch, in order). ``sources(x)``: the items
+    ``x`` reads; ``collectives(x)``: the collectives a wait finishes; ``placed``: what is
+    there before the first item (arguments)."""
+    order: list = []
+    bodies: list[list] = []
+    head: list = []
+    body: list = []
+    tail: list = []
+    placed, finished, waiting = set(placed), set(), set()  # waiting: the tail's items
+    kind_of = dict(zip(map(id, items), kinds))
+
+    def flush():
+        for x in (*head, *body, *tail):
+            order.append(x)
+            placed.add(x)
+            if kind_of[id(x)] == WAIT:
+                finished.update(collectives(x))
+        if body:
+            bodies.append(list(body))
+        head.clear(), body.clear(), tail.clear(), waiting.clear()
+
+    for x, kind in zip(items, kinds):
+        if kind == COMPUTE:
+            if waiting.intersection(sources(x)):
+                flush()
+            body.append(x)
+            continue
+        reads = list(sources(x))
+        where = crossing(kind, all(s in placed for s in reads),
+                         kind == WAIT and all(c in finished for c in collectives(x)))
+        if where == HOIST:
+            head.append(x)
+            placed.add(x)
+        elif where == SINK:
+            tail.append(x)
+            waiting.add(x)
+        else:
+            flush()
+            order.append(x)
+            placed.add(x)
+    flush()
+    return order, bodies
+
+
+def _kind(module: Module | None, op: Op, copies: set) -> str:
+    """What ``op`` is to a stretch (``arrange``); ``copies``: the values host copies made."""
     if is_compute(op) and not draws_random(op):
-        return _COMPUTE
+        return COMPUTE
     if op.name == "param.get":
-        return _FIXED if _store_state(module, op) else _HOIST
+        return OTHER if _store_state(module, op) else READ
     if op.name == "comm.wait":
-        return _HOIST if all(v.owner in finished for v in op.operands) else _SINK
-    if op.name == "grad.set" or (op.name == "mem.free" and not copies & set(op.operands)):
-        return _SINK
-    return _FIXED
+        return WAIT
+    if op.name == "grad.set":
+        return HAND_OVER
+    if op.name == "mem.free" and not copies & set(op.operands):
+        return FREE
+    return OTHER
+
+
+def _owners(op: Op) -> list[Op]:
+    return [v.owner for v in op.operands if isinstance(v.owner, Op)]
 
 
 def stretches(func: Function, module: Module | None = None) -> list[list[int]]:
-    """The stretches of compute the lowering cuts ``func`` into (module docstring): each
-    the positions of its compute ops, in order. ``module`` tells the optimizer-state
-    store's reads (offload) from the parameters'; without it every read is a parameter's."""
-    from dcir.analysis import view_bases
-
+    """The stretches of compute the lowering cuts ``func`` into (``arrange``, as the
+    lowering cuts its graph): each the positions of its compute ops, in order. ``module``
+    tells the optimizer-state store's reads (offload) from the parameters'; without it
+    every read is a parameter's."""
     bases = view_bases(func)
     copies = {bases.get(r, r) for op in func.ops if op.name == "mem.wait" for r in op.results}
     copies |= {v for v, b in bases.items() if b in copies}
-    out: list[list[int]] = []
-    body: list[int] = []
-    waiting: set = set()  # results of the ops moved to the stretch's end
-    finished: set = set()  # collectives a placed wait has finished
-    joined: set = set()  # the collectives this stretch's waits finish
-
-    def flush():
-        if body:
-            out.append(list(body))
-        body.clear(), waiting.clear()
-        finished.update(joined), joined.clear()
-
-    for i, op in enumerate(func.ops):
-        where = _crossing(module, op, finished, copies)
-        if where == _COMPUTE:
-            if waiting.intersection(op.operands):
-                flush()
-            body.append(i)
-        elif where == _SINK:
-            waiting.update(op.results)
-        elif where == _FIXED:
-            flush()
-        if op.name == "comm.wait":
-            joined.update(v.owner for v in op.operands)
-    flush()
-    return out
+    kinds = [_kind(module, op, copies) for op in func.ops]
+    _, bodies = arrange(func.ops, kinds, _owners, _owners)
+    position = {op: i for i, op in enumerate(func.ops)}
+    return [[position[op] for op in body] for body in bodies]
 
 
 def compilable(func: Function, stretch: list[int]) -> bool:

@@ -626,23 +626,20 @@ def _fusible(node: fx.Node) -> int:
     return int(t is not _item and not str(t).startswith(fusion.LIBRARY_KERNELS) and not getattr(t, "is_view", False))
 
 
-_HOIST, _SINK, _FIXED = "hoist", "sink", "fixed"
-
-
-def _crossing(node: fx.Node, finished: set, placed: set) -> str:
-    """Where runtime op ``node`` may go in its stretch (``compile_compute``): ``finished``
-    holds the collectives a placed wait has finished, ``placed`` the nodes already
-    placed before the stretch's compute."""
+def _kind(node: fx.Node, runtime: set) -> str:
+    """What ``node`` is to a stretch, in ``dcir.fusion``'s terms (``fusion.arrange`` places
+    it); ``runtime``: the runtime's nodes so far."""
+    if not _runs_in_runtime(node, runtime):
+        return fusion.COMPUTE
+    runtime.add(node)
     t, runtime_op = node.target, _runtime_op(node)
     if t is _state_get or runtime_op == "get_shard":
-        return _HOIST
+        return fusion.READ
     if t is _item:
-        return _HOIST if node.args[0] in placed else _SINK
-    if t is _grad_set or runtime_op == "free":
-        return _SINK
-    if runtime_op == "wait":
-        return _HOIST if _collective(node) in finished and node.args[0] in placed else _SINK
-    return _FIXED
+        return fusion.PICK
+    if t is _grad_set:
+        return fusion.HAND_OVER
+    return {"free": fusion.FREE, "wait": fusion.WAIT}.get(runtime_op, fusion.OTHER)
 
 
 def _runtime_op(node: fx.Node) -> str:
@@ -659,49 +656,16 @@ def _collective(wait: fx.Node) -> fx.Node:
 
 def _arrange(graph: fx.Graph) -> fx.Graph:
     """A copy of ``graph`` with the runtime ops that may cross compute moved to the edges
-    of their stretch (``compile_compute``)."""
-    order: list[fx.Node] = []
-    head: list[fx.Node] = []
-    body: list[fx.Node] = []
-    tail: list[fx.Node] = []
-    placed, finished, runtime, waiting = set(), set(), set(), set()  # waiting: the tail's nodes
-
-    def flush():
-        for n in (*head, *body, *tail):
-            order.append(n)
-            placed.add(n)
-            if _runtime_op(n) == "wait":
-                finished.add(_collective(n))
-        head.clear(), body.clear(), tail.clear(), waiting.clear()
-
-    for n in graph.nodes:
-        if n.op == "placeholder":
-            order.append(n)
-            placed.add(n)
-            continue
-        if n.op == "output":
-            flush()
-            continue
-        if not _runs_in_runtime(n, runtime):
-            if any(a in waiting for a in n.all_input_nodes):
-                flush()
-            body.append(n)
-            continue
-        runtime.add(n)
-        where = _crossing(n, finished, placed)
-        if where == _HOIST:  # placed before the stretch's compute
-            head.append(n)
-            placed.add(n)
-        elif where == _SINK:
-            tail.append(n)
-            waiting.add(n)
-        else:
-            flush()
-            order.append(n)
-            placed.add(n)
+    of their stretch (``compile_compute``), where ``dcir.fusion.arrange`` puts them."""
+    args = [n for n in graph.nodes if n.op == "placeholder"]
+    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    runtime: set = set()
+    kinds = [_kind(n, runtime) for n in nodes]
+    order, _ = fusion.arrange(nodes, kinds, lambda n: n.all_input_nodes,
+                              lambda n: [_collective(n)], placed=args)
     out = fx.Graph()
     env: dict = {}
-    for n in [*order, *[m for m in graph.nodes if m.op == "output"]]:
+    for n in [*args, *order, *[m for m in graph.nodes if m.op == "output"]]:
         env[n] = out.node_copy(n, lambda a: env[a])
     return out
 

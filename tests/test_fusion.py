@@ -39,11 +39,31 @@ def _lowered_stretches(module, func) -> list[list[int]]:
     return out
 
 
+def test_one_walk_cuts_stretches_and_moves_runtime_ops_to_their_edges():
+    """``fusion.arrange``, the one definition the IR's ``stretches`` and the lowering's
+    ``_arrange`` both call: a collective start cuts; a state read goes to the start of its
+    stretch; a wait on an unfinished collective, a free and the picking of the wait's
+    result go to its end, until compute reads the wait; a wait on a collective an
+    earlier stretch's wait finished goes to the start."""
+    kinds = {"start": fusion.OTHER, "read": fusion.READ, "wait": fusion.WAIT, "pick": fusion.PICK,
+                    "free": fusion.FREE, "wait2": fusion.WAIT}
+    items = ["a", "start", "read", "b", "wait", "pick", "c", "free", "d", "wait2", "e"]
+    reads = {"pick": ["wait"], "wait": ["start"], "wait2": ["start"], "d": ["pick"], "b": ["read"]}
+    order, bodies = fusion.arrange(items, [kinds.get(x, fusion.COMPUTE) for x in items], lambda x: reads.get(x, []),
+                                   lambda x: ["start"])
+    assert bodies == [["a"], ["b", "c"], ["d", "e"]]
+    assert order == ["a", "start", "read", "b", "c", "wait", "pick", "free", "wait2", "d", "e"]
+    assert fusion.crossing(fusion.READ, False, False) == fusion.HOIST
+    assert fusion.crossing(fusion.OTHER, True, True) == fusion.FIXED
+
+
 @pytest.mark.parametrize("pipeline", ["zero3{world_size=2}", "zero3{world_size=2},prefetch,unshard,bucket",
                                       "zero3{world_size=2},bucket,prefetch", "zero2{world_size=2}",
                                       "zero1{world_size=2}", "zero3{world_size=2},unshard,bucket",
                                       "zero3{world_size=2},offload{budget=64KiB}"])
 def test_the_ir_cuts_stretches_where_the_lowering_does(llama_module, pipeline):
+    """The cut is ``fusion.arrange``'s on both sides; what each side says its ops are
+    (``fusion._kind`` of an IR op, ``backend._kind`` of a graph node) agrees."""
     from dcir_runtime import native
 
     native.load()
