@@ -189,7 +189,7 @@ class Engine:
             installed = self._capture(args, kwargs, key, grad)
         return installed
 
-    def _capture(self, args: tuple, kwargs: dict, key: tuple, training: bool) -> Installed:
+    def _capture(self, args: tuple, kwargs: dict, key: programs.ProgramKey, training: bool) -> Installed:
         """Capture the program of ``key`` (``programs.capture_program``)."""
         begin = time.perf_counter()
         installed = programs.capture_program(self, args, kwargs, key, training)

@@ -14,6 +14,8 @@ says so, instead of a hang.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch.utils._pytree import tree_flatten
 
@@ -26,12 +28,42 @@ from dcir.memory import GRAD_ACC_OF
 from dcir_runtime import transport
 
 
-def key(training: bool, grad: bool, args: tuple, kwargs: dict) -> tuple:
-    """What tells programs apart: the mode, and each input's shape and dtype (other
+class Mode(NamedTuple):
+    """What a program runs: training or evaluation, with gradients or under ``torch.no_grad()``."""
+
+    training: bool
+    grad: bool
+
+
+class ProgramKey(NamedTuple):
+    """What tells programs apart: the mode, the inputs' structure (a pytree spec, as text)
+    and each input's ``(shape, dtype)``, or its value when it is not a tensor."""
+
+    training: bool
+    grad: bool
+    spec: str
+    inputs: tuple
+
+    @property
+    def mode(self) -> Mode:
+        return Mode(self.training, self.grad)
+
+    def shapes(self) -> list[list[int]]:
+        """The shapes of the tensor inputs."""
+        return [list(s[0]) for s in self.inputs if isinstance(s, tuple) and len(s) == 2]
+
+
+#: The spec of the key under which a rank keeps rank 0's program of a mode, when its own
+#: shapes differ from rank 0's (it compiles its own against it, under its own key)
+RANK0_SPEC = "rank 0's shapes"
+
+
+def key(training: bool, grad: bool, args: tuple, kwargs: dict) -> ProgramKey:
+    """The key of a call's program: its mode, and each input's shape and dtype (other
     arguments by value, as Dynamo guards on them)."""
     leaves, spec = tree_flatten((args, kwargs))
     shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else _constant(t) for t in leaves)
-    return (bool(training), bool(grad), str(spec), shapes)
+    return ProgramKey(bool(training), bool(grad), str(spec), shapes)
 
 
 def _constant(v):
@@ -44,8 +76,8 @@ def _constant(v):
 
 class Programs:
     def __init__(self):
-        self._by_key: dict[tuple, object] = {}
-        self._base: dict[tuple, tuple] = {}  # mode -> the key of its first program
+        self._by_key: dict[ProgramKey, object] = {}
+        self._base: dict[Mode, ProgramKey] = {}  # mode -> the key of its first program
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -54,24 +86,23 @@ class Programs:
         """The module of each program kept."""
         return [installed.module for installed in self._by_key.values()]
 
-    def get(self, k: tuple):
+    def get(self, k: ProgramKey):
         return self._by_key.get(k)
 
-    def base(self, mode: tuple):
+    def base(self, mode: Mode):
         k = self._base.get(mode)
         return self._by_key[k] if k is not None else None
 
-    def check_room(self, k: tuple, limit: int) -> None:
+    def check_room(self, k: ProgramKey, limit: int) -> None:
         if len(self._by_key) >= limit:
-            shapes = [list(s[0]) for s in k[3] if isinstance(s, tuple) and len(s) == 2]
             raise DcirError(Diagnostic(
-                f"a new input shape ({shapes}) needs a program of its own and the engine keeps {limit} already "
+                f"a new input shape ({k.shapes()}) needs a program of its own and the engine keeps {limit} already "
                 "(config 'max_programs'); pad or bucket the inputs to fewer shapes, or raise the limit"))
 
-    def add(self, k: tuple, installed, base: bool = False) -> None:
+    def add(self, k: ProgramKey, installed, base: bool = False) -> None:
         self._by_key[k] = installed
         if base:
-            self._base[k[:2]] = k
+            self._base[k.mode] = k
 
     def discard_accumulated(self) -> None:
         """Zero every kept program's gradient accumulators (``zero1``'s ``grad_acc``
@@ -89,7 +120,7 @@ class Programs:
             installed = self._by_key[k]
             if installed.module.role("backward") is None:
                 continue
-            self._by_key = {other: v for other, v in self._by_key.items() if other[:2] != mode}
+            self._by_key = {other: v for other, v in self._by_key.items() if other.mode != mode}
             self._by_key[k] = type(installed)(module, program, installed.outputs)
 
 
@@ -129,7 +160,7 @@ def check_collectives(base: dcir.Module, new: dcir.Module) -> None:
         "shapes, or drop the shape-dependent passes (prefetch, bucket) from the config"))
 
 
-def capture_program(engine, args: tuple, kwargs: dict, k: tuple, training: bool):
+def capture_program(engine, args: tuple, kwargs: dict, k: ProgramKey, training: bool):
     """Capture ``engine``'s program of key ``k``: through rank 0 the first of its mode
     (every rank calls it then); on this rank alone a shape this rank meets later, checked
     to run the collectives the mode's first program runs."""
@@ -137,10 +168,10 @@ def capture_program(engine, args: tuple, kwargs: dict, k: tuple, training: bool)
     from dcir_runtime.execution import Installed
 
     engine.programs.check_room(k, engine.config.max_programs)
-    mode = k[:2]
+    mode = k.mode
     base = engine.programs.base(mode)
     captured = capture(engine.model, args, kwargs, loss_fn=engine.loss_fn, config=engine.config,
-                       group=engine.process_group, key=f"{engine.store_prefix}program/{mode[0]:d}{mode[1]:d}",
+                       group=engine.process_group, key=f"{engine.store_prefix}program/{mode.training:d}{mode.grad:d}",
                        local=base is not None, training=training, passes=engine.planner.passes,
                        state_keys=engine.optimizer_state_keys)
     installed = Installed(captured.module, engine.lower(captured.module), captured.outputs)
@@ -149,7 +180,7 @@ def capture_program(engine, args: tuple, kwargs: dict, k: tuple, training: bool)
         check_collectives(base.module, installed.module)
         engine.programs.add(k, installed)
         return installed
-    engine.programs.add(k if matches else (*mode, "rank 0's shapes"), installed, base=True)
+    engine.programs.add(k if matches else k._replace(spec=RANK0_SPEC, inputs=()), installed, base=True)
     if training and engine.program is None:
         engine.planner.start(captured.text, captured.module)
         engine.execution.install(captured.module, installed.program)
