@@ -20,7 +20,8 @@ module runs in a plain process.
 
 The optimizer step (``@step``, made by the ``offload`` pass, the reloads it starts
 in the backward and the copies home it finishes in the forward) lowers to calls on
-the optimizer-state store given as ``lower(..., optimizer_state=)`` (the Engine's
+the optimizer-state store given as ``lower(..., optimizer_state=)`` (an
+``OptimizerStateStore``, ``dcir_lowering.state_store``; the Engine's is
 ``dcir_runtime.offload.StateStore``), which the program's state holds under
 ``OPTIMIZER_STATE``. ``param.get`` / ``param.set`` of optimizer state,
 ``mem.reload`` / ``mem.offload`` and their ``mem.wait``, ``mem.free`` of a device
@@ -50,6 +51,8 @@ from dcir.printer import locate
 from dcir.roles import BACKWARD, BACKWARD_LAST, EVAL, FORWARD, STEP, UNSHARD
 from dcir.shapes import call_arguments, torch_dtype
 from dcir.verifier import verify
+from dcir_lowering import state_store
+from dcir_lowering.state_store import OPTIMIZER_STATE, OptimizerStateStore
 
 
 #: ``node.meta`` key: position in its function of the op an FX node comes from
@@ -223,23 +226,7 @@ class _Distributed:
             env[r] = node
 
 
-#: The key of the optimizer-state store in a program's state (``lower`` puts it there).
-OPTIMIZER_STATE = "<optimizer state>"
-
-
-def _call(state: dict, method: str, *args):
-    return getattr(state[OPTIMIZER_STATE], method)(*args)
-
-
 # ---- what a lowered graph's nodes do, for the profiler (``dcir_runtime.profiler``) ----------
-
-def store_call(node: fx.Node) -> str | None:
-    """The method of the optimizer-state store a node of a lowered function calls
-    (``reload``, ``offload``, ``wait``, ``get_state``, ``step``, ...), or None."""
-    if node.op == "call_function" and node.target is _call:
-        return node.args[1]
-    return None
-
 
 def reads_state(node: fx.Node) -> bool:
     """Whether a node of a lowered function reads the program's state (parameter
@@ -249,8 +236,8 @@ def reads_state(node: fx.Node) -> bool:
         return False
     if node.target is _item and isinstance(node.args[0], fx.Node):
         node = node.args[0]
-    if node.target is _call:
-        return node.args[1] in ("get_state", "step")
+    if node.target in (state_store.get_state, state_store.step):
+        return True
     qualified = getattr(node.target, "_qualified_op_name", "")
     return qualified == "dcir::get_shard" or node.target is _state_get
 
@@ -305,23 +292,25 @@ class _Offloading:
         return self.starts(self.module, op) or op in self.waits
 
     def lower(self, op: Op, g: fx.Graph, env: dict) -> None:
-        call = lambda method, *args: g.call_function(_call, (self.state, method, *args))  # noqa: E731
+        call = lambda target, *args: g.call_function(target, (self.state, *args))  # noqa: E731
         if op.name == "param.get":
-            env[op.results[0]] = call("get_state", op.symbol)
+            env[op.results[0]] = call(state_store.get_state, op.symbol)
         elif op.name == "param.set":
-            call("set_state", op.symbol, env[op.operands[0]])
-        elif op.name in ("mem.reload", "mem.offload"):
-            env[op.results[0]] = call(op.name.split(".")[1], env[op.operands[0]])
+            call(state_store.set_state, op.symbol, env[op.operands[0]])
+        elif op.name == "mem.reload":
+            env[op.results[0]] = call(state_store.reload, env[op.operands[0]])
+        elif op.name == "mem.offload":
+            env[op.results[0]] = call(state_store.offload, env[op.operands[0]])
         elif op.name == "mem.wait":
             for v, r in zip(op.operands, op.results):
-                env[r] = call("wait", env[v])
+                env[r] = call(state_store.wait, env[v])
         elif op.name == "mem.free":
             for v in op.operands:
-                call("free", env[v])
+                call(state_store.free, env[v])
         elif op in self.batches:  # optim.step, the last of its run: the whole run at once
             run = self.batches[op]
             items = tuple((s.symbol, tuple(self.keys.get(s.symbol, ()))) for s in run)
-            node = call("step", items, *[env[v] for s in run for v in s.operands])
+            node = call(state_store.step, items, *[env[v] for s in run for v in s.operands])
             i = 0
             for s in run:
                 for r in s.results:
@@ -493,7 +482,8 @@ def call_inputs(func: Function, args: tuple, kwargs: dict) -> list:
 
 
 def lower(module: Module, state: dict, *, inductor: bool = False, group: str | None = None,
-          store_prefix: str = "", optimizer_state=None, device: torch.device | str | None = None) -> Program:
+          store_prefix: str = "", optimizer_state: OptimizerStateStore | None = None,
+          device: torch.device | str | None = None) -> Program:
     """Lower ``module`` (verified first) to a ``Program`` over ``state`` (FQN -> tensor).
     Buffers with a ``value`` attribute that ``state`` lacks are made from it. With
     ``group`` (a process group's name), collectives run over it through the C++
@@ -501,8 +491,8 @@ def lower(module: Module, state: dict, *, inductor: bool = False, group: str | N
     ``store_prefix + FQN`` (from ``state`` when it has them). ``inductor`` compiles the compute (between the
     collectives, see ``compile_compute``); without it, the stretches whose ops the ``fuse``
     pass marked (``dcir.fusion``) are compiled, the rest runs op by op. ``optimizer_state`` is the store that
-    optimizer state, ``optim.step`` and host copies run on
-    (``dcir_runtime.offload.StateStore``); a module with any of them needs one. The
+    optimizer state, ``optim.step`` and host copies run on (an ``OptimizerStateStore``,
+    such as ``dcir_runtime.offload.StateStore``); a module with any of them needs one. The
     tensors the program makes (``constants``, ``gathered_copies``) go on ``device``:
     the Engine's; by default ``state``'s (``device_of``)."""
     verify(module)
@@ -538,7 +528,7 @@ def lower(module: Module, state: dict, *, inductor: bool = False, group: str | N
     return Program(module, state, graphs, {role: compiled(role, gm) for role, gm in graphs.items()}, device)
 
 
-_STATE_CALLS = (_state_get, _state_set, _grad_set, _call, _rng_get, _rng_set, _unbox)
+_STATE_CALLS = (_state_get, _state_set, _grad_set, *state_store.CALLS, _rng_get, _rng_set, _unbox)
 
 
 def _runs_in_runtime(node: fx.Node, runtime: set) -> bool:

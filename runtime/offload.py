@@ -2,7 +2,8 @@
 
 ``@step`` updates the parameters one by one (``optim.step @w``) with the user's
 torch optimizer, and moves the state the pass put in host memory to the device and
-back around each update. Its graph calls this store (``dcir_lowering.backend``):
+back around each update. Its graph calls this store (``dcir_lowering.state_store``,
+whose ``OptimizerStateStore`` is what a store must have):
 
 * ``get_state`` / ``set_state``: a state tensor of the optimizer, by its buffer's
   name (``fc.weight.exp_avg``), read or replaced; before the first step the

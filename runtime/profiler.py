@@ -37,7 +37,8 @@ from dcir.cost import COMPILED, DEVICE, LAUNCH, OPTIMIZER, TIME, is_transfer
 from dcir.ir import Function, Module
 from dcir.memory import resident_buffers
 from dcir.ops import COMPUTE, has_trait
-from dcir_lowering.backend import OP_INDEX, OPTIMIZER_STATE, reads_state, store_call, stretch_times
+from dcir_lowering.backend import OP_INDEX, reads_state, stretch_times
+from dcir_lowering.state_store import OPTIMIZER_STATE, OptimizerStateStore, store_call
 
 MEM, PEAK, RUNS = "prof.mem", "prof.peak_bytes", "prof.runs"
 
@@ -83,7 +84,8 @@ class _Recorder(fx.Interpreter):
     the program runs as scheduled and ``spans`` record when each op began and ended
     (``dcir_runtime.trace``)."""
 
-    def __init__(self, gm: fx.GraphModule, n_ops: int, store, sync: bool = True, held: list = ()):
+    def __init__(self, gm: fx.GraphModule, n_ops: int, store: OptimizerStateStore | None, sync: bool = True,
+                 held: list = ()):
         super().__init__(gm, garbage_collect_values=True)
         self.store = store  # the optimizer-state store the function's host copies run on (offload), or None
         self.sync = sync

@@ -232,6 +232,29 @@ def test_host_copies_run_on_the_store():
         store.close()
 
 
+def test_the_state_store_is_what_a_lowered_program_calls():
+    """``StateStore`` has every method of ``OptimizerStateStore``, with its parameters; a
+    lowered graph calls the store through ``state_store.CALLS``, each named for its method."""
+    import inspect
+
+    from dcir_lowering import state_store
+    from dcir_runtime.offload import StateStore
+
+    methods = [name for name in vars(state_store.OptimizerStateStore) if not name.startswith("_")]
+    assert set(state_store.CALLS.values()) | {"is_host"} == set(methods)
+    for name in methods:
+        want = inspect.signature(getattr(state_store.OptimizerStateStore, name)).parameters
+        assert list(inspect.signature(getattr(StateStore, name)).parameters) == list(want), name
+    assert all(target.__name__ == method for target, method in state_store.CALLS.items())
+    store = StateStore(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), {}, torch.device("cpu"))
+    try:
+        graphs = dcir.lower(dcir.parse(HOST_ROUND_TRIP, "m.dcir"), {}, optimizer_state=store).graphs
+    finally:
+        store.close()
+    calls = [state_store.store_call(n) for gm in graphs.values() for n in gm.graph.nodes]
+    assert {"offload", "reload", "wait", "free"} <= set(calls)
+
+
 def test_a_copy_home_reuses_the_stale_host_buffer_only_when_nothing_else_holds_it():
     from dcir_runtime.offload import StateStore
 
