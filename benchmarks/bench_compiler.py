@@ -820,7 +820,7 @@ def _reset_caches() -> None:
     if isinstance(getattr(templates, "cache", None), dict):
         templates.cache.clear()
     for fn in (getattr(parser, "tensor_type", None), getattr(ops, "_view_pairs", None),
-               getattr(verifier, "_aten_binding_problem", None), getattr(printer, "type_text", None),
+               getattr(printer, "type_text", None),
                getattr(getattr(verifier, "ops", None), "_binding_problem", None),  # dcir/verifier/ops.py
                getattr(_aten, "schema", None)):
         if hasattr(fn, "cache_clear"):

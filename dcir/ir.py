@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import zip_longest
-from typing import Iterator, Union
+from typing import Iterator, Literal, Union
 
 from dcir.layout import ShardLayout
 
@@ -347,6 +347,10 @@ class Function:
                         dict(self.attrs), self.loc, self.return_loc, role or self.role, self.arg_attrs, self.result_attrs)
 
 
+#: What a module-level declaration is: a parameter (``param``) or a buffer (``buffer``).
+DeclKind = Literal["param", "buffer"]
+
+
 @dataclass(slots=True)
 class Decl:
     """A module-level parameter or buffer: ``param @fc1.weight : f32[16, 8] {trainable}``.
@@ -355,7 +359,7 @@ class Decl:
     when replicated, a ``ShardType`` (which names the full logical type) when sharded.
     """
 
-    kind: str  # "param" or "buffer"
+    kind: DeclKind
     name: str
     type: Type
     attrs: dict[str, Attr] = field(default_factory=dict)

@@ -270,7 +270,7 @@ def simulate_module(module: Module, machine: Machine, micro_steps: int = 1,
     """Predict one optimizer step of ``module`` per rank (its functions as often as the step
     runs them, and the optimizer the runtime runs outside them, ``cost.outside_s``). The peak is the memory model's
     (``dcir.memory``), plus, with ``state_bytes``, the module state every rank holds
-    (parameter shards, buffers, optimizer state: ``dcir.memory.state_bytes``)."""
+    (parameter shards, buffers, optimizer state: ``held_bytes``)."""
     from dcir.memory import timelines
 
     calls = runs_per_step(module, micro_steps)
