@@ -16,11 +16,12 @@ Patterns are written like the IR they match::
 
 ``P(name, *operands, bind=...)`` matches an op by name (or by trait with
 ``trait=``) whose operands match the sub-patterns; ``X(name)`` matches any value and
-binds it. Constraints are named predicates over the bindings (the root op is bound as
-``"root"``, its function as ``"func"``, the module as ``"module"``, the rewriter as
-``"rewriter"``, plus what ``apply_rules``'s ``context`` computes per function). A rewrite
+binds it. Constraints are named predicates over a ``Match``: the bindings by name
+(``m["x"]``), and what every match has as attributes (the root op ``m.root``, its
+function ``m.func``, the module ``m.module``, the rewriter ``m.rewriter``), plus what
+``apply_rules``'s ``context`` computes per function, by name. A rewrite
 returns the value that replaces the root's single result, a new ``Op`` to insert in the
-root's place, ``EDITED`` when it changed the IR itself through ``m["rewriter"]`` (a
+root's place, ``EDITED`` when it changed the IR itself through ``m.rewriter`` (a
 bigger rewrite, as a named function), or None to leave it. A rule records the file
 and line that defined it, so ``--pass-statistics`` can say which rule fired.
 
@@ -38,7 +39,7 @@ from typing import Callable, Iterable
 from dcir import ops as registry
 from dcir.ir import Function, Module, Op, Value
 
-#: What a rule's rewrite returns when it made its change through ``m["rewriter"]``.
+#: What a rule's rewrite returns when it made its change through ``m.rewriter``.
 EDITED = object()
 
 
@@ -227,18 +228,41 @@ class P:
         object.__setattr__(self, "trait", trait)
 
 
+class Match(dict):
+    """A rule's match at an op: the pattern's bindings and the ``context``'s by name
+    (``m["x"]``), and what every match has, as attributes."""
+
+    @property
+    def root(self) -> Op:
+        """The op the rule's pattern matched at."""
+        return self["root"]
+
+    @property
+    def func(self) -> Function:
+        return self["func"]
+
+    @property
+    def module(self) -> Module:
+        return self["module"]
+
+    @property
+    def rewriter(self) -> Rewriter:
+        """The rewriter of ``func``, for a rewrite that edits the IR itself (``EDITED``)."""
+        return self["rewriter"]
+
+
 @dataclass(frozen=True)
 class Constraint:
     """A named predicate over a match's bindings."""
 
     name: str
-    test: Callable[[dict], bool]
+    test: Callable[[Match], bool]
 
 
 @dataclass(frozen=True)
 class Rule:
     pattern: P
-    rewrite: Callable[[dict], Value | Op | None]
+    rewrite: Callable[[Match], Value | Op | None]
     constraints: tuple[Constraint, ...] = ()
     name: str = ""
     where: str = field(default="", compare=False)
@@ -254,7 +278,7 @@ class Rule:
             object.__setattr__(self, "name", self.where.rsplit("/", 1)[-1])
 
 
-def _match(pat, value: Value, m: dict) -> bool:
+def _match(pat, value: Value, m: Match) -> bool:
     if isinstance(pat, X):
         bound = m.get(pat.name)
         if bound is not None and bound is not value:
@@ -267,7 +291,7 @@ def _match(pat, value: Value, m: dict) -> bool:
     return True
 
 
-def _match_op(pat: P, op: Op, m: dict) -> bool:
+def _match_op(pat: P, op: Op, m: Match) -> bool:
     if pat.name is not None and op.name != pat.name:
         return False
     if pat.trait is not None and not registry.has_trait(op, pat.trait):
@@ -317,7 +341,7 @@ def _sweep(base: dict, by_root: dict, stats: Counter | None) -> bool:
 def _fire(rule: Rule, op: Op, base: dict) -> bool:
     """Match ``rule`` at ``op`` and apply its rewrite; True if the IR changed."""
     rewriter = base["rewriter"]
-    m: dict = {**base, "root": op}
+    m = Match(base, root=op)
     if not _match_op(rule.pattern, op, m) or not all(c.test(m) for c in rule.constraints):
         return False
     out = rule.rewrite(m)

@@ -22,18 +22,18 @@ from dataclasses import dataclass
 from dcir.ir import Module, Op, Value
 from dcir.passes import Pass
 from dcir.passes.dce import DeadCodeElimination
-from dcir.rewrite import Constraint, P, Rule, X, apply_rules
+from dcir.rewrite import Constraint, Match, P, Rule, X, apply_rules
 
-same_type = Constraint("result has the operand's type", lambda m: m["root"].results[0].type == m["x"].type)
-identity_dims = Constraint("dims are 0, 1, ..., n-1", lambda m: tuple(m["root"].attrs.get("dims", ())) ==
-                           tuple(range(len(m["root"].attrs.get("dims", ())))))
-only_attrs = lambda *keys: Constraint(f"no attributes but {', '.join(keys)}", lambda m: set(m["root"].attrs) <= set(keys))
+same_type = Constraint("result has the operand's type", lambda m: m.root.results[0].type == m["x"].type)
+identity_dims = Constraint("dims are 0, 1, ..., n-1", lambda m: tuple(m.root.attrs.get("dims", ())) ==
+                           tuple(range(len(m.root.attrs.get("dims", ())))))
+only_attrs = lambda *keys: Constraint(f"no attributes but {', '.join(keys)}", lambda m: set(m.root.attrs) <= set(keys))
 
 
-def _view_of_view(m: dict) -> Op:
+def _view_of_view(m: Match) -> Op:
     """view(view(x, s1), s2) -> view(x, s2): one view, straight from the source."""
-    root = m["root"]
-    out = Value(m["func"].fresh_name(root.results[0].name), root.results[0].type)
+    root = m.root
+    out = Value(m.func.fresh_name(root.results[0].name), root.results[0].type)
     return Op(root.name, [m["x"]], [out], dict(root.attrs))
 
 

@@ -58,7 +58,7 @@ from dcir.dtypes import is_float, parse_dtype
 from dcir.memory import GRAD_ACC_OF
 from dcir.ir import DTYPE_BYTES, DType, Function, Module, Op, PendingType, ShardType, TensorType, Type, Value
 from dcir.passes import Pass
-from dcir.rewrite import EDITED, Constraint, P, Rewriter, Rule, apply_rules
+from dcir.rewrite import EDITED, Constraint, Match, P, Rewriter, Rule, apply_rules
 
 #: the dtype of the master parameters (and so of the optimizer state and the gradients it sees)
 MASTER = "f32"
@@ -122,11 +122,11 @@ class _Edit:
 # ---- the rewrites ----------------------------------------------------------------------
 
 
-def cast_parameter_read(m: dict) -> object:
+def cast_parameter_read(m: Match) -> object:
     """%w = param.get @p : bf16  ->  %w_f32 = param.get @p : f32; %w = mem.cast(%w_f32)
     {dtype = bf16} before the first use of %w; mem.free(%w) once that use is done when
     it is a gather (the gathered copy is what compute reads)."""
-    edit, op, policy, stats = m["edit"], m["root"], m["policy"], m["stats"]
+    edit, op, policy, stats = m["edit"], m.root, m["policy"], m["stats"]
     low = op.results[0]
     master = Value(edit.fresh(f"{low.name}_{MASTER}"), retyped(low.type, MASTER))
     edit.rewriter.insert_before(op, [Op(op.name, [], [master], op.attrs, op.symbol, op.loc, op.parens)])
@@ -145,11 +145,11 @@ def cast_parameter_read(m: dict) -> object:
     return EDITED
 
 
-def cast_gradient(m: dict) -> object:
+def cast_gradient(m: Match) -> object:
     """grad.set @p(%g_shard) of a reduced gradient: the reduction's operand %g is cast to
     reduce_dtype before it (and freed after its wait), the reduction's results retyped;
     then %g_shard is cast to f32 before grad.set when it is not f32 already."""
-    edit, op, policy, stats = m["edit"], m["root"], m["policy"], m["stats"]
+    edit, op, policy, stats = m["edit"], m.root, m["policy"], m["stats"]
     grad = op.operands[0]
     reduction = _reduction_of(grad)
     if reduction is not None:
@@ -195,15 +195,15 @@ def _reduction_of(grad: Value) -> tuple[Op, int] | None:
     return started
 
 
-def _converted(m: dict) -> bool:
-    decl = m["module"].decls.get(m["root"].symbol)
+def _converted(m: Match) -> bool:
+    decl = m.module.decls.get(m.root.symbol)
     return decl is not None and decl.kind == "param" and is_float(decl.type.dtype)
 
 
-def _low_read(m: dict) -> bool:
+def _low_read(m: Match) -> bool:
     """A read in ``param_dtype`` (not the master read the rule makes, and not a parameter
     the policy leaves alone)."""
-    low = m["root"].results[0]
+    low = m.root.results[0]
     return low.type.dtype == m["policy"].param_dtype != MASTER
 
 

@@ -49,7 +49,7 @@ from dcir.analysis import last_uses, view_bases
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Function, Module, Op, PendingType, ShardType, TensorType, Value
 from dcir.passes import Pass
-from dcir.rewrite import EDITED, Constraint, P, Rewriter, Rule, apply_rules
+from dcir.rewrite import EDITED, Constraint, Match, P, Rewriter, Rule, apply_rules
 
 # ---- rematerializing saved views of parameters ----------------------------------------
 
@@ -129,29 +129,29 @@ def _facts(func: Function) -> dict:
             "storage": view_bases(func), "fresh": func.name_maker(), "frees": {}}
 
 
-def _free_after_last_use(m: dict, v: Value, value: Value | None = None) -> None:
+def _free_after_last_use(m: Match, v: Value, value: Value | None = None) -> None:
     """Free the storage of ``v`` (as ``value``, the value that now holds it) after its
     last reader, unless the function returns it or received it (an argument is its
     caller's to free). Frees after one reader keep the order they were asked in."""
     base = m["storage"].get(v, v)
-    if base in m["returned"] or base.owner is m["func"] or base not in m["last"]:
+    if base in m["returned"] or base.owner is m.func or base not in m["last"]:
         return
     anchor = m["last"][base]
     frees = m["frees"].setdefault(anchor, {})
     if base in frees:
         return
     free = Op("mem.free", [value or base], parens=True)
-    m["rewriter"].insert_after(list(frees.values())[-1] if frees else anchor, [free])
+    m.rewriter.insert_after(list(frees.values())[-1] if frees else anchor, [free])
     frees[base] = free
 
 
-def gather_before_first_use(m: dict):
+def gather_before_first_use(m: Match):
     """%w = param.get @p : T  ->  %w_shard = param.get @p : shard<T, N>;
     before the first use of %w: %w_pending = comm.all_gather(%w_shard), %w = comm.wait;
     after the last use of %w or of a view of it: mem.free(%w)."""
-    root, rewriter, fresh = m["root"], m["rewriter"], m["fresh"]
+    root, rewriter, fresh = m.root, m.rewriter, m["fresh"]
     full = root.results[0]
-    shard = Value(fresh(f"{full.name}_shard"), ShardType(full.type, m["module"].world_size))
+    shard = Value(fresh(f"{full.name}_shard"), ShardType(full.type, m.module.world_size))
     rewriter.insert_before(root, [Op(root.name, [], [shard], dict(root.attrs), root.symbol, root.loc, root.parens)])
     if full.uses:
         pending = Value(fresh(f"{full.name}_pending"), PendingType(full.type))
@@ -164,13 +164,13 @@ def gather_before_first_use(m: dict):
     return EDITED
 
 
-def reduce_then_hand_over(m: dict):
+def reduce_then_hand_over(m: Match):
     """grad.set @p(%g)  ->  %g_pending = comm.reduce_scatter(%g) {op = "avg"};
     %g_shard = comm.wait(%g_pending); grad.set @p(%g_shard); mem.free(%g) when the
     full gradient has no other use."""
-    root, rewriter, fresh = m["root"], m["rewriter"], m["fresh"]
+    root, rewriter, fresh = m.root, m.rewriter, m["fresh"]
     grad = root.operands[0]
-    shard_type = ShardType(grad.type, m["module"].world_size)
+    shard_type = ShardType(grad.type, m.module.world_size)
     pending = Value(fresh(f"{grad.name}_pending"), PendingType(shard_type))
     shard = Value(fresh(f"{grad.name}_shard"), shard_type)
     start = Op("comm.reduce_scatter", [grad], [pending], {"op": "avg"})
@@ -180,14 +180,14 @@ def reduce_then_hand_over(m: dict):
     return EDITED
 
 
-def _full_param(m: dict) -> bool:
-    decl = m["module"].decls.get(m["root"].symbol)
+def _full_param(m: Match) -> bool:
+    decl = m.module.decls.get(m.root.symbol)
     return decl is not None and decl.kind == "param" and isinstance(decl.type, TensorType)
 
 
 full_param = Constraint("names an unsharded parameter", _full_param)
-used = Constraint("its result is used", lambda m: bool(m["root"].results[0].uses))
-unused = Constraint("its result is unused", lambda m: not m["root"].results[0].uses)
+used = Constraint("its result is used", lambda m: bool(m.root.results[0].uses))
+unused = Constraint("its result is unused", lambda m: not m.root.results[0].uses)
 
 RULES = [
     # param.get @p (unsharded) -> shard read, gather before first use, free after last
