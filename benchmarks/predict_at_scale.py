@@ -44,7 +44,7 @@ import time
 from dataclasses import replace
 
 import dcir
-from dcir.cost import planning
+from dcir.context import PlanContext
 from dcir.hardware import load
 from dcir.passes import PassManager, parse_pipeline
 from dcir.sim import held_bytes, simulate_module
@@ -70,8 +70,7 @@ def plan(module: dcir.Module, machine, accumulate: int, budget: int | None) -> d
     out = module.clone()
     opt = f"budget={budget}, " if budget else ""
     pipeline = f"prefetch{{{opt[:-2]}}},unshard{{{opt}micro_steps={accumulate}}},bucket{{{opt[:-2]}}}"
-    with planning(machine):
-        PassManager(parse_pipeline(pipeline.replace("{}", "")), verify_each=False).run(out)
+    PassManager(parse_pipeline(pipeline.replace("{}", "")), verify_each=False, context=PlanContext(machine)).run(out)
     return out
 
 

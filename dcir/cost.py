@@ -27,12 +27,11 @@ its numbers came from: ``profile``, ``analytic`` or ``profile+analytic``.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 from dataclasses import dataclass, replace
 
 from dcir import ops as registry
+from dcir.fusion import FusionMode
 from dcir.ir import Function, Module, Op, PendingType, ShardType, TensorType
 from dcir.memory import device_bytes
 
@@ -189,28 +188,14 @@ def analytic_s(op: Op, machine: Machine) -> float:
     return machine.dispatch_s + max(_flops(op) / machine.flops, _touched_bytes(op) / machine.mem_bw)
 
 
-#: The machine passes plan for when they are given none (``planning``).
-_PLANNING: contextvars.ContextVar[Machine | None] = contextvars.ContextVar("planning", default=None)
-
-
-@contextlib.contextmanager
-def planning(machine: Machine):
-    """Within this block, passes price schedules on ``machine`` (a described one, such as
-    ``dcir.hardware.load("h100-ib400")``) instead of the default CPU model."""
-    token = _PLANNING.set(machine)
-    try:
-        yield machine
-    finally:
-        _PLANNING.reset(token)
-
-
 def calibrate(module: Module, machine: Machine | None = None) -> Machine:
     """``machine`` with its links fitted to the module's profiled collectives (unchanged
     when fewer than two sizes were profiled). Each collective's time is its ring steps'
     latency plus the bytes each rank sends over the link bandwidth; a least-squares line
     through (bytes sent, seconds) gives the bandwidth (its slope) and the latency (its
-    intercept over the mean number of steps). Every link is taken as alike (one node)."""
-    machine = machine or _PLANNING.get() or _profiled_on(module)
+    intercept over the mean number of steps). Every link is taken as alike (one node).
+    Without ``machine``, the module's default (``_profiled_on``)."""
+    machine = machine or _profiled_on(module)
     if not machine.use_profile:
         return machine
     pts, steps = [], []
@@ -318,12 +303,14 @@ def _source(profiled: int, total: int) -> str:
     return "analytic" if profiled == 0 else "profile+analytic"
 
 
-def estimate(func: Function, machine: Machine, module: Module | None = None) -> Estimate:
+def estimate(func: Function, machine: Machine, module: Module | None = None,
+             fusion: FusionMode = FusionMode.AS_LOWERED) -> Estimate:
     """Simulate ``func`` (of ``module``, when given) (``dcir.sim``: a compute lane, a
-    collective lane and a copy lane) and sum it up."""
+    collective lane and a copy lane), its stretches of compute priced as ``fusion``
+    says, and sum it up."""
     from dcir.sim import simulate  # the simulator prices ops with this module
 
-    return simulate(func, machine, module=module).summary()
+    return simulate(func, machine, module=module, fusion=fusion).summary()
 
 
 def estimate_module(module: Module, machine: Machine | None = None, micro_steps: int = 1) -> Estimate:

@@ -35,9 +35,7 @@ are a machine's (``dcir/machines/*.toml``, ``[compiler]``; ``docs/simulator.md``
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
+from enum import Enum
 from typing import Callable, Iterable
 
 from dcir import ops as registry
@@ -202,48 +200,32 @@ def marked(func: Function) -> bool:
     return any(FUSE in op.attrs for op in func.ops)
 
 
-#: Stretches priced as the faster of eager and compiled, marked or not (``choosing``).
-_CHOOSING: contextvars.ContextVar[bool] = contextvars.ContextVar("choosing", default=False)
+class FusionMode(Enum):
+    """How the simulator prices a function's stretches of compute (``seconds``); a
+    planning context carries one (``dcir.context.PlanContext``)."""
+
+    #: as the lowering will run it: compiled where marked; a function with no marks at
+    #: its ops' own profiled times (a program lowered with every stretch compiled,
+    #: ``inductor``, carries its compiled times as ``prof.compiled_us``)
+    AS_LOWERED = "as lowered"
+    #: compiled exactly where marked, also when nothing is: the ``fuse`` pass's walk
+    #: starts from every stretch eager, and an op that carries a compiled figure from an
+    #: earlier plan is priced eagerly until its stretch is marked
+    AS_MARKED = "as marked"
+    #: every compilable stretch at the faster of its eager and its compiled run, as the
+    #: ``fuse`` pass will choose: the passes before it (bucket, prefetch, unshard) then
+    #: plan for the compute that will run
+    CHOOSING = "choosing"
 
 
-@contextlib.contextmanager
-def choosing():
-    """Within this block, the simulator prices every compilable stretch as the faster of
-    its eager and its compiled run, as the ``fuse`` pass will choose: the passes before
-    it (bucket, prefetch, unshard) then plan for the compute that will run."""
-    token = _CHOOSING.set(True)
-    try:
-        yield
-    finally:
-        _CHOOSING.reset(token)
-
-
-#: Functions priced as compiled exactly where marked, none marked too (``as_marked``).
-_AS_MARKED: contextvars.ContextVar[bool] = contextvars.ContextVar("as_marked", default=False)
-
-
-@contextlib.contextmanager
-def as_marked():
-    """Within this block, a function runs compiled exactly where its ops are marked,
-    also when none is: the ``fuse`` pass's walk starts from every stretch eager, and an
-    op that carries a compiled figure from an earlier plan is priced eagerly until
-    its stretch is marked (outside, a function without marks and with compiled figures
-    is a program lowered with ``inductor``: every stretch compiled)."""
-    token = _AS_MARKED.set(True)
-    try:
-        yield
-    finally:
-        _AS_MARKED.reset(token)
-
-
-def seconds(func: Function, machine, module: Module | None = None) -> dict[int, float]:
+def seconds(func: Function, machine, module: Module | None = None,
+            mode: FusionMode = FusionMode.AS_LOWERED) -> dict[int, float]:
     """Per compute op of ``func``, its seconds as the function will run (module
-    docstring): a stretch runs compiled when an op of it is marked, or, within
-    ``choosing``, when that is faster. Empty when nothing is marked or chosen (outside
-    ``as_marked``): the ops' own profiled times then hold (a program lowered with every stretch compiled,
-    ``inductor``, carries its compiled times as ``prof.compiled_us``)."""
-    choose = _CHOOSING.get()
-    if not choose and not _AS_MARKED.get() and not marked(func):
+    docstring) under ``mode``: a stretch runs compiled when an op of it is marked, or,
+    ``CHOOSING``, when that is faster. Empty when nothing is marked or chosen
+    (``AS_LOWERED``): the ops' own profiled times then hold."""
+    choose = mode is FusionMode.CHOOSING
+    if mode is FusionMode.AS_LOWERED and not marked(func):
         return {}
     from dcir.cost import eager_s
 

@@ -27,6 +27,7 @@ from typing import Callable
 from dcir import analysis
 from dcir.analysis import dependency_graph
 from dcir.cost import Machine, is_transfer
+from dcir.fusion import FusionMode
 from dcir.ir import Function, Module, Op
 from dcir.memory import storage_bases, timeline, timelines
 from dcir.rewrite import Rewriter
@@ -75,11 +76,12 @@ class Sweep:
     storage: dict = field(default_factory=dict)        # value -> the value whose storage it shares (dcir.memory)
     waits: dict = field(default_factory=dict)          # pending value -> the wait that joins it
     slack: float = 1.0                                 # a transfer counts as hidden behind slack x its time
+    fusion: FusionMode = FusionMode.AS_LOWERED         # how stretches of compute are priced (dcir.fusion)
 
     def __post_init__(self):
         ops = self.func.ops
         self.position = {op: i for i, op in enumerate(ops)}
-        run = simulate(self.func, self.machine, stalls=False)
+        run = simulate(self.func, self.machine, stalls=False, fusion=self.fusion)
         self.seconds, self.start = run.seconds, run.start
         self.free = {COLLECTIVE: 0.0, COPY: 0.0}
         self.during = list(self.during_at_start or timeline(self.func).during)
@@ -152,11 +154,12 @@ def budget_limit(move: "Move") -> Limit:
 
 
 def run_moves(module: Module, func: Function, moves: list[Move], machine: Machine, budget: int | None,
-              stats: Counter, prefix: str, slack: float = 1.0) -> None:
+              stats: Counter, prefix: str, slack: float = 1.0, fusion: FusionMode = FusionMode.AS_LOWERED) -> None:
     """Apply ``moves`` to ``func`` one after the other; each decides its groups in
-    schedule order against a fresh analysis, then applies them together."""
+    schedule order against a fresh analysis (stretches priced as ``fusion`` says), then
+    applies them together."""
     for move in moves:
-        sweep = Sweep(func, machine, budget, timelines(module)[func.name].during, slack=slack)
+        sweep = Sweep(func, machine, budget, timelines(module)[func.name].during, slack=slack, fusion=fusion)
         limits = move.limits + ((budget_limit(move),) if move.cost is not None and budget is not None else ())
         plan: list[tuple[list[int], int]] = []
         for i, op in enumerate(list(func.ops)):

@@ -27,6 +27,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
+from dcir.context import PlanContext
+
 Grouping = tuple[tuple[int, ...], ...]
 
 
@@ -107,14 +109,15 @@ def pipelines(passes: list) -> list[list]:
 
 
 def best_pipeline(module, candidates: list[list], micro_steps: int = 1, budget: int | None = None,
-                  extra: Callable | None = None):
+                  extra: Callable | None = None, context: PlanContext = PlanContext()):
     """Run every candidate pipeline on a copy of ``module``; returns (the planned module
     whose simulated optimizer step (``dcir.cost.estimate_module``) is shortest among
     those whose memory peak stays within ``budget``, its ``Candidate``, every
     ``Candidate``). When none fits, the one with the smallest peak. Ties go to the
     earlier candidate, so the same profiles give the same plan. ``extra(planned)``:
     bytes a plan holds beside its functions' peak (the runtime's shared-memory outbox
-    sized for it, ``dcir_runtime.transport.outbox_bytes``)."""
+    sized for it, ``dcir_runtime.transport.outbox_bytes``). ``context``: what the
+    passes plan for, and the machine the plans are priced on."""
     from dcir.cost import estimate_module
     from dcir.memory import peaks
     from dcir.passes import PassManager
@@ -122,10 +125,10 @@ def best_pipeline(module, candidates: list[list], micro_steps: int = 1, budget: 
     tried, planned = [], []
     for pipe in candidates:
         m = module.clone()
-        PassManager(pipe).run(m)
+        PassManager(pipe, context=context).run(m)
         planned.append(m)
         tried.append(Candidate(",".join(p.name + _options(p) for p in pipe),
-                               estimate_module(m, micro_steps=micro_steps).seconds,
+                               estimate_module(m, context.machine, micro_steps).seconds,
                                max(peaks(m).values(), default=0) + (extra(m) if extra else 0)))
 
     def rank(k: int) -> tuple:

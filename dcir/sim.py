@@ -34,9 +34,10 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from dcir import fusion, ops as registry, roles
+from dcir import ops as registry, roles
 from dcir.cost import (LAUNCH, Estimate, Machine, is_host_copy, is_transfer, op_seconds, outside_s, pack_s,
                        unpack_s)
+from dcir.fusion import FusionMode, seconds as fused_seconds
 from dcir.ir import Function, Module, Op
 
 COMPUTE, COLLECTIVE, COPY = "compute", "collective", "copy"
@@ -176,14 +177,16 @@ def _ends(start: float, seconds: float, lost: float, now: float, rate: float) ->
     return end if rate == 1.0 else now + (end - now) / rate
 
 
-def simulate(func: Function, machine: Machine, stalls: bool = True, module: Module | None = None) -> Run:
+def simulate(func: Function, machine: Machine, stalls: bool = True, module: Module | None = None,
+             fusion: FusionMode = FusionMode.AS_LOWERED) -> Run:
     """Run ``func``'s schedule on ``machine``'s lanes. ``stalls=False``: waits never
     block (the compute lane as it would run were every transfer hidden, the target the
     scheduling moves aim for). A transfer that overlaps compute slows it, and is slowed,
     by ``machine.overlap_share`` (``_Lanes``). Compute in a compiled stretch costs what
-    ``dcir.fusion.seconds`` says (``module``, when given, tells its cuts exactly)."""
+    ``dcir.fusion.seconds`` says under ``fusion`` (``module``, when given, tells its cuts
+    exactly)."""
     run = Run(func)
-    fused = fusion.seconds(func, machine, module)
+    fused = fused_seconds(func, machine, module, fusion)
     lanes = _Lanes(run, machine.overlap_share)
     pending: dict = {}  # a transfer's result -> its op's position
     epilogue: dict[int, float] = {}  # a transfer's position -> what its first wait adds

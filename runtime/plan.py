@@ -22,6 +22,7 @@ from typing import Callable
 import torch.distributed as dist
 
 import dcir
+from dcir.context import PlanContext
 from dcir.cost import estimate_module
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.memory import format_bytes, peaks as memory_peaks
@@ -40,8 +41,10 @@ class Planner:
     """The passes of one engine and its optimization cycle: the captured schedule, the
     profile being taken, and one record per cycle (``log``, ``engine.optimize_log``)."""
 
-    def __init__(self, config: Config, group: ProcessGroup, key: str, source: str):
+    def __init__(self, config: Config, group: ProcessGroup, key: str, source: str,
+                 context: PlanContext = PlanContext()):
         self.config, self.group = config, group
+        self.context = context               # what the cycle plans for (default: the profiled machine's model)
         self.key, self.source = key, source  # rendezvous prefix; what diagnostics call the program
         self.base_text = ""                  # the captured schedule, with every profile so far
         self.captured_peak: dict[str, int] = {}
@@ -128,13 +131,14 @@ class Planner:
         def plan() -> str:
             # the configured passes and their joint alternatives, each priced by the simulator
             passes = self.passes(self.config.optimize["passes"], schedule_budget)
-            planned, chosen, _ = search.best_pipeline(base, search.pipelines(passes), micro, budget, outbox)
+            planned, chosen, _ = search.best_pipeline(base, search.pipelines(passes), micro, budget, outbox,
+                                                      self.context)
             planned.attrs[PLANNED_BY] = chosen.spec
             return dcir.print(planned)
 
         module = dcir.parse(self.group.from_rank0(f"{self.key}plan{steps}", plan), self.source)
-        before = estimate_module(profiled, micro_steps=micro)
-        after = estimate_module(module, micro_steps=micro)
+        before = estimate_module(profiled, self.context.machine, micro)
+        after = estimate_module(module, self.context.machine, micro)
         # settle: a plan the cost model finds no faster than the running schedule is not taken
         # (unless memory forced this cycle: then the plan within the smaller budget is)
         forced, self._forced = self._forced, False

@@ -101,7 +101,7 @@ class _BreaksSSA(Pass):
 
     name = "breaks_ssa"
 
-    def run(self, module, stats: Counter) -> None:
+    def run(self, module, stats: Counter, ctx) -> None:
         func = module.functions["forward"]
         func.ops[2].operands = [Value("gone", func.ops[0].results[0].type), *func.ops[2].operands[1:]]
 

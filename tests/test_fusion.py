@@ -11,7 +11,8 @@ import torch
 
 import dcir
 from dcir import fusion
-from dcir.cost import COMPILED, Machine, estimate, planning
+from dcir.context import PlanContext
+from dcir.cost import COMPILED, Machine, estimate
 from dcir.passes import run_passes
 from dcir_lowering import backend
 from models import tiny_llama
@@ -186,8 +187,7 @@ def test_bucketing_plans_for_the_stretches_fuse_will_compile():
 
     def planned(pipeline: str):
         m = dcir.parse(text, "layers.dcir")
-        with planning(machine):
-            run_passes(m, pipeline)
+        run_passes(m, pipeline, context=PlanContext(machine))
         f = m.role("forward")
         return sum(op.name.endswith("_coalesced") for op in f.ops), len(fusion.candidates(f, m)), m
 
@@ -204,7 +204,7 @@ def test_a_compiled_plan_runs_a_step_before_it_is_profiled():
     it runs a step (compiling them) before its profile, which then prices them from
     their compiled times; a plan that schedules as the running one is not switched to.
 
-    The planner prices on a machine (``dcir.cost.planning``) whose compiled stretches
+    The planner prices on a machine (``Planner.context``) whose compiled stretches
     cost a tenth of their eager time and nothing to call, so the first plan marks
     stretches and is taken whatever this machine measured: the test checks the cycle,
     not which plan is faster here."""
@@ -215,11 +215,11 @@ def test_a_compiled_plan_runs_a_step_before_it_is_profiled():
     engine = initialize(tiny_llama(), optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
                         loss_fn=lambda out: out.loss,
                         config={"optimize": {"passes": ["prefetch", "fuse"], "profile_at": [1, 2, 3]}})
-    with planning(Machine(world_size=1, compiled_call_s=0.0, fused_share=0.1)):  # a world of one
-        for _ in range(5):
-            ids = torch.randint(0, 128, (2, 16))
-            engine.backward(engine(input_ids=ids, labels=ids))
-            engine.step()
+    engine.planner.context = PlanContext(Machine(world_size=1, compiled_call_s=0.0, fused_share=0.1))  # world of 1
+    for _ in range(5):
+        ids = torch.randint(0, 128, (2, 16))
+        engine.backward(engine(input_ids=ids, labels=ids))
+        engine.step()
     first, *rest = engine.optimize_log
     assert first["step"] == 2 and first["switched"] and first["reason"] == "faster", first
     assert "fuse" in first["pipeline"].split(","), first  # the plan taken compiles stretches

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections import Counter
 
 import pytest
 import torch
 
 import dcir
+from dcir.context import PlanContext
 from dcir.cost import Machine, estimate, estimate_module, source
 from dcir.diagnostics import DcirError
+from dcir.hardware import load
 from dcir.memory import parse_bytes, peaks, timeline
 from dcir.passes import PassManager, parse_pipeline
+from dcir.passes.prefetch import Prefetch
 from models import tiny_llama
 
 TWO_GATHERS = """
@@ -316,3 +320,38 @@ def test_consecutive_profile_steps_each_profile_the_next_step():
         engine.step()
     assert [r["step"] for r in engine.optimize_log] == [2, 3, 4]
     assert all(r["pipeline"].startswith(("prefetch", "unshard")) for r in engine.optimize_log)
+
+
+def _three_layers() -> str:
+    """Three layers, each a gather of its weight and a stretch of compute that reads it."""
+    layers = "".join(f"""
+    %w{k}_shard = param.get @w{k} : shard<f32[64, 64], 2>
+    %w{k}_pending = comm.all_gather(%w{k}_shard) : pending<f32[64, 64]>
+    %w{k} = comm.wait(%w{k}_pending) : f32[64, 64]
+    %h{k} = aten.mm.default(%x{k}, %w{k}) : f32[256, 64]
+    %r{k} = aten.relu.default(%h{k}) : f32[256, 64]
+    %x{k + 1} = aten.neg.default(%r{k}) : f32[256, 64]""" for k in range(3))
+    return ("module @m attributes {world_size = 2} {\n"
+            + "".join(f"  param @w{k} : shard<f32[64, 64], 2> {{trainable}}\n" for k in range(3))
+            + "  func @forward(%x0: f32[256, 64] {input}) -> (f32[256, 64] {output}) role forward {"
+            + layers + "\n    return %x3\n  }\n}\n")
+
+
+def test_prefetch_plans_for_the_machine_its_context_names():
+    """The machine a pass plans for is its context (``dcir.context.PlanContext``), handed
+    to it, not a global. On the 2-core CPU's gloo (150 us a ring step) one coalesced
+    gather of all three weights pays; on an H100's NVLink (a few us) the first weight
+    is gathered alone, so the first layer need not wait for the other two. Each plan is
+    what the pass makes when it is given that machine directly."""
+    plans, direct = {}, {}
+    for name in ("cpu-2core", "h100-ib400"):
+        context = PlanContext(load(name))
+        plans[name] = dcir.print(dcir.run_passes(dcir.parse(_three_layers()), "prefetch", context=context))
+        module = dcir.parse(_three_layers())
+        Prefetch().run(module, Counter(), context)
+        direct[name] = dcir.print(module)
+    assert plans == direct
+    assert plans["cpu-2core"] != plans["h100-ib400"]
+    assert "comm.all_gather_coalesced(%w0_shard, %w1_shard, %w2_shard)" in plans["cpu-2core"]
+    assert "comm.all_gather(%w0_shard)" in plans["h100-ib400"]
+    assert "comm.all_gather_coalesced(%w1_shard, %w2_shard)" in plans["h100-ib400"]

@@ -10,7 +10,6 @@ Pipelines are written ``dce,canonicalize{max_iterations=4}``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import pkgutil
@@ -25,7 +24,9 @@ from typing import ClassVar, TextIO
 
 from lark import Lark, UnexpectedInput
 
+from dcir.context import PlanContext
 from dcir.diagnostics import DcirError, Diagnostic
+from dcir.fusion import FusionMode
 from dcir.ir import Module, Source
 
 
@@ -34,9 +35,14 @@ class Pass:
     """Base class: subclasses set ``name`` and implement ``run``."""
 
     name: ClassVar[str] = ""
+    #: whether this pass chooses which stretches of compute run compiled: the passes
+    #: before it in a pipeline then plan jointly with it, pricing each stretch as it will
+    #: run (``FusionMode.CHOOSING``; ``fuse``)
+    chooses_fusion: ClassVar[bool] = False
 
-    def run(self, module: Module, stats: Counter) -> None:
-        """Rewrite ``module`` in place; count what happened in ``stats``."""
+    def run(self, module: Module, stats: Counter, ctx: PlanContext) -> None:
+        """Rewrite ``module`` in place, planning for ``ctx`` (the machine, how stretches
+        of compute are priced); count what happened in ``stats``."""
         raise NotImplementedError
 
     def spec(self) -> str:
@@ -157,22 +163,23 @@ class PassManager:
     reproducer: Path | None = None  # where a failing pass's input is written
     timings: list[tuple[str, float]] = field(default_factory=list)
     stats: dict[str, Counter] = field(default_factory=dict)
+    context: PlanContext = PlanContext()  # what the passes plan for (default: the module's machine)
 
     def run(self, module: Module) -> Module:
-        """Run the passes in order. The passes before a ``fuse`` plan jointly with it:
-        they price each stretch of compute as ``fuse`` will run it (``dcir.fusion.choosing``)."""
-        from dcir.fusion import choosing
+        """Run the passes in order, each given ``context``. The passes before one that
+        chooses the stretches of compute (``Pass.chooses_fusion``) plan jointly with it:
+        they price each stretch as it will run (``FusionMode.CHOOSING``)."""
         from dcir.printer import print_module
         from dcir.verifier import diagnostics
 
-        joint = max((k for k, p in enumerate(self.passes) if p.name == "fuse"), default=-1)
+        joint = max((k for k, p in enumerate(self.passes) if p.chooses_fusion), default=-1)
+        choosing = dataclasses.replace(self.context, fusion=FusionMode.CHOOSING)
         for k, p in enumerate(self.passes):
             before = print_module(module) if self.reproducer is not None else None
             counter = Counter()
             start = time.perf_counter()
             try:
-                with choosing() if k < joint else contextlib.nullcontext():
-                    p.run(module, counter)
+                p.run(module, counter, choosing if k < joint else self.context)
             except DcirError as e:
                 self._write_reproducer(before, p)
                 raise DcirError(e.diagnostics + self._repro_note(p)) from None
@@ -205,10 +212,12 @@ class PassManager:
                            f"--passes '{p.spec()}')", None, None, severity="note")]
 
 
-def run_passes(module: Module, pipeline: str | list[Pass], *, verify: bool = True) -> Module:
-    """Run a pipeline (text or pass instances) on ``module`` in place and return it."""
+def run_passes(module: Module, pipeline: str | list[Pass], *, verify: bool = True,
+               context: PlanContext = PlanContext()) -> Module:
+    """Run a pipeline (text or pass instances) on ``module`` in place, planning for
+    ``context`` (a machine: ``PlanContext(dcir.hardware.load("h100-ib400"))``), and return it."""
     passes = parse_pipeline(pipeline) if isinstance(pipeline, str) else list(pipeline)
-    return PassManager(passes, verify_each=verify).run(module)
+    return PassManager(passes, verify_each=verify, context=context).run(module)
 
 
 def describe(cls: type[Pass]) -> str:

@@ -35,7 +35,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 from dcir import ops as registry, search
-from dcir.cost import Machine, calibrate, estimate, note_source, payload
+from dcir.context import PlanContext
+from dcir.cost import Machine, estimate, note_source, payload
+from dcir.fusion import FusionMode
 from dcir.ir import Function, Module, Op, Value
 from dcir.memory import Bytes, timelines
 from dcir.passes import Pass
@@ -101,17 +103,19 @@ class Bucket(Pass):
         if self.beam < 1:
             raise ValueError(f"beam is {self.beam}; it keeps at least 1 grouping (1: the greedy walk)")
 
-    def run(self, module: Module, stats: Counter) -> None:
-        machine = calibrate(module)
+    def run(self, module: Module, stats: Counter, ctx: PlanContext) -> None:
+        machine = ctx.machine_for(module)
         note_source(module, stats, "bucket")
-        self.merge(module, machine, stats, "bucket")
+        self.merge(module, machine, ctx.fusion, stats, "bucket")
 
-    def merge(self, module: Module, machine: Machine, stats: Counter, prefix: str, adjacent: bool = False) -> None:
-        """Merge where it pays; ``adjacent``: only collectives that already start together
-        (nothing but shard reads between them), which moves nothing (``prefetch`` fuses so)."""
+    def merge(self, module: Module, machine: Machine, fusion: FusionMode, stats: Counter, prefix: str,
+              adjacent: bool = False) -> None:
+        """Merge where it pays, on ``machine`` with stretches priced as ``fusion`` says;
+        ``adjacent``: only collectives that already start together (nothing but shard
+        reads between them), which moves nothing (``prefetch`` fuses so)."""
         for func in module.functions.values():
             for kinds, gather in ((_kind(registry.GATHERS), True), (_kind(registry.SCATTERS), False)):
-                _Buckets(self, module, func, machine, gather, kinds).plan(stats, prefix, adjacent)
+                _Buckets(self, module, func, machine, fusion, gather, kinds).plan(stats, prefix, adjacent)
 
     def rejected(self, module: Module, func: Function, merged: list[Op]) -> str | None:
         """Why a grouping that made the ops ``merged`` is not allowed, or None."""
@@ -131,6 +135,7 @@ class _Buckets:
     module: Module
     func: Function
     machine: Machine
+    fusion: FusionMode
     gather: bool
     kinds: object
 
@@ -157,7 +162,9 @@ class _Buckets:
         mark = self.rewriter.checkpoint()
         try:
             merged, why = self.apply(grouping)
-            return (None, why) if merged is None else (estimate(self.func, self.machine, self.module).seconds, None)
+            if merged is None:
+                return None, why
+            return estimate(self.func, self.machine, self.module, self.fusion).seconds, None
         finally:
             self.rewriter.rollback(mark)
 

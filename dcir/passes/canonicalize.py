@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from dcir.context import PlanContext
 from dcir.ir import Module, Op, Value
 from dcir.passes import Pass
 from dcir.passes.dce import DeadCodeElimination
@@ -61,6 +62,6 @@ class Canonicalize(Pass):
         if self.max_iterations < 1:
             raise ValueError("max_iterations must be at least 1")
 
-    def run(self, module: Module, stats: Counter) -> None:
+    def run(self, module: Module, stats: Counter, ctx: PlanContext) -> None:
         apply_rules(module, RULES, stats, self.max_iterations)
-        DeadCodeElimination().run(module, stats)
+        DeadCodeElimination().run(module, stats, ctx)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from dcir import ops as registry
 from dcir.analysis import live_ops
+from dcir.context import PlanContext
 from dcir.ir import Function, Module
 from dcir.passes import Pass
 from dcir.rewrite import Rewriter
@@ -55,6 +56,6 @@ def eliminate_dead_code(func: Function, stats: Counter) -> None:
 class DeadCodeElimination(Pass):
     name = "dce"
 
-    def run(self, module: Module, stats: Counter) -> None:
+    def run(self, module: Module, stats: Counter, ctx: PlanContext) -> None:
         for func in module.functions.values():
             eliminate_dead_code(func, stats)

@@ -12,7 +12,8 @@ Ops it leaves eager lose their compiled figures, so nothing prices them as compi
 
 Op fusion and tensor fusion are planned together: the passes before ``fuse`` in a
 pipeline (``bucket``, ``prefetch``, ``unshard``) price every schedule with each of its
-stretches as fast as this pass will make it (``dcir.fusion.choosing``), so a merge
+stretches as fast as this pass will make it (the pass manager gives them
+``FusionMode.CHOOSING``: this pass declares ``chooses_fusion``), so a merge
 that joins two stretches into one compiled call is seen as paying for that too.
 
 Only the forward, backward and evaluation functions are compiled (the step's
@@ -37,7 +38,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 from dcir import fusion
-from dcir.cost import COMPILED, calibrate, estimate, note_source
+from dcir.context import PlanContext
+from dcir.cost import COMPILED, estimate, note_source
+from dcir.fusion import FusionMode
 from dcir.ir import Module
 from dcir.passes import Pass
 from dcir.rewrite import Rewriter
@@ -46,21 +49,24 @@ from dcir.rewrite import Rewriter
 @dataclass(frozen=True)
 class Fuse(Pass):
     name = "fuse"
+    chooses_fusion = True
 
-    def run(self, module: Module, stats: Counter) -> None:
-        machine = calibrate(module)
+    def run(self, module: Module, stats: Counter, ctx: PlanContext) -> None:
+        machine = ctx.machine_for(module)
+        # compiled exactly where marked; under a later fuse's joint planning, as it will choose
+        mode = FusionMode.CHOOSING if ctx.fusion is FusionMode.CHOOSING else FusionMode.AS_MARKED
         note_source(module, stats, "fuse")
         for func in module.functions.values():
             rewriter = Rewriter(func)
             for op in func.ops:  # decided afresh
                 if fusion.FUSE in op.attrs:
                     rewriter.set_attr(op, fusion.FUSE)
-            best = _score(func, machine, module)
+            best = _score(func, machine, module, mode)
             for stretch in fusion.candidates(func, module):
                 mark = rewriter.checkpoint()
                 for i in stretch:
                     rewriter.set_attr(func.ops[i], fusion.FUSE, fusion.UNIT)
-                score = _score(func, machine, module)
+                score = _score(func, machine, module, mode)
                 if score < best:
                     best = score
                     stats["fuse: stretches compiled"] += 1
@@ -73,13 +79,12 @@ class Fuse(Pass):
                     rewriter.set_attr(op, COMPILED)
 
 
-def _score(func, machine, module) -> tuple[float, float]:
+def _score(func, machine, module, mode: FusionMode) -> tuple[float, float]:
     """What the walk minimizes: the function's time, then its compute (a stretch hidden
     under a transfer is compiled too when that takes less compute: the host has the
     time for other work, and the stretch still gains when the transfer gets faster),
-    with the stretches compiled exactly where marked (``fusion.as_marked``: an unmarked
-    op's compiled figure, from a plan that compiled it, does not price it). Times are
-    compared to the nanosecond, so float noise decides nothing."""
-    with fusion.as_marked():
-        e = estimate(func, machine, module)
+    with the stretches compiled exactly where marked (``FusionMode.AS_MARKED``: an
+    unmarked op's compiled figure, from a plan that compiled it, does not price it).
+    Times are compared to the nanosecond, so float noise decides nothing."""
+    e = estimate(func, machine, module, mode)
     return round(e.seconds, 9), round(e.compute_s, 9)

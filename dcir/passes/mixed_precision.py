@@ -53,6 +53,7 @@ from dataclasses import dataclass
 
 from dcir import analysis
 from dcir import ops as registry
+from dcir.context import PlanContext
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.dtypes import is_float, parse_dtype
 from dcir.memory import GRAD_ACC_OF
@@ -227,7 +228,7 @@ class MixedPrecision(Pass):
         object.__setattr__(self, "param_dtype", parse_dtype(self.param_dtype))
         object.__setattr__(self, "reduce_dtype", parse_dtype(self.reduce_dtype))
 
-    def run(self, module: Module, stats: Counter) -> None:
+    def run(self, module: Module, stats: Counter, ctx: PlanContext) -> None:
         if self.param_dtype == MASTER and self.reduce_dtype == MASTER:
             return  # full precision: nothing to cast
         for decl in module.decls.values():

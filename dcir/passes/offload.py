@@ -83,6 +83,7 @@ from dataclasses import dataclass
 
 from dcir import analysis, roles, signature
 from dcir import ops as registry
+from dcir.context import PlanContext
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Decl, Function, HostType, Module, Op, PendingType, SymbolRef, Value
 from dcir.memory import (OPTIM_KEY, OPTIM_STATE_OF, Bytes, device_bytes, format_bytes, kept_by_caller, saved_storage,
@@ -411,7 +412,7 @@ class Offload(Pass):
             raise ValueError(f"state names the optimizer's state tensors, like exp_avg+exp_avg_sq; "
                              f"{bad[0]!r} is not a name")
 
-    def run(self, module: Module, stats: Counter) -> None:
+    def run(self, module: Module, stats: Counter, ctx: PlanContext) -> None:
         if module.role(roles.STEP) is not None:
             stats["offload: @step exists already"] += 1
             return

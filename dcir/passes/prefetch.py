@@ -59,7 +59,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from dcir import ops as registry
-from dcir.cost import calibrate, note_source
+from dcir.context import PlanContext
+from dcir.cost import note_source
 from dcir.ir import Module, Op
 from dcir.memory import Bytes, device_bytes
 from dcir.passes import Pass
@@ -230,10 +231,10 @@ class Prefetch(Pass):
         if not self.slack >= 1:
             raise ValueError(f"slack is at least 1 (a transfer hidden behind its own time), not {self.slack}")
 
-    def run(self, module: Module, stats: Counter) -> None:
-        machine = calibrate(module)
+    def run(self, module: Module, stats: Counter, ctx: PlanContext) -> None:
+        machine = ctx.machine_for(module)
         note_source(module, stats, "prefetch")
         for func in module.functions.values():
-            run_moves(module, func, MOVES, machine, self.budget, stats, "prefetch", self.slack)
+            run_moves(module, func, MOVES, machine, self.budget, stats, "prefetch", self.slack, ctx.fusion)
         if self.fuse:
-            Bucket(budget=self.budget).merge(module, machine, stats, "prefetch", adjacent=True)
+            Bucket(budget=self.budget).merge(module, machine, ctx.fusion, stats, "prefetch", adjacent=True)

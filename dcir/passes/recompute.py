@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from dcir import analysis, fusion, roles, signature
 from dcir import ops as registry
 from dcir.activations import RECOMPUTE, draws_random
+from dcir.context import PlanContext
 from dcir.ir import UNIT, Function, Module, Op, PendingType, ShardType, Value
 from dcir.memory import Bytes, device_bytes, saved_storage, step_peak
 from dcir.passes import Pass
@@ -209,7 +210,7 @@ class Recompute(Pass):
     name = "recompute"
     budget: Bytes | None = None  # the step's peak to fit, per rank, as the memory model counts it
 
-    def run(self, module: Module, stats: Counter) -> None:
+    def run(self, module: Module, stats: Counter, ctx: PlanContext) -> None:
         fw = roles.saver(module.functions.values())
         bws = [f for f in module.functions.values() if roles.takes_saved(f)]
         if fw is None or not bws:

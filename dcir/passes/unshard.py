@@ -57,7 +57,8 @@ from dataclasses import dataclass
 
 from dcir import analysis, roles, signature
 from dcir import ops as registry
-from dcir.cost import Machine, calibrate, note_source, op_seconds
+from dcir.context import PlanContext
+from dcir.cost import Machine, note_source, op_seconds
 from dcir.ir import Decl, Function, Module, Op, PendingType, SymbolRef, Value
 from dcir.memory import UNSHARD_OF, Bytes, storage_bases, timelines
 from dcir.passes import Pass
@@ -211,18 +212,17 @@ class Unshard(Pass):
         if self.micro_steps < 1:
             raise ValueError("micro_steps must be at least 1")
 
-    def run(self, module: Module, stats: Counter) -> None:
+    def run(self, module: Module, stats: Counter, ctx: PlanContext) -> None:
         f, b = module.role(roles.FORWARD), module.role(roles.BACKWARD)
         if f is None or b is None or module.role(roles.UNSHARD) is not None:
             return
         funcs = [func for func in roles.in_order(module.functions.values()) if roles.runs_per_micro_step(func)]
         split = [(func, _split_coalesced(func)) for func in funcs]
-        self._choose(module, f, b, stats)
+        self._choose(module, f, b, stats, ctx.machine_for(module))
         for func, groups in split:
             _merge_back(func, groups)
 
-    def _choose(self, module: Module, f: Function, b: Function, stats: Counter) -> None:
-        machine = calibrate(module)
+    def _choose(self, module: Module, f: Function, b: Function, stats: Counter, machine: Machine) -> None:
         note_source(module, stats, "unshard")
         fws, bws = _gathers(f), _gathers(b)
         last = module.role(roles.BACKWARD_LAST)

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 
 from dcir import analysis, roles
 from dcir import ops as registry
+from dcir.context import PlanContext
 from dcir.ir import Decl, Function, Module, Op, SymbolRef, Value
 from dcir.memory import GRAD_ACC_OF
 from dcir.passes import Pass
@@ -107,8 +108,8 @@ class Zero1(Pass):
         if self.micro_steps < 1:
             raise ValueError("micro_steps must be at least 1")
 
-    def run(self, module: Module, stats: Counter) -> None:
-        Zero3(world_size=self.world_size).run(module, stats)
+    def run(self, module: Module, stats: Counter, ctx: PlanContext) -> None:
+        Zero3(world_size=self.world_size).run(module, stats, ctx)
         replicate_parameters(module, stats, self.name)
         bw = module.role(roles.BACKWARD)
         if self.micro_steps == 1 or bw is None:

@@ -51,6 +51,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from dcir.context import PlanContext
 from dcir.ir import Module, ShardType
 from dcir.passes import Pass
 from dcir.passes.unshard import _gathers, _resident, _unshard_function
@@ -82,6 +83,6 @@ class Zero2(Pass):
         if self.world_size < 1:
             raise ValueError("world_size must be at least 1")
 
-    def run(self, module: Module, stats: Counter) -> None:
-        Zero3(world_size=self.world_size).run(module, stats)
+    def run(self, module: Module, stats: Counter, ctx: PlanContext) -> None:
+        Zero3(world_size=self.world_size).run(module, stats, ctx)
         replicate_parameters(module, stats, self.name)

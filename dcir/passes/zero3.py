@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from dcir import ops as registry
 from dcir import roles, signature
 from dcir.analysis import last_uses, view_bases
+from dcir.context import PlanContext
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Function, Module, Op, PendingType, ShardType, TensorType, Value
 from dcir.passes import Pass
@@ -209,7 +210,7 @@ class Zero3(Pass):
         if self.world_size < 1:
             raise ValueError("world_size must be at least 1")
 
-    def run(self, module: Module, stats: Counter) -> None:
+    def run(self, module: Module, stats: Counter, ctx: PlanContext) -> None:
         if any(isinstance(d.type, ShardType) for d in module.decls.values()):
             raise DcirError(Diagnostic(f"zero3: @{module.name} is sharded already", module.source, module.loc, 6))
         rematerialize_param_views(module, stats)
