@@ -23,54 +23,12 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
-
-@dataclass(frozen=True, slots=True)
-class Arg:
-    name: str
-    type: str  # torch's spelling: "Tensor", "Optional[Tensor]", "List[Tensor]", "List[int]", "number", ...
-    has_default: bool
-    kwarg_only: bool
-    alias_set: str | None  # "a" for Tensor(a) / Tensor(a!)
-    mutable: bool
-
-    @property
-    def is_tensor(self) -> bool:
-        return self.type in ("Tensor", "Optional[Tensor]")
-
-    @property
-    def is_tensor_list(self) -> bool:
-        return self.type in ("List[Tensor]", "List[Optional[Tensor]]")
-
-
-@dataclass(frozen=True, slots=True)
-class Schema:
-    name: str  # "aten.addmm.default"
-    args: tuple[Arg, ...]
-    returns: tuple[Arg, ...]
-
-    @property
-    def mutates(self) -> bool:
-        return any(a.mutable for a in self.args)
-
-    @property
-    def variadic_results(self) -> bool:
-        return len(self.returns) == 1 and self.returns[0].is_tensor_list
-
-    def aliased_operand(self, result_index: int) -> str | None:
-        """The argument a result aliases (a view of its storage), or None."""
-        if self.variadic_results:
-            result_index = 0
-        if result_index >= len(self.returns):
-            return None
-        alias = self.returns[result_index].alias_set
-        if alias is None:
-            return None
-        return next((a.name for a in self.args if a.alias_set == alias), None)
+from dcir import custom_ops
+from dcir.op_schema import Arg, Schema, arg_record
 
 
 _FORMAT = 3  # bump when the cached record changes shape or meaning
@@ -84,13 +42,6 @@ def _cache_path(version: str) -> Path:
 _LIST_ALIAS = re.compile(r"Tensor\((\w+)\)\[\]")
 
 
-def _arg_record(a) -> list:
-    info = a.alias_info
-    alias = sorted(info.before_set)[0] if info is not None and info.before_set else None
-    return [a.name, str(a.type), bool(a.has_default_value()), bool(a.kwarg_only), alias,
-            bool(info is not None and info.is_write)]
-
-
 def _read_from_torch() -> dict[str, list]:
     import torch  # noqa: F401  (registers the aten schemas)
     from torch._C import _jit_get_all_schemas
@@ -100,13 +51,13 @@ def _read_from_torch() -> dict[str, list]:
         if not s.name.startswith("aten::"):
             continue
         key = f"aten.{s.name[len('aten::'):]}.{s.overload_name or 'default'}"
-        rets = [_arg_record(r) for r in s.returns]
+        rets = [arg_record(r) for r in s.returns]
         # Tensor(a)[] (split, unbind): the alias set sits on the list's elements, which
         # torch's Python bindings do not expose; the schema's text shows it.
         m = _LIST_ALIAS.fullmatch(str(s).rsplit(" -> ", 1)[1].strip())
         if m and len(rets) == 1:
             rets[0][4] = m.group(1)
-        table[key] = [[_arg_record(a) for a in s.arguments], rets]
+        table[key] = [[arg_record(a) for a in s.arguments], rets]
     return table
 
 
@@ -133,7 +84,6 @@ def schema(op_name: str) -> Schema | None:
     """The schema of ``aten.<name>.<overload>``; ``aten.<name>`` means the default overload.
     An op of another namespace is a custom op, whose schema torch holds (``dcir.custom_ops``)."""
     if not op_name.startswith("aten."):
-        from dcir import custom_ops
         return custom_ops.schema(op_name)
     return _aten_schema(op_name)
 

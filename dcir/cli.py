@@ -14,15 +14,23 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from dcir import custom_ops, trace
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Source
+from dcir.machine import HardwareError, Machine, load
+from dcir.memory import parse_bytes
+from dcir.memplot import plot
+from dcir.parser import parse
+from dcir.passes import PassManager, describe, parse_pipeline, registry
+from dcir.printer import print_module
+from dcir.sim import simulate_module
+from dcir.verifier import diagnostics
 
 SPLIT_MARKER = re.compile(r"^// -----\s*$", re.M)
 _EXPECTED = re.compile(r"//\s*expected-(error|note)\s*(@[+-]?\d+|@above|@below)?\s*\{\{(.*?)\}\}")
 
 
 def _passes_epilog() -> str:
-    from dcir.passes import registry
     rows = []
     for name, cls in registry().items():
         doc = (sys.modules[cls.__module__].__doc__ or "").strip().split("\n", 1)[0]
@@ -77,7 +85,6 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None, stdout: Tex
          stderr: TextIO | None = None) -> int:
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     args = build_parser().parse_args(argv)
-    from dcir.passes import describe, parse_pipeline, registry
 
     if args.help_pass:
         cls = registry().get(args.help_pass)
@@ -131,21 +138,15 @@ def main(argv: list[str] | None = None, stdin: TextIO | None = None, stdout: Tex
 
 def _load(modules: list[str]) -> None:
     """Import the modules of ``--load`` (libraries that register custom ops)."""
-    from dcir.custom_ops import load
-
     for module in modules:
         try:
-            load(module)
+            custom_ops.load(module)
         except ImportError as e:
             raise _Usage(f"--load {module}: {e}") from None
 
 
 def _machine(args):
     """The machine of --simulate (for --emit-trace: the default one when none is named)."""
-    from dcir.cost import Machine
-    from dcir.hardware import HardwareError, load
-    from dcir.memory import parse_bytes
-
     if args.budget is not None:
         try:
             args.budget = parse_bytes(args.budget)
@@ -172,18 +173,12 @@ class _Result:
     def __init__(self, text: str, module, args):
         self.text, self.module, self.args = text, module, args
         if args.emit_trace:
-            from dcir import trace
-
             machine = _on_program_ranks(module, args.machine) if args.simulate else None
             trace.write(args.emit_trace, trace.predicted(module, machine, budget=args.budget))
         if args.memory_plot:
-            from dcir.memplot import plot
-
             plot(module, args.memory_plot, args.budget, title=Path(module.source.name).name if module.source else "")
 
     def report(self) -> str:
-        from dcir.sim import simulate_module
-
         m = _on_program_ranks(self.module, self.args.machine)
         note = ""
         if m.world_size != self.args.machine.world_size and self.args.machine.world_size:
@@ -225,11 +220,6 @@ def _chunks(text: str, split: bool) -> list[tuple[str, int]]:
 
 
 def _process(name, text, offset, passes, args, stderr, timings) -> tuple[str, list[Diagnostic]]:
-    from dcir.parser import parse
-    from dcir.passes import PassManager
-    from dcir.printer import print_module
-    from dcir.verifier import diagnostics
-
     try:
         start = time.perf_counter()
         module = parse(text, name, line_offset=offset)

@@ -21,7 +21,7 @@ Costs per op come from the profile when the op carries one (``prof.time_us``, se
 * a host copy (``mem.offload``, ``mem.reload``): its bytes over ``Machine.copy_bw``.
 
 The simulation of a schedule is ``dcir.sim``'s: a compute lane (the ops in order), a
-collective lane and a copy lane; ``estimate`` is its summary. The estimate says where
+collective lane and a copy lane; ``sim.estimate`` is its summary. The estimate says where
 its numbers came from: ``profile``, ``analytic`` or ``profile+analytic``.
 """
 
@@ -31,8 +31,8 @@ import math
 from dataclasses import dataclass, replace
 
 from dcir import ops as registry
-from dcir.fusion import FusionMode
-from dcir.ir import Function, Module, Op, PendingType, ShardType, TensorType
+from dcir.ir import Module, Op, PendingType, ShardType, TensorType
+from dcir.machine import Machine, load
 from dcir.memory import device_bytes
 
 #: The profile's attributes: host time of an op (for an async op, its transfer time)
@@ -46,48 +46,6 @@ COMPILED = "prof.compiled_us"
 #: host time of the optimizer step the runtime runs outside the program (torch.optim on the
 #: shards, when the module has no ``@step``), once per optimizer step.
 DEVICE, OPTIMIZER = "prof.device", "prof.optimizer_us"
-
-
-@dataclass(frozen=True)
-class Machine:
-    """A machine as the cost model sees it: one device (a rank) and the links between ranks.
-    The defaults are one CPU core with gloo over loopback; ``dcir/hardware/*.toml`` holds
-    described machines (``dcir.hardware.load``)."""
-
-    flops: float = 2.0e10          # multiply-adds count 2
-    mem_bw: float = 5.0e9          # bytes/s a compute op streams
-    dispatch_s: float = 8e-6       # host cost of one op
-    copy_bw: float = 5.0e9         # bytes/s a host copy moves (one core's memcpy; PCIe on a GPU)
-    link_latency_s: float = 1.5e-4  # one ring step within a node
-    link_bw: float = 5.0e8         # bytes/s each rank sends to the next within a node
-    inter_latency_s: float = 1.5e-4  # one ring step that crosses nodes
-    inter_bw: float = 5.0e8        # bytes/s each rank sends across nodes (its NIC)
-    ranks_per_node: int = 1 << 20  # devices one node holds (default: every rank in one node)
-    #: the share of its speed compute loses while a transfer runs beside it, and the transfer
-    #: too (``dcir.sim``): on a CPU whose cores also run the process group's copies (gloo over
-    #: loopback), about half; 0 where transfers take no compute core (NCCL on a GPU)
-    overlap_share: float = 0.0
-    #: a compiled stretch of compute (``dcir.fusion``): the host cost of one call into it,
-    #: and the share of their eager time the ops it fuses take (``benchmarks/calibrate_fusion.py``)
-    compiled_call_s: float = 2.5e-6
-    fused_share: float = 0.6
-    world_size: int | None = None  # ranks, when the collective's types do not say
-    memory: int | None = None      # bytes of device memory (none: not described)
-    name: str = "default"
-    use_profile: bool = True       # profiled op times override the model (a description: no)
-
-    def collective_s(self, kind: str, full_bytes: int, n: int) -> float:
-        """Seconds of one ring collective of ``kind`` ("all_gather", "reduce_scatter",
-        "all_reduce") over ``n`` ranks, of a tensor of ``full_bytes`` (gathered or reduced)."""
-        if n <= 1:
-            return 0.0
-        passes = 2 if kind == "all_reduce" else 1
-        steps = passes * (n - 1)
-        nodes = -(-n // self.ranks_per_node)
-        inter_steps = passes * (nodes - 1)
-        bw = self.link_bw if nodes == 1 else min(self.link_bw, self.inter_bw)
-        latency = (steps - inter_steps) * self.link_latency_s + inter_steps * self.inter_latency_s
-        return latency + full_bytes * steps / n / bw
 
 
 def ring_kind(op: Op) -> str:
@@ -126,7 +84,7 @@ def is_transfer(op: Op) -> bool:
 _MATMULS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear"}
 
 
-def _flops(op: Op) -> float:
+def op_flops(op: Op) -> float:
     if op.family != "aten":
         return 0.0  # a custom op's arithmetic is unknown: priced by the bytes it touches (module docstring)
     base = op.name.split(".")[1] if op.name.count(".") >= 1 else op.name
@@ -144,7 +102,7 @@ def _flops(op: Op) -> float:
     return 0.0
 
 
-def _touched_bytes(op: Op) -> int:
+def touched_bytes(op: Op) -> int:
     total = 0
     for v in (*op.operands, *op.results):
         t = v.type
@@ -185,7 +143,7 @@ def analytic_s(op: Op, machine: Machine) -> float:
         return machine.collective_s(ring_kind(op), payload(op), ranks(op, machine))
     if not registry.has_trait(op, registry.COMPUTE):
         return machine.dispatch_s
-    return machine.dispatch_s + max(_flops(op) / machine.flops, _touched_bytes(op) / machine.mem_bw)
+    return machine.dispatch_s + max(op_flops(op) / machine.flops, touched_bytes(op) / machine.mem_bw)
 
 
 def calibrate(module: Module, machine: Machine | None = None) -> Machine:
@@ -226,8 +184,6 @@ def _profiled_on(module: Module) -> Machine:
     machine = Machine(world_size=module.world_size)
     if module.attrs.get(DEVICE) != "cpu":
         return machine
-    from dcir.hardware import load  # the descriptions are read with this module's Machine
-
     cpu = load("cpu-2core")
     return replace(machine, overlap_share=cpu.overlap_share, compiled_call_s=cpu.compiled_call_s,
                    fused_share=cpu.fused_share)
@@ -301,33 +257,6 @@ def _source(profiled: int, total: int) -> str:
     if profiled == total:
         return "profile"
     return "analytic" if profiled == 0 else "profile+analytic"
-
-
-def estimate(func: Function, machine: Machine, module: Module | None = None,
-             fusion: FusionMode = FusionMode.AS_LOWERED) -> Estimate:
-    """Simulate ``func`` (of ``module``, when given) (``dcir.sim``: a compute lane, a
-    collective lane and a copy lane), its stretches of compute priced as ``fusion``
-    says, and sum it up."""
-    from dcir.sim import simulate  # the simulator prices ops with this module
-
-    return simulate(func, machine, module=module, fusion=fusion).summary()
-
-
-def estimate_module(module: Module, machine: Machine | None = None, micro_steps: int = 1) -> Estimate:
-    """One optimizer step (``dcir.sim.runs_per_step``, and the optimizer the runtime runs
-    outside the program: ``outside_s``); links calibrated to the module's profile when it
-    has one."""
-    from dcir.sim import runs_per_step, simulate
-
-    machine = calibrate(module, machine)
-    total = None
-    for name, calls in runs_per_step(module, micro_steps).items():
-        e = simulate(module.functions[name], machine, module=module).summary()
-        for _ in range(calls):
-            total = e if total is None else total + e
-    total = total or Estimate(0.0, 0.0, 0.0, 0.0, "analytic")
-    outside = outside_s(module, machine)
-    return total + Estimate(outside, outside, 0.0, 0.0, total.source) if outside else total
 
 
 def source(module: Module) -> str:

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import sys
 
-_FOUND: dict[str, object] = {}  # op name -> its aten.Schema, once it is known to be usable
+from dcir.op_schema import Arg, Schema, arg_record
+
+_FOUND: dict[str, object] = {}  # op name -> its Schema, once it is known to be usable
 
 
 def split(op_name: str) -> tuple[str, str, str] | None:
@@ -90,18 +92,15 @@ def problem(op_name: str) -> str | None:
 
 
 def schema(op_name: str):
-    """The ``dcir.aten.Schema`` of a usable custom op, or None (``problem`` says why)."""
+    """The ``Schema`` of a usable custom op, or None (``problem`` says why)."""
     found = _FOUND.get(op_name)
     if found is not None:
         return found
     if problem(op_name) is not None:
         return None
-    from dcir import aten
-
     s = _function_schema(op_name)
     name = ".".join(split(op_name))
-    found = aten.Schema(name, tuple(aten.Arg(*aten._arg_record(a)) for a in s.arguments),
-                        tuple(aten.Arg(*aten._arg_record(r)) for r in s.returns))
+    found = Schema(name, tuple(Arg(*arg_record(a)) for a in s.arguments), tuple(Arg(*arg_record(r)) for r in s.returns))
     _FOUND[op_name] = _FOUND[name] = found
     return found
 

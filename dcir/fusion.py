@@ -41,7 +41,9 @@ from typing import Callable, Iterable
 from dcir import ops as registry
 from dcir.activations import draws_random
 from dcir.analysis import view_bases
+from dcir.cost import compiled_us, eager_s
 from dcir.ir import UNIT, Function, Module, Op
+from dcir.memory import OPTIM_STATE_OF
 from dcir.roles import BACKWARD, BACKWARD_LAST, EVAL, FORWARD
 
 #: the op attribute (a flag) that marks an op of a compiled stretch
@@ -84,7 +86,6 @@ def fusible(op: Op) -> bool:
 
 
 def _store_state(module: Module | None, op: Op) -> bool:
-    from dcir.memory import OPTIM_STATE_OF
     decl = module.decls.get(op.symbol) if module is not None and op.symbol else None
     return decl is not None and OPTIM_STATE_OF in decl.attrs
 
@@ -227,8 +228,6 @@ def seconds(func: Function, machine, module: Module | None = None,
     choose = mode is FusionMode.CHOOSING
     if mode is FusionMode.AS_LOWERED and not marked(func):
         return {}
-    from dcir.cost import eager_s
-
     out = {i: eager_s(op, machine) for i, op in enumerate(func.ops) if is_compute(op)}
     for stretch in candidates(func, module):
         if not choose and not any(FUSE in func.ops[i].attrs for i in stretch):
@@ -245,8 +244,6 @@ def stretch_seconds(func: Function, stretch: list[int], machine) -> dict[int, fl
     share of a compiled run (``prof.compiled_us``), else the model
     (module docstring); the call's fixed cost goes to the first op when no op of the
     stretch was measured (a measured share holds its part of it)."""
-    from dcir.cost import compiled_us, eager_s
-
     out, any_measured = {}, False
     for i in stretch:
         op = func.ops[i]

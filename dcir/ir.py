@@ -17,7 +17,9 @@ from functools import cached_property
 from itertools import zip_longest
 from typing import Iterator, Literal, Union
 
+from dcir.attrs import UNIT, Attr, DType, SymbolRef, Unit, attr_key  # noqa: F401  (the IR's attribute values)
 from dcir.layout import ShardLayout
+from dcir.printer import print_module, print_op
 
 # ---- types -------------------------------------------------------------------------
 
@@ -121,53 +123,6 @@ class NoneType:
 NONE = NoneType()
 Type = Union[TensorType, ShardType, PendingType, HostType, NoneType]
 
-# ---- attribute values --------------------------------------------------------------
-
-
-class Unit:
-    """The value of a present-but-valueless attribute: ``{trainable}``."""
-
-    _instance: "Unit | None" = None
-
-    def __new__(cls) -> "Unit":
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self) -> str:
-        return "UNIT"
-
-
-UNIT = Unit()
-
-
-@dataclass(frozen=True, slots=True)
-class SymbolRef:
-    """A reference to a module-level symbol used as an attribute value: ``@fc1.weight``."""
-
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
-class DType:
-    """An element type used as an attribute value: ``{dtype = bf16}``."""
-
-    name: str
-
-
-#: An attribute value: int, float, str, bool, None, UNIT, SymbolRef, DType or a tuple of them.
-Attr = object
-
-
-def attr_key(value: Attr) -> object:
-    """A comparison key that tells ``1``, ``1.0`` and ``true`` apart (Python does not)."""
-    if isinstance(value, tuple):
-        return ("list", tuple(attr_key(v) for v in value))
-    if isinstance(value, float) and math.isnan(value):
-        return ("float", "nan")
-    return (type(value).__name__, value)
-
-
 # ---- values, ops, functions, modules -----------------------------------------------
 
 Loc = tuple  # (line, column), both 1-based, in the file the module was parsed from
@@ -261,7 +216,6 @@ class Op:
         return self.name.split(".", 1)[0]
 
     def __repr__(self) -> str:
-        from dcir.printer import print_op
         return f"<Op {print_op(self)}>"
 
 
@@ -409,7 +363,6 @@ class Module:
         return ws if isinstance(ws, int) and not isinstance(ws, bool) and ws >= 1 else None
 
     def __str__(self) -> str:
-        from dcir.printer import print_module
         return print_module(self)
 
     def __eq__(self, other: object) -> bool:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
-from dcir import aten
+from dcir import aten, shapes
 from dcir.ir import DTYPE_BYTES, NONE, DType, HostType, Op, PendingType, ShardType, TensorType, Type
 
 PURE, COMPUTE, ASYNC, WAITS, COLLECTIVE, REDUCES = "pure", "compute", "async", "waits", "collective", "reduces"
@@ -253,7 +253,6 @@ def _rule_custom(op, types, module):
     """A custom op's result types are what its fake kernel computes on meta tensors (cached
     per operand types and attributes); arity and kind are checked as for aten."""
     _rule_aten(op, types, module)
-    from dcir import shapes  # imports torch, which a custom op's schema needed already
     try:
         return shapes.infer(op.name, types, op.attrs)
     except shapes.ShapeError as e:

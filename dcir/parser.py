@@ -21,8 +21,8 @@ from lark.exceptions import VisitError
 
 from dcir import fast_parse
 from dcir.diagnostics import DcirError, Diagnostic, Note
-from dcir.ir import (NONE, UNIT, Decl, DType, Function, HostType, Module, Op, PendingType, ShardType, Source,
-                     SymbolRef, TensorType, Value)
+from dcir.ir import (DTYPE_BYTES, NONE, UNIT, Decl, DType, Function, HostType, Module, Op, PendingType, ShardType,
+                     Source, SymbolRef, TensorType, Value)
 
 GRAMMAR = Path(__file__).with_name("grammar.lark")
 
@@ -482,7 +482,6 @@ def _word_message(word: str, allowed: set, rest: str) -> tuple[str, int]:
     many characters to underline."""
     typ = _TYPE_LIKE.match(rest)
     if "TENSOR_TYPE" in allowed and typ:
-        from dcir.ir import DTYPE_BYTES
         word = typ.group().rstrip("<")
         return (f"unknown type '{word}'; tensor types are written like f32[8, 16] "
                 f"(element types: {', '.join(DTYPE_BYTES)}), or shard<...>, pending<...>, host<...>, none"), len(word)

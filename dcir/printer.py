@@ -12,8 +12,12 @@ import math
 import re
 from functools import lru_cache
 from itertools import zip_longest
+from typing import TYPE_CHECKING
 
-from dcir.ir import UNIT, DType, Function, Module, Op, SymbolRef
+from dcir.attrs import UNIT, DType, SymbolRef
+
+if TYPE_CHECKING:  # dcir.ir prints with this module (Module.__str__)
+    from dcir.ir import Function, Module, Op
 
 _BARE_SYMBOL = re.compile(r"[A-Za-z_$][\w.$-]*\Z")
 _BARE_KEY = re.compile(r"[A-Za-z_][\w.]*\Z")

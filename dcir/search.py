@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dcir.context import PlanContext
+from dcir.memory import peaks
+from dcir.passes import PassManager
+from dcir.sim import estimate_module
 
 Grouping = tuple[tuple[int, ...], ...]
 
@@ -111,17 +114,13 @@ def pipelines(passes: list) -> list[list]:
 def best_pipeline(module, candidates: list[list], micro_steps: int = 1, budget: int | None = None,
                   extra: Callable | None = None, context: PlanContext = PlanContext()):
     """Run every candidate pipeline on a copy of ``module``; returns (the planned module
-    whose simulated optimizer step (``dcir.cost.estimate_module``) is shortest among
+    whose simulated optimizer step (``dcir.sim.estimate_module``) is shortest among
     those whose memory peak stays within ``budget``, its ``Candidate``, every
     ``Candidate``). When none fits, the one with the smallest peak. Ties go to the
     earlier candidate, so the same profiles give the same plan. ``extra(planned)``:
     bytes a plan holds beside its functions' peak (the runtime's shared-memory outbox
     sized for it, ``dcir_runtime.transport.outbox_bytes``). ``context``: what the
     passes plan for, and the machine the plans are priced on."""
-    from dcir.cost import estimate_module
-    from dcir.memory import peaks
-    from dcir.passes import PassManager
-
     tried, planned = [], []
     for pipe in candidates:
         m = module.clone()

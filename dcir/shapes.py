@@ -13,6 +13,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from dcir import aten
+from dcir.custom_ops import resolve
 from dcir.ir import NONE, DType, TensorType, Type, attr_key
 
 _DTYPES = {
@@ -86,11 +87,6 @@ def call_arguments(op_name: str, operands: list, attrs: dict, *, device=None) ->
     return args, kwargs
 
 
-def _resolve(op_name: str):
-    from dcir.custom_ops import resolve
-    return resolve(op_name)
-
-
 @lru_cache(maxsize=None)
 def _infer_cached(op_name: str, operand_types: tuple, attrs_key: tuple, attrs_items: tuple) -> tuple[Type, ...]:
     import torch
@@ -102,7 +98,7 @@ def _infer_cached(op_name: str, operand_types: tuple, attrs_key: tuple, attrs_it
         else:
             operands.append(torch.empty(t.shape, dtype=torch_dtype(t.dtype), device="meta"))
     args, kwargs = call_arguments(op_name, operands, dict(attrs_items), device="meta")
-    out = _resolve(op_name)(*args, **kwargs)
+    out = resolve(op_name)(*args, **kwargs)
     outs = out if isinstance(out, (tuple, list)) else (out,)
     return tuple(NONE if o is None else TensorType(dcir_dtype(o.dtype), tuple(int(d) for d in o.shape)) for o in outs)
 

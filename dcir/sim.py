@@ -1,7 +1,7 @@
 """The event simulator: how one schedule runs on a machine, op by op, lane by lane.
 
 It is the one timing model of DCIR. The passes price candidate schedules with it
-(``cost.estimate``, and ``schedule.Sweep`` for the moves), ``dcir-opt --simulate``
+(``estimate``, and ``schedule.Sweep`` for the moves), ``dcir-opt --simulate``
 and ``--emit-trace`` print and draw it, and the Engine's profile report compares it
 with what ran. What each op costs is ``dcir.cost``'s (the profile, else the analytic
 model of a ``Machine``); how the costs combine is this module's:
@@ -35,10 +35,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from dcir import ops as registry, roles
-from dcir.cost import (LAUNCH, Estimate, Machine, is_host_copy, is_transfer, op_seconds, outside_s, pack_s,
-                       unpack_s)
+from dcir.cost import (LAUNCH, Estimate, Machine, calibrate, is_host_copy, is_transfer, op_seconds, outside_s,
+                       pack_s, unpack_s)
 from dcir.fusion import FusionMode, seconds as fused_seconds
-from dcir.ir import Function, Module, Op
+from dcir.ir import Function, HostType, Module, Op
+from dcir.memory import GRAD_ACC_OF, OPTIM_STATE_OF, UNSHARD_OF, timelines
 
 COMPUTE, COLLECTIVE, COPY = "compute", "collective", "copy"
 LANES = (COMPUTE, COLLECTIVE, COPY)
@@ -233,6 +234,29 @@ def runs_per_step(module: Module, micro_steps: int) -> dict[str, int]:
     return {f.name: roles.runs_per_step(f, funcs, micro_steps) for f in funcs}
 
 
+def estimate(func: Function, machine: Machine, module: Module | None = None,
+             fusion: FusionMode = FusionMode.AS_LOWERED) -> Estimate:
+    """Simulate ``func`` (of ``module``, when given) (``simulate``: a compute lane, a
+    collective lane and a copy lane), its stretches of compute priced as ``fusion``
+    says, and sum it up."""
+    return simulate(func, machine, module=module, fusion=fusion).summary()
+
+
+def estimate_module(module: Module, machine: Machine | None = None, micro_steps: int = 1) -> Estimate:
+    """One optimizer step (``runs_per_step``, and the optimizer the runtime runs
+    outside the program: ``outside_s``); links calibrated to the module's profile when it
+    has one."""
+    machine = calibrate(module, machine)
+    total = None
+    for name, calls in runs_per_step(module, micro_steps).items():
+        e = simulate(module.functions[name], machine, module=module).summary()
+        for _ in range(calls):
+            total = e if total is None else total + e
+    total = total or Estimate(0.0, 0.0, 0.0, 0.0, "analytic")
+    outside = outside_s(module, machine)
+    return total + Estimate(outside, outside, 0.0, 0.0, total.source) if outside else total
+
+
 @dataclass
 class Prediction:
     """One optimizer step of a module on a machine, per rank (every rank runs the same
@@ -274,8 +298,6 @@ def simulate_module(module: Module, machine: Machine, micro_steps: int = 1,
     runs them, and the optimizer the runtime runs outside them, ``cost.outside_s``). The peak is the memory model's
     (``dcir.memory``), plus, with ``state_bytes``, the module state every rank holds
     (parameter shards, buffers, optimizer state: ``held_bytes``)."""
-    from dcir.memory import timelines
-
     calls = runs_per_step(module, micro_steps)
     runs = {name: simulate(f, machine, module=module) for name, f in module.functions.items()}
     total = None
@@ -302,8 +324,6 @@ def held_bytes(module: Module) -> int:
     the step's last backward), and optimizer state: declared on the device
     (``optim.state_of``), else AdamW's (``ADAM_STATES`` fp32 tensors per element, plus
     an fp32 master copy of parameters that are not fp32)."""
-    from dcir.ir import HostType
-    from dcir.memory import GRAD_ACC_OF, OPTIM_STATE_OF, UNSHARD_OF
 
     total, declared = 0, False
     for d in module.decls.values():

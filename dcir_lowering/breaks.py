@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import io
 import logging
 import os
@@ -34,6 +35,8 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+
+from dcir.diagnostics import Note
 
 #: Dynamo's break types, said in the user's terms; others are shown as Dynamo names them
 _PLAIN = {
@@ -74,6 +77,36 @@ class GraphBreaks(list):
         self.graphs = graphs
 
 
+#: ``logging.Logger`` methods a model may call in forward; transformers adds ``warning_once``,
+#: ``warning_advice`` and ``info_once`` to the class (found when a capture starts)
+_LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "critical", "log", "warning_once",
+                   "warning_advice", "info_once")
+
+
+@contextlib.contextmanager
+def benign_breaks():
+    """Dynamo settings under which logging, ``warnings.warn`` and ``print`` in a model's
+    forward do not break its graph: Dynamo ignores them while it traces
+    (``torch._dynamo.config.ignore_logging_functions``), so they do not run during
+    capture and are not part of the program.
+
+    Why not Dynamo's other knob, ``reorderable_logging_functions`` (run the call after
+    the graph, with the values it was given): in torch 2.13 Dynamo emits only the calls
+    made in the compiled function's own frame, and silently drops those made in functions
+    it inlines, which is every call inside a model's ``forward`` (``OutputGraph.
+    compile_subgraph``: "TODO get debug_locals working for nested graph breaks"); and it
+    reorders only calls whose arguments are tensors, constants or format strings, so
+    ``print(x.shape)`` or ``warnings.warn(msg, UserWarning)`` would break the graph
+    anyway. Ignoring is what reordering does to a model's calls, said plainly.
+
+    The user's own settings are kept: these are added to them."""
+    config = torch._dynamo.config
+    loggers = {getattr(logging.Logger, name) for name in _LOGGER_METHODS if hasattr(logging.Logger, name)}
+    ignored = set(config.ignore_logging_functions) | loggers | {print, warnings.warn}
+    with config.patch(ignore_logging_functions=ignored):
+        yield
+
+
 def graph_breaks(model: torch.nn.Module, *args, **kwargs) -> GraphBreaks:
     """Every graph break of ``model(*args, **kwargs)``: see the module docstring."""
     work = copy.deepcopy(model)
@@ -83,8 +116,6 @@ def graph_breaks(model: torch.nn.Module, *args, **kwargs) -> GraphBreaks:
 
 def breaks_of(fn, args: tuple, kwargs: dict) -> GraphBreaks:
     """Run ``fn(*args, **kwargs)`` once under Dynamo, breaks allowed, and list them."""
-    from dcir_lowering.frontend import benign_breaks
-
     found: dict[tuple[str, int], GraphBreak] = {}
     graphs = []
 
@@ -152,11 +183,9 @@ def _add(found: dict, reason: str, stack: list) -> None:
 
 
 def _internal_dirs() -> tuple[str, ...]:
-    import dcir
-    import dcir_lowering
-    import dcir_runtime
-
-    return tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, dcir, dcir_lowering, dcir_runtime))
+    """The folders of torch and of DCIR's packages (found, not imported: the runtime is a layer above)."""
+    return tuple(os.path.join(importlib.util.find_spec(name).submodule_search_locations[0], "")
+                 for name in ("torch", "dcir", "dcir_lowering", "dcir_runtime"))
 
 
 def _user_frame(stack: list):
@@ -189,8 +218,6 @@ def notes(step, args: tuple, kwargs: dict, limit: int = 10) -> tuple:
     """The breaks of ``step`` as diagnostic notes for capture's whole-graph error: at most
     ``limit``, then how many more. Listing runs the step again; when that fails too, the
     error stands without the list."""
-    from dcir.diagnostics import Note
-
     try:
         found = breaks_of(step, args, kwargs)
     except Exception:  # noqa: BLE001  (the error being raised says what matters; the list only adds to it)

@@ -34,21 +34,20 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import operator
 import re
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
-from dcir import signature
+from dcir import custom_ops, signature
 from dcir.activations import RECOMPUTE
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import DTYPE_BYTES, NONE, UNIT, Decl, DType, Function, Module, Op, TensorType, Type, Value
 from dcir.roles import BACKWARD, EVAL, FORWARD
 from dcir.shapes import dcir_dtype
+from dcir_lowering.breaks import benign_breaks, notes
 from dcir_lowering.outputs import Outputs
 
 #: Largest constant tensor written into the text (elements); larger ones must be buffers.
@@ -236,8 +235,7 @@ def _trace(step, captured: "_Captured", args: tuple, kwargs: dict, model: torch.
                 torch._dynamo.reset()
                 return compiled()(*args, **kwargs)
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:  # UserError: data-dependent shapes
-        where = _where(str(e))
-        from dcir_lowering.breaks import notes  # every break, not just the first: the step runs again to list them
+        where = _where(str(e))  # the notes list every break, not just the first: the step runs again for them
         raise DcirError(Diagnostic(f"cannot capture the model as one graph: {_why(e)}{where}",
                                    notes=notes(listing() if listing else step, args, kwargs))) from None
     finally:
@@ -250,8 +248,6 @@ _UNSUPPORTED_OP = re.compile(r"unsupported operator: ([\w.]+)")
 def _why(e: Exception) -> str:
     """Dynamo's reason, or for a custom op it cannot run on fake tensors, DCIR's
     (``dcir.custom_ops.problem``: which op, and to register a fake kernel)."""
-    from dcir import custom_ops
-
     m = _UNSUPPORTED_OP.search(str(e))
     if m and not m.group(1).startswith("aten."):
         return custom_ops.problem(m.group(1)) or _first_line(e)
@@ -312,36 +308,6 @@ def _real_for_a_while(model: torch.nn.Module):
     finally:
         for slots, k, t in swapped:
             slots[k] = t
-
-
-#: ``logging.Logger`` methods a model may call in forward; transformers adds ``warning_once``,
-#: ``warning_advice`` and ``info_once`` to the class (found when a capture starts)
-_LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "critical", "log", "warning_once",
-                   "warning_advice", "info_once")
-
-
-@contextlib.contextmanager
-def benign_breaks():
-    """Dynamo settings under which logging, ``warnings.warn`` and ``print`` in a model's
-    forward do not break its graph: Dynamo ignores them while it traces
-    (``torch._dynamo.config.ignore_logging_functions``), so they do not run during
-    capture and are not part of the program.
-
-    Why not Dynamo's other knob, ``reorderable_logging_functions`` (run the call after
-    the graph, with the values it was given): in torch 2.13 Dynamo emits only the calls
-    made in the compiled function's own frame, and silently drops those made in functions
-    it inlines, which is every call inside a model's ``forward`` (``OutputGraph.
-    compile_subgraph``: "TODO get debug_locals working for nested graph breaks"); and it
-    reorders only calls whose arguments are tensors, constants or format strings, so
-    ``print(x.shape)`` or ``warnings.warn(msg, UserWarning)`` would break the graph
-    anyway. Ignoring is what reordering does to a model's calls, said plainly.
-
-    The user's own settings are kept: these are added to them."""
-    config = torch._dynamo.config
-    loggers = {getattr(logging.Logger, name) for name in _LOGGER_METHODS if hasattr(logging.Logger, name)}
-    ignored = set(config.ignore_logging_functions) | loggers | {print, warnings.warn}
-    with config.patch(ignore_logging_functions=ignored):
-        yield
 
 
 def _first_line(e: Exception) -> str:
@@ -514,8 +480,6 @@ class GraphLowering:
 
     def _check_target(self, node: fx.Node) -> None:
         """An aten op, or a custom op DCIR can carry (``dcir.custom_ops``); else a located error."""
-        from dcir import custom_ops
-
         target = node.target
         if isinstance(target, torch._ops.HigherOrderOperator) and target.name().startswith("auto_functionalized"):
             inner = node.args[0] if node.args else None  # a mutating custom op, functionalized by AOTAutograd

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.memory import parse_bytes
+from dcir.passes import parse_pipeline
+from dcir_runtime import precision
 
 @dataclass(frozen=True)
 class Config:
@@ -114,8 +116,6 @@ def _stage(v):
 
 
 def _passes(v):
-    from dcir.passes import parse_pipeline
-
     if isinstance(v, str):
         v = [v] if v else []
     if not isinstance(v, list) or not all(isinstance(p, str) for p in v):
@@ -129,7 +129,6 @@ def _passes(v):
 
 
 def _names_fuse(spec: str) -> bool:
-    from dcir.passes import parse_pipeline
     return any(p.name == "fuse" for p in parse_pipeline(spec))
 
 
@@ -182,9 +181,8 @@ def _max_norm(v):
 
 
 def _precision(check: str):
-    """A check of ``dcir_runtime.precision``, imported when a config uses it (it imports torch)."""
+    """A check of ``dcir_runtime.precision``."""
     def run(v):
-        from dcir_runtime import precision
         return getattr(precision, check)(v)
     return run
 

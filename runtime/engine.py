@@ -36,7 +36,7 @@ import torch
 import dcir
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir_lowering import backend
-from dcir_runtime import native
+from dcir_runtime import checkpoint, native
 from dcir_runtime.accounting import MemoryStats, StepPeak, fixed_bytes, measure, scheduled_bytes
 from dcir_runtime.capture import source_name
 from dcir_runtime.config import Config
@@ -306,14 +306,12 @@ class Engine:
         accumulation, ``client_state``) to ``save_dir/<tag>/`` (default ``step<N>``) on DCP, visible once
         complete, keeping the newest ``keep_last`` complete checkpoints (None: all); a collective.
         Returns its directory (``dcir_runtime.checkpoint``, docs/checkpoint.md)."""
-        from dcir_runtime import checkpoint
         return checkpoint.save(self, save_dir, tag, client_state, keep_last)
 
     def load_checkpoint(self, load_dir, tag: str | None = None):
         """Loads ``load_dir/<tag>`` (default: the latest undamaged checkpoint), saved at any
         world size, ZeRO stage or offload setting; a collective. Returns (its directory,
         the ``client_state`` it was saved with). On any error the engine is unchanged."""
-        from dcir_runtime import checkpoint
         return checkpoint.load(self, load_dir, tag)
 
     @torch.no_grad()

@@ -38,6 +38,7 @@ from torch.utils import swap_tensors
 
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.layout import ShardLayout
+from dcir_runtime.pretrained import load_shards
 
 #: how many names an error lists before "and N more"
 _LISTED = 20
@@ -68,15 +69,6 @@ def device_of(model: torch.nn.Module) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
-
-
-def aliases_of(model: torch.nn.Module) -> dict[str, list[str]]:
-    """The first FQN of each distinct parameter -> every FQN it goes by (tied parameters are one)."""
-    aliases: dict[str, list[str]] = {}
-    first: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(first.setdefault(id(p), name), []).append(name)
-    return aliases
 
 
 def _swap_in(t: torch.Tensor, data: torch.Tensor) -> None:
@@ -314,7 +306,6 @@ def take_shards(model: torch.nn.Module, group, device: torch.device, *, param_in
             f"build it under torch.device('meta'), or drop {given}"))
     out: dict[str, torch.Tensor] = {}
     if pretrained is not None:
-        from dcir_runtime.pretrained import load_shards
         out.update(load_shards(model, pretrained, group.rank, group.world, device))
     for name, p in named.items():  # parameters with values: rank 0's, each let go once sharded
         if name not in out and not p.is_meta:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import dcir
 from dcir.context import PlanContext
-from dcir.cost import estimate_module
+from dcir.sim import estimate_module
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.memory import format_bytes, peaks as memory_peaks
 from dcir import fusion, search

@@ -264,14 +264,21 @@ def _shape(shape: Sequence[int]) -> str:
 
 
 
+def aliases_of(model: torch.nn.Module) -> dict[str, list[str]]:
+    """The first FQN of each distinct parameter -> every FQN it goes by (tied parameters are one)."""
+    aliases: dict[str, list[str]] = {}
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(first.setdefault(id(p), name), []).append(name)
+    return aliases
+
+
 def load_shards(model: torch.nn.Module, path, rank: int, world: int, device: torch.device) -> dict[str, torch.Tensor]:
     """This rank's flat shard of each of ``model``'s parameters (by first FQN), read from
     the checkpoint at ``path`` after ``check`` has passed; its persistent buffers are set
     in place (a non-persistent one, such as rotary ``inv_freq``, may be absent: the
     model's init computes it)."""
     from torch.utils import swap_tensors
-
-    from dcir_runtime.materialize import aliases_of
 
     aliases = aliases_of(model)
     params = dict(model.named_parameters())

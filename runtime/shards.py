@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from dcir.diagnostics import DcirError, Diagnostic
-from dcir_runtime.materialize import aliases_of
+from dcir_runtime.pretrained import aliases_of
 from dcir_runtime.offload import StateStore
 
 

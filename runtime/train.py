@@ -27,7 +27,12 @@ import os
 import sys
 import time
 
-from dcir.diagnostics import DcirError
+import dcir
+from dcir.diagnostics import DcirError, Diagnostic
+from dcir_runtime.checkpoint import latest
+from dcir_runtime.config import Config
+from dcir_runtime.engine import RankFailure
+from dcir_runtime.launch import launch
 
 
 def corpus() -> bytes:
@@ -74,8 +79,6 @@ def _args(argv):
 def _config(text: str | None, precision: str = "fp32"):
     """``--config``: inline JSON or a file, checked (``Config.load``); ``--precision``
     adds its section (a config that has one already is an error naming both)."""
-    from dcir.diagnostics import Diagnostic
-    from dcir_runtime.config import Config
 
     config = Config()
     if text is not None and text.lstrip().startswith("{"):
@@ -108,8 +111,6 @@ def _model(ns):
 def _model_and_engine(ns):
     """The model (``_model``) in an Engine."""
     import torch
-
-    import dcir
 
     model = _model(ns)
     return dcir.initialize(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=ns.lr, weight_decay=0.01),
@@ -167,8 +168,6 @@ def _evaluate(engine, batches: _Batches) -> float:
 
 def _resume(engine, directory: str, batches: _Batches) -> None:
     """``--resume``: continue from the latest complete checkpoint in ``directory``, if any."""
-    from dcir_runtime.checkpoint import latest
-
     if latest(directory) is None:
         if engine.rank == 0:
             print(f"dcir-train: no complete checkpoint in {directory}; starting fresh", flush=True)
@@ -310,8 +309,6 @@ def rank_main(ns) -> None:
 def list_breaks(ns) -> int:
     """``--list-breaks``: the graph breaks of the model's forward on one training batch
     (``dcir.graph_breaks``), as a table; exit code 0 with breaks or without."""
-    import dcir
-
     batches = _Batches(ns, 0, 1)
     batch = batches(batches.train)
     found = dcir.graph_breaks(_model(ns), input_ids=batch)
@@ -356,12 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.list_breaks:  # one process, no ranks
         return list_breaks(ns)
     if "RANK" not in os.environ:  # the launcher: start the ranks, each runs this again
-        from dcir_runtime.launch import launch
-
         return launch(["-m", "dcir_runtime.train", *(argv if argv is not None else sys.argv[1:])], ns.nproc,
                       timeout_s=ns.timeout)
-    from dcir_runtime.engine import RankFailure
-
     try:
         rank_main(ns)
     except DcirError as e:

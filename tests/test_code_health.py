@@ -2,7 +2,11 @@
 over 250 lines in dcir/, dcir_lowering/ and runtime/, with no exceptions. And seams that
 hold: no module edits ``sys.path`` to find another (the packages are installed, the tests'
 helpers are on pytest's ``pythonpath``, a script's own folder is its ``sys.path[0]``), and
-the Engine's parts that take it as an argument reach it through its public names only."""
+the Engine's parts that take it as an argument reach it through its public names only. And
+layers the imports keep: ``dcir`` <- ``dcir_lowering`` <- ``dcir_runtime`` (runtime/), with no
+import of the project's own modules inside a function, the kind that exists only to dodge a cycle
+(the facade ``dcir/__init__.py``, which reaches up lazily so ``dcir-opt`` never imports torch, is the
+one exception)."""
 
 from __future__ import annotations
 
@@ -19,6 +23,19 @@ ENGINE_CLIENTS = ("runtime/checkpoint.py", "runtime/programs.py")
 LIST_EDITS = {"insert", "append", "extend", "remove", "pop", "clear"}
 #: the one home of the flat shard layout's rule (``ShardLayout``), and the names a world size goes by
 LAYOUT_HOME, WORLD_NAMES = "dcir/layout.py", {"world", "world_size", "parts"}
+#: the project's packages, lowest layer first: each may import only those before it (runtime/ is ``dcir_runtime``)
+LAYERS = ("dcir", "dcir_lowering", "dcir_runtime")
+LAYER_OF_FOLDER = dict(zip(PACKAGES, LAYERS))
+#: the facade: ``dcir.compile_to_ir`` and friends reach up the layers lazily, the one documented exception
+FACADE = "dcir/__init__.py"
+#: ``path::function`` whose project imports still sit inside the function; shrink it, never grow it. These two files
+#: are being reworked with the split of dcir_lowering/backend.py into modules: their imports go to the top with it
+IN_FUNCTION_ALLOWED = {
+    "dcir_lowering/backend.py::_Offloading.__init__", "dcir_lowering/backend.py::_Offloading.starts",
+    "dcir_lowering/backend.py::_unsupported", "dcir_lowering/backend.py::lower",
+    "dcir_lowering/backend.py::gathered_copies",
+    "runtime/programs.py::fits", "runtime/programs.py::capture_program",
+}
 
 
 def _units(source: str):
@@ -161,3 +178,74 @@ def test_the_layout_scan_sees_each_form():
     source = ("a = -(-n // world)\nb = (n + g.world - 1) // g.world\nc = math.ceil(n / self.parts)\n"
               "d = ceil(n / world_size)\ne = n // world\nf = total / world\ng = -(-n // 64)\n")
     assert _world_ceil_divisions(source) == [1, 2, 3, 4]
+
+
+def _imported_packages(node) -> list[str]:
+    """The top-level packages an ``import``/``from ... import`` names (a relative import: ``"."``)."""
+    if isinstance(node, ast.Import):
+        return [alias.name.split(".")[0] for alias in node.names]
+    return ["."] if node.level else [node.module.split(".")[0]]
+
+
+def _project_imports(source: str):
+    """(line, enclosing function's qualified name or "" outside functions, package) of every import of the
+    project's packages in ``source``."""
+    def walk(node, qualname: str, function: str):
+        for child in ast.iter_child_nodes(node):
+            inner, inner_function = qualname, function
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                inner = f"{qualname}.{child.name}" if qualname else child.name
+                inner_function = inner if not isinstance(child, ast.ClassDef) else function
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                for package in _imported_packages(child):
+                    if package in LAYERS or package == ".":
+                        yield child.lineno, function, package
+            yield from walk(child, inner, inner_function)
+    yield from walk(ast.parse(source), "", "")
+
+
+def _import_problems(rel: str, source: str) -> list[str]:
+    """``path:line: why`` for each import in ``source`` (at ``rel``) inside a function, or against the layers."""
+    if rel == FACADE:
+        return []
+    layer = LAYERS.index(LAYER_OF_FOLDER[rel.split("/")[0]])
+    problems = []
+    for line, function, package in _project_imports(source):
+        if function and f"{rel}::{function}" not in IN_FUNCTION_ALLOWED:
+            problems.append(f"{rel}:{line}: {package} imported inside {function}() (import at the top; "
+                            "if that makes a cycle, move the shared piece down a layer)")
+        if package in LAYERS and LAYERS.index(package) > layer:
+            problems.append(f"{rel}:{line}: {LAYERS[layer]} imports {package}, a layer above it")
+    return problems
+
+
+def _tree_import_problems() -> list[str]:
+    problems = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            problems += _import_problems(rel, path.read_text())
+    return problems
+
+
+def test_imports_keep_the_layers_and_stay_at_the_top():
+    problems = _tree_import_problems()
+    assert not problems, "imports that dodge a cycle or run against the layers:\n" + "\n".join(problems)
+
+
+def test_the_allowed_in_function_imports_still_exist():
+    found = {f"{path.relative_to(ROOT)}::{function}" for package in PACKAGES for path in (ROOT / package).rglob("*.py")
+             for _, function, _ in _project_imports(path.read_text()) if function}
+    assert not IN_FUNCTION_ALLOWED - found, f"gone, drop from IN_FUNCTION_ALLOWED: {IN_FUNCTION_ALLOWED - found}"
+
+
+def test_the_import_scan_sees_each_form():
+    source = ("import torch\nfrom dcir import ir\nclass A:\n    from dcir.ops import OPS\n"
+              "    def f(self):\n        import dcir_runtime\n        from .x import y\n"
+              "def g():\n    def h():\n        from dcir_lowering.backend import lower\n    import json\n")
+    assert list(_project_imports(source)) == [(2, "", "dcir"), (4, "", "dcir"), (6, "A.f", "dcir_runtime"),
+                                              (7, "A.f", "."), (10, "g.h", "dcir_lowering")]
+    assert _import_problems("dcir/x.py", "from dcir_lowering import frontend\n") == [
+        "dcir/x.py:1: dcir imports dcir_lowering, a layer above it"]
+    assert _import_problems("runtime/x.py", "import dcir_lowering, dcir\n") == []
+    assert _import_problems(FACADE, "def f():\n    from dcir_runtime import initialize\n") == []

@@ -12,8 +12,9 @@ import torch
 import dcir
 from dcir import fusion
 from dcir.context import PlanContext
-from dcir.cost import COMPILED, Machine, estimate
+from dcir.cost import COMPILED, Machine
 from dcir.passes import run_passes
+from dcir.sim import estimate
 from dcir_lowering import backend
 from models import tiny_llama
 from test_backend import train_side_by_side

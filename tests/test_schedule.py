@@ -11,7 +11,8 @@ import torch
 
 import dcir
 from dcir.context import PlanContext
-from dcir.cost import Machine, estimate, estimate_module, source
+from dcir.cost import Machine, source
+from dcir.sim import estimate, estimate_module
 from dcir.diagnostics import DcirError
 from dcir.hardware import load
 from dcir.memory import parse_bytes, peaks, timeline

@@ -14,11 +14,11 @@ import pytest
 
 import dcir
 from dcir.cli import main as opt_main
-from dcir.cost import DEVICE, LAUNCH, OPTIMIZER, TIME, Machine, calibrate, estimate, estimate_module, outside_s
+from dcir.cost import DEVICE, LAUNCH, OPTIMIZER, TIME, Machine, calibrate, outside_s
 from dcir.hardware import HardwareError, dump, fit, load, shipped
 from dcir.ops import WAITS, has_trait
 from dcir.schedule import Sweep
-from dcir.sim import COLLECTIVE, COMPUTE, COPY, simulate, simulate_module
+from dcir.sim import COLLECTIVE, COMPUTE, COPY, estimate, estimate_module, simulate, simulate_module
 from dcir.trace import MEASURED_ROWS, PREDICTED_ROWS
 from test_schedule import GATHER_AND_COPY  # the same program: a gather beside a host copy
 

@@ -28,6 +28,9 @@ from dcir.context import PlanContext
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.fusion import FusionMode
 from dcir.ir import Module, Source
+from dcir.memory import parse_bytes
+from dcir.printer import print_module
+from dcir.verifier import diagnostics
 
 
 @dataclass(frozen=True)
@@ -126,7 +129,6 @@ def _convert(raw: str, typ) -> object:
     typ = typ if isinstance(typ, str) else typ.__name__
     typ = typ.removesuffix(" | None")
     if typ == "Bytes":
-        from dcir.memory import parse_bytes
         return parse_bytes(raw)
     if raw.startswith('"'):
         import json
@@ -169,9 +171,6 @@ class PassManager:
         """Run the passes in order, each given ``context``. The passes before one that
         chooses the stretches of compute (``Pass.chooses_fusion``) plan jointly with it:
         they price each stretch as it will run (``FusionMode.CHOOSING``)."""
-        from dcir.printer import print_module
-        from dcir.verifier import diagnostics
-
         joint = max((k for k, p in enumerate(self.passes) if p.chooses_fusion), default=-1)
         choosing = dataclasses.replace(self.context, fusion=FusionMode.CHOOSING)
         for k, p in enumerate(self.passes):

@@ -36,12 +36,13 @@ from dataclasses import dataclass
 
 from dcir import ops as registry, search
 from dcir.context import PlanContext
-from dcir.cost import Machine, estimate, note_source, payload
+from dcir.cost import Machine, note_source, payload
 from dcir.fusion import FusionMode
 from dcir.ir import Function, Module, Op, Value
 from dcir.memory import Bytes, timelines
 from dcir.passes import Pass
 from dcir.rewrite import Rewriter
+from dcir.sim import estimate
 
 def _kind(trait: str):
     return lambda op: registry.has_trait(op, trait) and registry.coalesced_form(op) is not None

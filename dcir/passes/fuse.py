@@ -39,11 +39,12 @@ from dataclasses import dataclass
 
 from dcir import fusion
 from dcir.context import PlanContext
-from dcir.cost import COMPILED, estimate, note_source
+from dcir.cost import COMPILED, note_source
 from dcir.fusion import FusionMode
 from dcir.ir import Module
 from dcir.passes import Pass
 from dcir.rewrite import Rewriter
+from dcir.sim import estimate
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import difflib
 from functools import lru_cache
 
-from dcir import aten, ops as registry
+from dcir import aten, custom_ops, ops as registry
 from dcir.ir import attr_key
 from dcir.ops import COMMON_ATTRS
 from dcir.verifier.checker import Checker
@@ -51,7 +51,6 @@ class Ops(Checker):
             members = sorted(n for n in registry.OPS if n.startswith(family + "."))
             self.report.op_error(op, f"unknown op '{op.name}'; {family} ops are: {', '.join(members)}")
         else:  # a torch.library namespace, or a typo of a family
-            from dcir import custom_ops
             self.report.op_error(op, f"unknown op '{op.name}'; op families are: {', '.join(registry.FAMILIES)} "
                                      f"and custom ops, but {custom_ops.problem(op.name)}")
 

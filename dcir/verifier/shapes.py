@@ -5,7 +5,7 @@ know the shape of every aten op, not only its kind."""
 
 from __future__ import annotations
 
-from dcir import ops as registry
+from dcir import ops as registry, shapes
 from dcir.ops import TypeRuleError
 from dcir.verifier.checker import Checker
 
@@ -35,7 +35,6 @@ class Shapes(Checker):
         return True
 
     def _meta(self, op, types) -> bool:
-        from dcir import shapes  # imports torch: only when asked for
         try:
             inferred = shapes.infer(op.name, types, op.attrs)
         except shapes.ShapeError as e:
