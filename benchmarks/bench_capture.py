@@ -29,7 +29,7 @@ import time
 import torch
 
 import dcir
-from dcir_lowering.backend import state_of
+from dcir_lowering.program import state_of
 
 
 def llama(layers: int):

@@ -11,7 +11,7 @@ is cut into (RMSNorm, the rotary embedding, the softmax of the scores, SwiGLU, t
 residual adds, each alone and in the combinations a schedule leaves between two
 collectives) at a few sizes, to the aten ops DCIR captures, and times each one op
 by op (the eager lowering) and compiled by Inductor as the lowering compiles it
-(``dcir_lowering.backend._Compiled``: results made contiguous), the median of
+(``dcir_lowering.stretches._Compiled``: results made contiguous), the median of
 ``--repeats`` runs after a warm-up, one thread (as each rank runs). A line through
 (eager seconds, compiled seconds), fitted by least squares on relative errors (each
 stretch counts alike, small or large), gives ``fused_share`` (its slope) and

@@ -12,7 +12,7 @@ The public API is small:
 * ``dcir.initialize(model, optimizer=..., config=...)`` -> the training ``Engine``
   that runs the sharded program across processes (``dcir_runtime``);
 * ``dcir.lower(module, state)`` makes a module runnable again, over the model's own
-  tensors (``dcir_lowering.backend``; ``state_of(model)`` gives them).
+  tensors (``dcir_lowering.backend``; ``dcir_lowering.program.state_of(model)`` gives them).
 
 Everything else is reached through these or through ``dcir-opt``.
 """

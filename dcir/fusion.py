@@ -1,7 +1,7 @@
 """Op fusion: which stretches of compute between the runtime's ops run compiled.
 
 The lowering runs a function's ops one by one, or hands each *stretch* of compute
-between the runtime's ops to Inductor (``dcir_lowering.backend.compile_compute``),
+between the runtime's ops to Inductor (``dcir_lowering.stretches.compile_compute``),
 which fuses its pointwise ops into fewer kernels and so reads and writes memory less,
 at a fixed cost per call into compiled code. Which stretches pay is a choice like
 bucketing, and it interacts with it: merging collectives removes the cuts between
@@ -56,7 +56,7 @@ ROLES = (FORWARD, BACKWARD, BACKWARD_LAST, EVAL)
 LIBRARY_KERNELS = ("aten.mm.", "aten.bmm.", "aten.addmm.", "aten.baddbmm.", "aten.convolution.")
 
 #: What an op is to a stretch, as either representation (the IR's ops here, the lowered
-#: graph's nodes in ``dcir_lowering.backend``) says of its own: compute, or a runtime op
+#: graph's nodes in ``dcir_lowering.stretches``) says of its own: compute, or a runtime op
 #: that reads state, picks a result already made, waits on a collective, hands a
 #: gradient over, frees a buffer, or does anything else
 COMPUTE, READ, PICK, WAIT, HAND_OVER, FREE, OTHER = "compute", "read", "pick", "wait", "hand_over", "free", "other"

@@ -27,73 +27,35 @@ the optimizer-state store given as ``lower(..., optimizer_state=)`` (an
 ``mem.reload`` / ``mem.offload`` and their ``mem.wait``, ``mem.free`` of a device
 copy and ``optim.step`` become its ``get_state``, ``set_state``, ``reload``,
 ``offload``, ``wait``, ``free`` and ``step``.
+
+This module is the lowering itself. What the lowered graphs call besides torch's ops
+lives in ``dcir_lowering.calls``; the ``Program`` that ``lower`` returns, and the state it
+runs on, in ``dcir_lowering.program``; the compute stretches Inductor compiles, and their
+timing, in ``dcir_lowering.stretches``.
 """
 
 from __future__ import annotations
 
-import functools
 import keyword
-import re
-import statistics
-import time
-from collections import deque
-from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
-from dcir import aten, custom_ops, fusion, roles, signature
-from dcir.diagnostics import DcirError, Diagnostic
+from dcir import aten, custom_ops, fusion, roles
 from dcir.analysis import view_bases
-from dcir.ir import Function, Module, Op, ShardType
-from dcir.ops import SCHEMA, has_trait
+from dcir.diagnostics import DcirError, Diagnostic
+from dcir.ir import Function, Module, Op, ShardType, Source
+from dcir.memory import OPTIM_KEY, OPTIM_STATE_OF
+from dcir.ops import GATHERS, SCATTERS, SCHEMA, has_trait
 from dcir.printer import locate
-from dcir.roles import BACKWARD, BACKWARD_LAST, EVAL, FORWARD, STEP, UNSHARD
 from dcir.shapes import call_arguments, torch_dtype
 from dcir.verifier import verify
 from dcir_lowering import state_store
+from dcir_lowering.calls import (OP_INDEX, _grad_set, _item, _rng_get, _rng_set, _state_get, _state_set,
+                                 _unbox)
+from dcir_lowering.program import Program, constants, device_of, gathered_copies
 from dcir_lowering.state_store import OPTIMIZER_STATE, OptimizerStateStore
-
-
-#: ``node.meta`` key: position in its function of the op an FX node comes from
-OP_INDEX = "dcir_op"
-
-
-def _state_get(state: dict, name: str) -> torch.Tensor:
-    return state[name]
-
-
-def _state_set(state: dict, name: str, value: torch.Tensor) -> None:
-    with torch.no_grad():
-        state[name].copy_(value)
-
-
-def _grad_set(grads: dict, name: str, value: torch.Tensor) -> None:
-    grads[name] = value
-
-
-def _unbox(box: list) -> tuple:
-    """A boxed function's arguments, taken out of the caller's list, which is emptied:
-    the function then holds the only reference to each, and its graph lets it go after
-    its last use (a backward's saved activations, as AOTAutograd's boxed calls do)."""
-    args = tuple(box)
-    box.clear()
-    return args
-
-
-def _rng_get(where: torch.Tensor) -> torch.Tensor:
-    """``rng.get``: the state of the default generator of ``where``'s device."""
-    if where.device.type == "cpu":
-        return torch.get_rng_state()
-    return torch.get_device_module(where.device).get_rng_state(where.device)
-
-
-def _rng_set(state: torch.Tensor, where: torch.Tensor) -> None:
-    """``rng.set``: the default generator of ``where``'s device starts again from ``state``."""
-    if where.device.type == "cpu":
-        torch.set_rng_state(state)
-    else:
-        torch.get_device_module(where.device).set_rng_state(state, where.device)
+from dcir_lowering.stretches import compile_compute
 
 
 def lower_function(module: Module, name: str, group: str | None = None,
@@ -155,13 +117,11 @@ def _lower_collective(module: Module, op: Op, g: fx.Graph, env: dict) -> None:
         raise _unsupported(module, op, f"{op.name} over {module.world_size} ranks needs the distributed runtime; "
                                        "lower with group= (the Engine does)")
     for v, r in zip(op.operands, op.results):
-        if op.name == "comm.wait":
-            env[r] = env[v]
-        elif op.name.startswith("comm.all_gather"):
+        if has_trait(op, GATHERS):
             env[r] = g.call_function(_gather_one, (env[v], r.type.inner.shape))
-        elif op.name.startswith("comm.reduce_scatter"):
+        elif has_trait(op, SCATTERS):
             env[r] = g.call_function(_scatter_one, (env[v],))
-        else:  # all_reduce over one rank
+        else:  # a wait, or an all_reduce over one rank: the value itself
             env[r] = env[v]
 
 
@@ -186,7 +146,8 @@ class _Distributed:
 
     def lower(self, op: Op, g: fx.Graph, env: dict) -> None:
         if "ranks" in op.attrs:
-            raise _unsupported(self.module, op, f"{op.name} over a subgroup of ranks is not supported by the runtime yet")
+            raise _unsupported(self.module, op,
+                               f"{op.name} over a subgroup of ranks is not supported by the runtime yet")
         d = self.ops
         tag = ", ".join("%" + v.name for v in op.operands) + (f" (line {op.loc[0]})" if op.loc else "")
         args = [env[v] for v in op.operands]
@@ -226,28 +187,11 @@ class _Distributed:
             env[r] = node
 
 
-# ---- what a lowered graph's nodes do, for the profiler (``dcir_runtime.profiler``) ----------
-
-def reads_state(node: fx.Node) -> bool:
-    """Whether a node of a lowered function reads the program's state (parameter
-    shards, buffers, optimizer state), or picks a result of such a read. An update
-    (``optim.step``) returns the state it was given, updated in place."""
-    if node.op != "call_function":
-        return False
-    if node.target is _item and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    if node.target in (state_store.get_state, state_store.step):
-        return True
-    qualified = getattr(node.target, "_qualified_op_name", "")
-    return qualified == "dcir::get_shard" or node.target is _state_get
-
-
 class _Offloading:
     """Optimizer state and host copies as calls on the optimizer-state store, which
     the program's state holds under ``OPTIMIZER_STATE``."""
 
     def __init__(self, module: Module, func: Function, state: fx.Node):
-        from dcir.memory import OPTIM_KEY, OPTIM_STATE_OF
         self.module, self.state = module, state
         self.symbols = {name for name, d in module.decls.items() if OPTIM_STATE_OF in d.attrs}
         self.keys: dict[str, list[str]] = {}
@@ -280,7 +224,6 @@ class _Offloading:
     @staticmethod
     def starts(module: Module, op: Op) -> bool:
         """Whether ``op`` calls the store (the waits and frees of what it makes follow)."""
-        from dcir.memory import OPTIM_STATE_OF
         if op.name in ("param.get", "param.set"):
             decl = module.decls.get(op.symbol)
             return decl is not None and OPTIM_STATE_OF in decl.attrs
@@ -353,132 +296,14 @@ def _lower_aten(op: Op, g: fx.Graph, env: dict) -> None:
         env[r] = g.call_function(_item, (node, i))
 
 
-def _item(values, i):
-    return values[i]
-
-
 def _target(name: str):
     return custom_ops.resolve(name)
 
 
 def _unsupported(module: Module, op: Op, message: str) -> DcirError:
     if module.source is None:
-        from dcir.ir import Source
         module.source = Source("<generated>", locate(module))
     return DcirError(Diagnostic(message, module.source, op.loc, len(op.name)))
-
-
-@dataclass
-class Program:
-    """A lowered program over live state (the model's tensors, by FQN): each function
-    with a role (``dcir/roles.py``) lowered to a GraphModule taking ``(state, grads,
-    *args)`` (``graphs``), and what runs it (``runs``: the same, or compiled).
-
-    ``forward(*args, **kwargs)`` returns ``(outputs, saved)``, split as ``@forward``'s
-    signature declares (``dcir/signature.py``); ``backward(saved, grads)`` returns the
-    gradients by FQN; ``train_step(*args, **kwargs)`` does both, with the gradient of
-    every output all ones (for a loss: ``loss.backward()``), and accumulates into the
-    parameters' ``.grad``. Arguments are matched to the ``{input = ...}`` arguments by
-    their names (``args[0]`` or a keyword such as ``labels``). ``device``: where the
-    program's own tensors (``constants``, ``gathered_copies``, tangents) live.
-    """
-
-    module: Module
-    state: dict
-    graphs: dict[str, fx.GraphModule]
-    runs: dict[str, object]
-    device: torch.device
-
-    def function(self, role: str):
-        return self.module.role(role)
-
-    @property
-    def forward_gm(self):
-        return self.graphs.get(FORWARD)
-
-    @property
-    def step_gm(self):
-        return self.graphs.get(STEP)
-
-    def backward_for(self, last: bool) -> tuple[str, fx.GraphModule, object]:
-        """(role, graph, callable) of the backward to run: ``@backward_last`` in the last
-        micro-step of an optimizer step when the module has one, else ``@backward``."""
-        role = BACKWARD_LAST if last and BACKWARD_LAST in self.graphs else BACKWARD
-        return role, self.graphs[role], self.runs[role]
-
-    def unshard(self) -> None:
-        """Gather the copies ``@unshard`` fills: once per optimizer step, before its
-        first micro-step (the parameters change only at the step)."""
-        if UNSHARD in self.graphs:
-            self.graphs[UNSHARD](self.state, {})
-
-    @functools.cached_property
-    def differentiable(self) -> frozenset[int]:
-        """The outputs the backward takes a gradient of (``{grad = K}``)."""
-        return frozenset(k for _, k in signature.grads(self.function(self.backward_for(False)[0])))
-
-    def split(self, role: str, out) -> tuple[list, tuple]:
-        """A run's results of the function of ``role``: (its outputs, the rest)."""
-        kinds = [signature.kind(d) for d in self.function(role).result_attrs]
-        out = list(out or ())
-        return ([v for v, k in zip(out, kinds) if k == signature.OUTPUT],
-                tuple(v for v, k in zip(out, kinds) if k != signature.OUTPUT))
-
-    def forward(self, *args, **kwargs):
-        role = FORWARD if FORWARD in self.runs else EVAL
-        return self.split(role, self.runs[role](self.state, {}, *self.inputs(role, args, kwargs)))
-
-    def inputs(self, role: str, args: tuple, kwargs: dict) -> list:
-        """The call's ``args`` and ``kwargs`` in the order of the ``{input}`` arguments of
-        the function of ``role`` (``call_inputs``)."""
-        return call_inputs(self.function(role), args, kwargs)
-
-    def tangents(self, given: dict | None = None, last: bool = True) -> list:
-        """The backward's ``{grad = K}`` arguments: ``given[K]`` (the gradient of output K),
-        zeros where it has none (the loss did not use that output); without ``given``,
-        ones (the gradient of the outputs' sum)."""
-        bw = self.function(self.backward_for(last)[0])
-        device = self.device
-        out = []
-        for arg, k in signature.grads(bw):
-            dtype = torch_dtype(arg.type.dtype)
-            g = given.get(k) if given is not None else torch.ones(arg.type.shape, dtype=dtype, device=device)
-            out.append(torch.zeros(arg.type.shape, dtype=dtype, device=device) if g is None else g.to(dtype))
-        return out
-
-    def backward(self, saved, grads: list, last: bool = True) -> dict:
-        """Gradients by FQN; ``last``: this is the last micro-step of an optimizer step."""
-        out: dict = {}
-        self.backward_for(last)[2](self.state, out, [*saved, *grads])
-        return out
-
-    @torch.no_grad()
-    def train_step(self, *args, **kwargs):
-        self.unshard()
-        outputs, saved = self.forward(*args, **kwargs)
-        for fqn, g in self.backward(saved, self.tangents()).items():
-            p = self.state[fqn]
-            g = g.detach().reshape(p.shape)  # a one-rank shard is the flattened gradient
-            p.grad = g.clone() if p.grad is None else p.grad + g
-        return outputs[0] if len(outputs) == 1 else tuple(outputs)
-
-
-def call_inputs(func: Function, args: tuple, kwargs: dict) -> list:
-    """A call's ``args`` and ``kwargs`` in the order of ``func``'s ``{input}`` arguments,
-    by their names (``args[0]``, ``labels``); a function that declares none takes them
-    by position."""
-    if not signature.args(func, signature.INPUT):  # a hand-written function: by position
-        return list(args) + list(kwargs.values())
-    out = []
-    for name in signature.input_names(func):
-        m = re.fullmatch(r"args\[(\d+)\]", name)
-        if m and int(m.group(1)) < len(args):
-            out.append(args[int(m.group(1))])
-        elif name in kwargs:
-            out.append(kwargs[name])
-        else:
-            raise TypeError(f"the captured step takes an input {name!r} that this call does not give")
-    return out
 
 
 def lower(module: Module, state: dict, *, inductor: bool = False, group: str | None = None,
@@ -503,10 +328,10 @@ def lower(module: Module, state: dict, *, inductor: bool = False, group: str | N
     else:
         needs = next((op for f in module.functions.values() for op in f.ops if _Offloading.starts(module, op)), None)
         if needs is not None:
-            raise _unsupported(module, needs, f"{needs.name} runs on an optimizer-state store, and none was given: "
-                                              "lower(..., optimizer_state=store) with a dcir_runtime.offload.StateStore "
-                                              "(the Engine makes one when its config has 'offload')")
-    from dcir.memory import OPTIM_STATE_OF
+            raise _unsupported(
+                module, needs, f"{needs.name} runs on an optimizer-state store, and none was given: "
+                "lower(..., optimizer_state=store) with a dcir_runtime.offload.StateStore "
+                "(the Engine makes one when its config has 'offload')")
     missing = [name for name, d in module.decls.items()  # optimizer state: @step's store has it
                if name not in state and OPTIM_STATE_OF not in d.attrs
                and not (group is not None and isinstance(d.type, ShardType))]
@@ -526,239 +351,3 @@ def lower(module: Module, state: dict, *, inductor: bool = False, group: str | N
         return compile_compute(gm, marked) if marked else gm
 
     return Program(module, state, graphs, {role: compiled(role, gm) for role, gm in graphs.items()}, device)
-
-
-_STATE_CALLS = (_state_get, _state_set, _grad_set, *state_store.CALLS, _rng_get, _rng_set, _unbox)
-
-
-def _runs_in_runtime(node: fx.Node, runtime: set) -> bool:
-    """State access and the runtime's ops (and the picking of their results)."""
-    if node.op != "call_function":
-        return False
-    t = node.target
-    if t in _STATE_CALLS or getattr(t, "_qualified_op_name", "").startswith("dcir::"):
-        return True
-    if torch.Tag.nondeterministic_seeded in getattr(t, "tags", ()):  # eager's generator (dcir.activations)
-        return True
-    return t is _item and node.args[0] in runtime
-
-
-def compile_compute(gm: fx.GraphModule, only: set[int] | None = None) -> fx.GraphModule:
-    """Inductor for the compute between collectives, the runtime's ops as they are.
-
-    Inductor sees a collective as a synchronous kernel: it would reuse the storage of
-    an input the transfer is still reading, or of a result that ``comm.wait`` returns,
-    for its own buffers. So the graph is cut at runtime ops; each stretch of compute
-    between them is compiled on its own, and the runtime's ops run between the compiled
-    pieces. A copy of the graph is cut (``gm`` stays as it is: the profiler runs it).
-
-    Fewer cuts mean fewer calls into compiled code (each costs some microseconds) and
-    more to fuse, so runtime ops that need not split a stretch are moved to its edge
-    (``_arrange``), keeping the order of every runtime op that has an effect:
-
-    * to its start: reads of state (``param.get``: a reference to a stored tensor, which
-      only ``param.set`` and the optimizer change, and those cut), the picking of a
-      result already made, and a ``comm.wait`` on a collective that an earlier wait has
-      finished (the wait of one result of a coalesced transfer finishes all of them:
-      the others return at once);
-    * to its end, or to just before the first compute that reads its result: any other
-      ``comm.wait`` (waiting later blocks less; its buffer is allocated already),
-      ``mem.free`` (nothing reads a freed value after the free, the verifier proves it,
-      so only the release comes later: the stretch's compute keeps its memory that long)
-      and ``grad.set`` (a dict entry);
-    * never: collective starts (moving one earlier allocates its buffer earlier, later
-      starts the transfer later), ``param.set`` (compute after it reads the new value),
-      the optimizer-state store's calls (reloads, copies home, the step), ``rng.get``,
-      ``rng.set`` and random ops (eager's generator: ``dcir.activations``).
-
-    A stretch with fewer than ``MIN_COMPILED_OPS`` ops Inductor could fuse (views and
-    matmuls aside: Inductor calls the same library kernels for those) runs as it is:
-    there is nothing to fuse, and the call would cost more than it saves. With ``only``
-    (positions of IR ops: those the ``fuse`` pass marked), only a stretch that runs one
-    of them is compiled (``dcir.fusion`` cuts the IR as this function cuts the graph)."""
-    from torch.fx.passes.split_module import split_module
-
-    arranged = fx.GraphModule(gm, _arrange(gm.graph))
-    runtime: set = set()
-    part: dict = {}
-    compute_parts: dict[int, int] = {}  # stretch -> its ops Inductor could fuse
-    chosen: set[int] = set()  # stretches that run an op of ``only``
-    current, last = 0, None
-    for n in arranged.graph.nodes:
-        if n.op in ("placeholder", "output"):
-            continue
-        in_runtime = _runs_in_runtime(n, runtime)
-        if in_runtime:
-            runtime.add(n)
-        if in_runtime != last:
-            current, last = current + 1, in_runtime
-        part[n] = current
-        if not in_runtime:
-            compute_parts[current] = compute_parts.get(current, 0) + _fusible(n)
-            if only is None or n.meta.get(OP_INDEX) in only:
-                chosen.add(current)
-    split = split_module(arranged, torch.nn.Module(), lambda n: part[n], keep_original_order=True)
-    for name, sub in list(split.named_children()):
-        k = int(name.rsplit("_", 1)[1])
-        if compute_parts.get(k, 0) >= MIN_COMPILED_OPS and k in chosen:
-            setattr(split, name, _Compiled(sub))
-    return split
-
-
-#: the fewest ops Inductor could fuse (``_fusible``) a stretch needs to be compiled
-MIN_COMPILED_OPS = fusion.MIN_OPS
-
-
-def _fusible(node: fx.Node) -> int:
-    """1 for an op Inductor could fuse with others, 0 for a view, the picking of a
-    result, or a library kernel (a matmul: ``dcir.fusion.LIBRARY_KERNELS``)."""
-    t = node.target
-    return int(t is not _item and not str(t).startswith(fusion.LIBRARY_KERNELS) and not getattr(t, "is_view", False))
-
-
-def _kind(node: fx.Node, runtime: set) -> str:
-    """What ``node`` is to a stretch, in ``dcir.fusion``'s terms (``fusion.arrange`` places
-    it); ``runtime``: the runtime's nodes so far."""
-    if not _runs_in_runtime(node, runtime):
-        return fusion.COMPUTE
-    runtime.add(node)
-    t, runtime_op = node.target, _runtime_op(node)
-    if t is _state_get or runtime_op == "get_shard":
-        return fusion.READ
-    if t is _item:
-        return fusion.PICK
-    if t is _grad_set:
-        return fusion.HAND_OVER
-    return {"free": fusion.FREE, "wait": fusion.WAIT}.get(runtime_op, fusion.OTHER)
-
-
-def _runtime_op(node: fx.Node) -> str:
-    """The name of the runtime's op (``torch.ops.dcir.*``) a node calls, or ``""``."""
-    name = getattr(node.target, "_qualified_op_name", "")
-    return name[len("dcir::"):] if name.startswith("dcir::") else ""
-
-
-def _collective(wait: fx.Node) -> fx.Node:
-    """The collective a ``comm.wait`` node finishes (a coalesced one's results are picked)."""
-    pending = wait.args[0]
-    return pending.args[0] if pending.target is _item else pending
-
-
-def _arrange(graph: fx.Graph) -> fx.Graph:
-    """A copy of ``graph`` with the runtime ops that may cross compute moved to the edges
-    of their stretch (``compile_compute``), where ``dcir.fusion.arrange`` puts them."""
-    args = [n for n in graph.nodes if n.op == "placeholder"]
-    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
-    runtime: set = set()
-    kinds = [_kind(n, runtime) for n in nodes]
-    order, _ = fusion.arrange(nodes, kinds, lambda n: n.all_input_nodes,
-                              lambda n: [_collective(n)], placed=args)
-    out = fx.Graph()
-    env: dict = {}
-    for n in [*args, *order, *[m for m in graph.nodes if m.op == "output"]]:
-        env[n] = out.node_copy(n, lambda a: env[a])
-    return out
-
-
-#: the runs of a compiled stretch after compiling it that are not timed (``_Compiled``)
-WARM_RUNS = 4
-
-#: the views a compiled stretch reshapes instead (``_Compiled``)
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
-
-
-class _Compiled(torch.nn.Module):
-    """A stretch compiled by Inductor at its first call (``compile_fx`` with the call's
-    tensors as the example: a program's shapes are fixed, and Inductor's code checks
-    each input's size and strides), its tensor results made contiguous.
-
-    Straight to Inductor, not ``torch.compile``: Dynamo would check its guards on every
-    call (about 15 us on this CPU, hundreds of stretches a step) for a graph that has no
-    Python to trace. Inductor may lay a result out differently from eager (a pointwise
-    result keeps its input's permuted strides); a later stretch that ``aten.view``s it,
-    as the IR says, then fails. Every view of a contiguous tensor is valid, and the
-    captured graphs are functional, so a copy changes no value (``contiguous`` copies
-    only what is not). For the same reason the stretch's own ``aten.view``s are
-    reshapes: Inductor traces with meta strides, which can differ from eager's (a
-    ``cat`` with an empty operand keeps the other's permuted strides on meta, a
-    contiguous result in eager), and a view the eager strides allow would fail there.
-
-    Each call is timed (``times``: the profiler prices the stretch's ops from them). The
-    first run of a compiled kernel loads it, which took up to 10 times its later runs
-    here, and the next few are slow too (their buffers are fresh: a tiny Llama's
-    stretches, run once a step, took 1.8, 1.55 and 1.28 times a later run in their 2nd,
-    3rd and 4th runs, 1.05 in their 5th), so after compiling, the stretch runs
-    ``WARM_RUNS`` times untimed; their results are dropped (the stretch has no effect
-    but its results: state is written by ``param.set``, which cuts stretches; a stretch
-    with random ops draws its seeds from torch's generator that many times more then).
-    The optimization cycle profiles a compiled plan after one step, so the first timed
-    run is what prices it."""
-
-    def __init__(self, gm: fx.GraphModule):
-        super().__init__()
-        for n in gm.graph.nodes:  # the same values; see the class's docstring
-            if n.target in _VIEWS:
-                n.target = torch.ops.aten.reshape.default
-        gm.recompile()
-        self.gm, self.compiled = gm, None
-        # the IR ops it runs (its placeholders carry the meta of the ops that made its inputs)
-        self.ops = sorted({n.meta[OP_INDEX] for n in gm.graph.nodes if n.op == "call_function" and OP_INDEX in n.meta})
-        self.times: deque = deque(maxlen=5)  # seconds of its last calls, compiling aside (``stretch_times``)
-
-    def forward(self, *args):
-        if self.compiled is None:
-            from torch._inductor.compile_fx import compile_fx
-            with torch.no_grad():
-                self.compiled = compile_fx(self.gm, list(args))
-            for _ in range(WARM_RUNS):  # untimed: the first runs are slow (the class's docstring)
-                self.compiled(*args)
-        begin = time.perf_counter()
-        out = self.compiled(*args)
-        if isinstance(out, torch.Tensor):
-            out = out.contiguous()
-        elif isinstance(out, (tuple, list)):
-            out = type(out)(x.contiguous() if isinstance(x, torch.Tensor) else x for x in out)
-        self.times.append(time.perf_counter() - begin)
-        return out
-
-
-def stretch_times(runner) -> list[tuple[list[int], float]]:
-    """The compiled stretches of a function's runner (``Program.runs``) that have run:
-    (the IR ops each runs, the median seconds of its last calls). The profiler prices
-    the ops of a program lowered with ``inductor`` from them (``dcir_runtime.profiler``)."""
-    children = runner.children() if isinstance(runner, torch.nn.Module) else ()
-    return [(c.ops, statistics.median(c.times)) for c in children if isinstance(c, _Compiled) and c.times]
-
-
-def device_of(tensors) -> torch.device:
-    """Where a program over ``tensors`` runs: the first tensor's device; with none,
-    torch's default device (``torch.set_default_device``)."""
-    first = next((t.device for t in tensors if isinstance(t, torch.Tensor)), None)
-    return first if first is not None else torch.get_default_device()
-
-
-def constants(module: Module, device: torch.device | str) -> dict:
-    """The buffers whose text spells out their value (``{value = [...]}``), as tensors on ``device``."""
-    out = {}
-    for name, decl in module.decls.items():
-        if "value" in decl.attrs:
-            t = decl.type
-            values = [complex(v) if isinstance(v, str) else v for v in decl.attrs["value"]]  # complex: "(1+2j)"
-            out[name] = torch.tensor(values, dtype=torch_dtype(t.dtype), device=device).reshape(t.shape)
-    return out
-
-
-def gathered_copies(module: Module, device: torch.device | str) -> dict:
-    """Storage for the buffers the schedule keeps: gathered copies of parameters (filled
-    by ``@unshard``) and gradient accumulators (``zero1``, zero at the start)."""
-    from dcir.memory import GRAD_ACC_OF, UNSHARD_OF
-    out = {}
-    for name, d in module.decls.items():
-        if UNSHARD_OF in d.attrs or GRAD_ACC_OF in d.attrs:
-            out[name] = torch.zeros(d.type.shape, dtype=torch_dtype(d.type.dtype), device=device)
-    return out
-
-
-def state_of(model: torch.nn.Module) -> dict:
-    """A model's parameters and buffers by FQN: the state a Program runs on."""
-    return {**dict(model.named_parameters()), **dict(model.named_buffers())}

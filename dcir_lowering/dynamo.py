@@ -32,8 +32,9 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Function, Module, Value
 from dcir.verifier import verify
-from dcir_lowering.backend import constants, device_of, lower_function
+from dcir_lowering.backend import lower_function
 from dcir_lowering.frontend import GraphLowering, _type, _where, benign_breaks  # noqa: F401  (re-exported)
+from dcir_lowering.program import constants, device_of
 
 
 def dcir_backend(gm: fx.GraphModule, example_inputs, **_options):

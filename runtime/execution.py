@@ -27,8 +27,8 @@ import torch.distributed as dist
 import dcir
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.roles import EVAL, FORWARD
-from dcir_lowering.backend import Program
 from dcir_lowering.outputs import Outputs
+from dcir_lowering.program import Program
 from dcir_runtime.config import Config
 from dcir_runtime.group import ProcessGroup, RankFailure
 from dcir_runtime.offload import ABSENT

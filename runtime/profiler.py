@@ -34,26 +34,36 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from dcir.cost import COMPILED, DEVICE, LAUNCH, OPTIMIZER, TIME, is_transfer
-from dcir.ir import Function, Module
+from dcir.ir import Function, Module, Op
 from dcir.memory import resident_buffers
-from dcir.ops import COMPUTE, has_trait
-from dcir_lowering.backend import OP_INDEX, reads_state, stretch_times
+from dcir.ops import COLLECTIVE, COMPUTE, HOST_COPY, WAITS, has_trait
+from dcir_lowering.calls import OP_INDEX, reads_state
+from dcir_lowering.stretches import stretch_times
 from dcir_lowering.state_store import OPTIMIZER_STATE, OptimizerStateStore, store_call
 
 MEM, PEAK, RUNS = "prof.mem", "prof.peak_bytes", "prof.runs"
 
-_STARTS = {"all_gather", "all_gather_coalesced", "reduce_scatter", "reduce_scatter_coalesced",
-           "all_reduce", "all_reduce_coalesced"}
 
-
-def _dcir_name(node: fx.Node) -> str | None:
+def _runtime_call(node: fx.Node) -> bool:
+    """Whether a node calls one of the C++ runtime's ops (``torch.ops.dcir.*``), not the
+    picking of its results."""
     name = getattr(node.target, "_qualified_op_name", "") if node.op == "call_function" else ""
-    return name.split("::", 1)[1] if name.startswith("dcir::") else None
+    return name.startswith("dcir::")
 
 
-def _host_copy(node: fx.Node) -> bool:
-    """A call on the optimizer-state store that starts a host copy."""
-    return store_call(node) in ("reload", "offload")
+def _starts_collective(node: fx.Node, op: Op | None) -> bool:
+    """The runtime's call that starts the collective of ``op`` (the IR op the node comes from)."""
+    return op is not None and has_trait(op, COLLECTIVE) and _runtime_call(node)
+
+
+def _starts_host_copy(node: fx.Node, op: Op | None) -> bool:
+    """The call on the optimizer-state store that starts the host copy of ``op``."""
+    return op is not None and has_trait(op, HOST_COPY) and store_call(node) is not None
+
+
+def _waits_in_runtime(node: fx.Node, op: Op | None) -> bool:
+    """The runtime's call that waits for a collective (``comm.wait``)."""
+    return op is not None and has_trait(op, WAITS) and _runtime_call(node)
 
 
 def _counted(node: fx.Node) -> bool:
@@ -84,9 +94,11 @@ class _Recorder(fx.Interpreter):
     the program runs as scheduled and ``spans`` record when each op began and ended
     (``dcir_runtime.trace``)."""
 
-    def __init__(self, gm: fx.GraphModule, n_ops: int, store: OptimizerStateStore | None, sync: bool = True,
+    def __init__(self, gm: fx.GraphModule, ops: list[Op], store: OptimizerStateStore | None, sync: bool = True,
                  held: list = ()):
         super().__init__(gm, garbage_collect_values=True)
+        self.ops = ops  # the function's IR ops, by position (``OP_INDEX``): their traits say what a node does
+        n_ops = len(ops)
         self.store = store  # the optimizer-state store the function's host copies run on (offload), or None
         self.sync = sync
         self.spans: list[tuple[int, float, float]] = []  # (op, begin, end), perf_counter seconds
@@ -132,25 +144,25 @@ class _Recorder(fx.Interpreter):
 
     def run_node(self, n: fx.Node):
         k = n.meta.get(OP_INDEX)
-        name = _dcir_name(n)
+        op = self.ops[k] if k is not None else None
         if k is not None:  # what the op's operands hold counts while it runs (a free's included)
             self.mem[k] = max(self.mem[k], self._live())
         faults = _minor_faults() if k is not None else 0  # a syscall: only for the IR's ops
-        if name == "wait" and id(self.env[n.args[0]]) in self.ready:
+        if _waits_in_runtime(n, op) and id(self.env[n.args[0]]) in self.ready:
             out = self.env[n.args[0]]  # finished when it started (profiling)
             begin = end = time.perf_counter()
         else:
             begin = time.perf_counter()
             out = super().run_node(n)
             end = time.perf_counter()
-            if self.sync and name in _STARTS:
+            if self.sync and _starts_collective(n, op):
                 if k is not None:
                     self.launch[k] += end - begin
                 for t in _tensors(out):
                     self.wait(t)
                     self.ready[id(t)] = t
                 end = time.perf_counter()
-            elif self.sync and _host_copy(n):  # the program's own wait then finds it done
+            elif self.sync and _starts_host_copy(n, op):  # the program's own wait then finds it done
                 if k is not None:
                     self.launch[k] += end - begin
                 self.store.wait(out)
@@ -179,7 +191,7 @@ class Profile:
     def run(self, name: str, gm: fx.GraphModule, *args, sync: bool = True, compiled=None):
         """Run function ``name`` (lowered as ``gm``) on ``args``, measuring; returns its result.
         ``compiled``: what runs the function outside the profile, when that is Inductor's
-        compiled stretches (``dcir_lowering.backend.stretch_times``): its stretches' times
+        compiled stretches (``dcir_lowering.stretches.stretch_times``): its stretches' times
         in the steps before price its ops (``prof.compiled_us``)."""
         if compiled is not None and stretch_times(compiled):
             self.stretches[name] = stretch_times(compiled)
@@ -187,7 +199,7 @@ class Profile:
         # the schedule's own buffers (gathered copies, gradient accumulators) are live
         # throughout, as the memory model has them
         held = [state[n] for n in resident_buffers(self.module) if n in state]
-        rec = _Recorder(gm, len(self.module.functions[name].ops), state.get(OPTIMIZER_STATE), sync, held)
+        rec = _Recorder(gm, self.module.functions[name].ops, state.get(OPTIMIZER_STATE), sync, held)
         out = rec.run(*args)
         self.runs.setdefault(name, []).append(rec)
         return out

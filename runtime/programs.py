@@ -25,6 +25,7 @@ from dcir import signature
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import TensorType
 from dcir.memory import GRAD_ACC_OF
+from dcir_lowering.program import call_inputs
 from dcir_runtime import transport
 
 
@@ -126,8 +127,6 @@ class Programs:
 
 def fits(module: dcir.Module, args: tuple, kwargs: dict) -> bool:
     """Whether ``module``'s inputs have the shapes of this call's."""
-    from dcir_lowering.backend import call_inputs
-
     func = module.role("forward") or module.role("eval")
     try:
         given = call_inputs(func, args, kwargs)

@@ -14,7 +14,8 @@ import dcir
 from dcir import aten
 from dcir.ir import DType
 from dcir.verifier import verify
-from dcir_lowering.backend import constants, device_of, lower_function
+from dcir_lowering.backend import lower_function
+from dcir_lowering.program import constants, device_of
 from dcir_lowering.dynamo import graph_to_module
 
 

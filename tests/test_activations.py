@@ -229,7 +229,7 @@ def test_zoo_models_step_with_everything_recomputed(name):
     loss and gradients are eager's, bit for bit (the same ops, run again)."""
     from dcir.passes import PassManager, parse_pipeline
     from dcir.passes.recompute import footprint
-    from dcir_lowering import backend
+    from dcir_lowering.program import state_of
     from zoo import ZOO, captured_step, eager_and_lowered
 
     ref, mine, kwargs, module = captured_step(ZOO[name])
@@ -238,7 +238,7 @@ def test_zoo_models_step_with_everything_recomputed(name):
     manager.run(module)
     assert footprint(module)[1] < 0.6 * handed, (footprint(module), handed)  # 12-51% of it is left
     assert manager.stats["recompute{budget=1}"]["activations rebuilt"] > 0
-    program = dcir.lower(module, backend.state_of(mine))
+    program = dcir.lower(module, state_of(mine))
     loss_ref, loss_mine = eager_and_lowered(ref, program, kwargs)
     assert loss_mine.item() == loss_ref.item()
     for (n, p), q in zip(ref.named_parameters(), mine.parameters()):

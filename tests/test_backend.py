@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dcir
-from dcir_lowering.backend import state_of
+from dcir_lowering.program import state_of
 from models import ConvBN, Tied, mlp, squared, tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,7 +124,7 @@ def test_inductor_cuts_a_zero3_program_only_at_collectives(monkeypatch):
     into four stretches of compute, its backward into six; now two and five, with the
     runtime's ops (state reads aside) in the IR's order. A stretch with fewer than
     ``MIN_COMPILED_OPS`` ops to fuse runs eagerly (this MLP's have one each at most)."""
-    from dcir_lowering import backend
+    from dcir_lowering import backend, stretches
     from dcir_runtime import native
 
     native.load()
@@ -136,15 +136,15 @@ def test_inductor_cuts_a_zero3_program_only_at_collectives(monkeypatch):
     def ops(gm):
         return [n.target.__name__.split(".")[0] for n in gm.graph.nodes if n.op == "call_function"]
 
-    for name, stretches in expected.items():
+    for name, cut in expected.items():
         gm = backend.lower_function(module, name, group="0")
-        split = backend.compile_compute(gm)
-        assert not any(isinstance(m, backend._Compiled) for m in split.children())
-        assert [s for s in map(ops, split.children()) if not any(o in _RUNTIME for o in s)] == stretches, split.code
+        split = stretches.compile_compute(gm)
+        assert not any(isinstance(m, stretches._Compiled) for m in split.children())
+        assert [s for s in map(ops, split.children()) if not any(o in _RUNTIME for o in s)] == cut, split.code
         assert _runtime_calls(split) == _runtime_calls(gm), name
-    monkeypatch.setattr(backend, "MIN_COMPILED_OPS", 1)
-    split = backend.compile_compute(backend.lower_function(module, "forward", group="0"))
-    assert [ops(m.gm) for m in split.children() if isinstance(m, backend._Compiled)] == expected["forward"]
+    monkeypatch.setattr(stretches, "MIN_COMPILED_OPS", 1)
+    split = stretches.compile_compute(backend.lower_function(module, "forward", group="0"))
+    assert [ops(m.gm) for m in split.children() if isinstance(m, stretches._Compiled)] == expected["forward"]
 
 
 #: the names of the runtime's ops and state calls, as ``ops`` above gives them
@@ -156,7 +156,7 @@ def test_inductor_reshapes_what_its_meta_strides_cannot_view():
     """``cat`` with an empty operand keeps the other's permuted strides on meta tensors,
     where eager returns a contiguous tensor: the IR's view of it is valid eagerly and
     Inductor's trace would fail on it (Llama's empty cache before the keys)."""
-    from dcir_lowering.backend import compile_compute
+    from dcir_lowering.stretches import compile_compute
 
     a = torch.ops.aten
     g = torch.fx.Graph()

@@ -28,14 +28,8 @@ LAYERS = ("dcir", "dcir_lowering", "dcir_runtime")
 LAYER_OF_FOLDER = dict(zip(PACKAGES, LAYERS))
 #: the facade: ``dcir.compile_to_ir`` and friends reach up the layers lazily, the one documented exception
 FACADE = "dcir/__init__.py"
-#: ``path::function`` whose project imports still sit inside the function; shrink it, never grow it. These two files
-#: are being reworked with the split of dcir_lowering/backend.py into modules: their imports go to the top with it
-IN_FUNCTION_ALLOWED = {
-    "dcir_lowering/backend.py::_Offloading.__init__", "dcir_lowering/backend.py::_Offloading.starts",
-    "dcir_lowering/backend.py::_unsupported", "dcir_lowering/backend.py::lower",
-    "dcir_lowering/backend.py::gathered_copies",
-    "runtime/programs.py::fits", "runtime/programs.py::capture_program",
-}
+#: ``path::function`` whose project imports still sit inside the function; shrink it, never grow it
+IN_FUNCTION_ALLOWED = {"runtime/programs.py::capture_program"}
 
 
 def _units(source: str):

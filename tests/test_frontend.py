@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dcir
-from dcir_lowering.backend import state_of
+from dcir_lowering.program import state_of
 from models import Breaks, ConvBN, Tied
 
 
@@ -237,7 +237,7 @@ def test_a_mixture_of_experts_warms_up_on_real_tensors_and_captures(name):
     cannot enter): capture's eager warm-up runs it on real tensors in place of the fake
     parameters (on fakes transformers takes its grouped_mm path, which fails), and the
     captured step's loss is the eager model's."""
-    from dcir_lowering.backend import state_of
+    from dcir_lowering.program import state_of
     from dcir_lowering.frontend import capture
     from zoo import ZOO
 

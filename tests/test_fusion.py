@@ -15,7 +15,9 @@ from dcir.context import PlanContext
 from dcir.cost import COMPILED, Machine
 from dcir.passes import run_passes
 from dcir.sim import estimate
-from dcir_lowering import backend
+from dcir_lowering import backend, stretches
+from dcir_lowering.calls import OP_INDEX
+from dcir_lowering.program import state_of
 from models import tiny_llama
 from test_backend import train_side_by_side
 
@@ -30,12 +32,12 @@ def llama_module():
 
 def _lowered_stretches(module, func) -> list[list[int]]:
     """The IR ops of each stretch of compute ``compile_compute`` cuts ``func``'s graph into."""
-    split = backend.compile_compute(backend.lower_function(module, func.name, group="0"))
+    split = stretches.compile_compute(backend.lower_function(module, func.name, group="0"))
     out = []
     for sub in split.children():
-        gm = sub.gm if isinstance(sub, backend._Compiled) else sub
-        ops = sorted({n.meta[backend.OP_INDEX] for n in gm.graph.nodes if n.op == "call_function"
-                      and backend.OP_INDEX in n.meta and fusion.is_compute(func.ops[n.meta[backend.OP_INDEX]])})
+        gm = sub.gm if isinstance(sub, stretches._Compiled) else sub
+        ops = sorted({n.meta[OP_INDEX] for n in gm.graph.nodes if n.op == "call_function"
+                      and OP_INDEX in n.meta and fusion.is_compute(func.ops[n.meta[OP_INDEX]])})
         if ops:
             out.append(ops)
     return out
@@ -65,7 +67,7 @@ def test_one_walk_cuts_stretches_and_moves_runtime_ops_to_their_edges():
                                       "zero3{world_size=2},offload{budget=64KiB}"])
 def test_the_ir_cuts_stretches_where_the_lowering_does(llama_module, pipeline):
     """The cut is ``fusion.arrange``'s on both sides; what each side says its ops are
-    (``fusion._kind`` of an IR op, ``backend._kind`` of a graph node) agrees."""
+    (``fusion._kind`` of an IR op, ``stretches._kind`` of a graph node) agrees."""
     from dcir_runtime import native
 
     native.load()
@@ -84,8 +86,8 @@ def test_the_lowering_compiles_the_marked_stretches_only(llama_module):
     run_passes(module, "zero3{world_size=2}")
     forward = module.role("forward")
     chosen = fusion.candidates(forward, module)[1]
-    split = backend.compile_compute(backend.lower_function(module, "forward", group="0"), set(chosen[:1]))
-    compiled = [sub.ops for sub in split.children() if isinstance(sub, backend._Compiled)]
+    split = stretches.compile_compute(backend.lower_function(module, "forward", group="0"), set(chosen[:1]))
+    compiled = [sub.ops for sub in split.children() if isinstance(sub, stretches._Compiled)]
     assert len(compiled) == 1 and set(chosen) <= set(compiled[0]), compiled
 
 
@@ -104,8 +106,8 @@ def test_a_fused_llama_step_matches_eager(llama_module):
     module = llama_module.clone()
     run_passes(module, "fuse")
     assert any(fusion.FUSE in op.attrs for _, op in module.ops())
-    program = dcir.lower(module, backend.state_of(mine))
-    assert any(isinstance(m, backend._Compiled) for m in program.runs["forward"].children())
+    program = dcir.lower(module, state_of(mine))
+    assert any(isinstance(m, stretches._Compiled) for m in program.runs["forward"].children())
     loss_ref = ref(input_ids=ids, labels=ids).loss
     loss_ref.backward()
     loss_mine = program.train_step(input_ids=ids, labels=ids)
@@ -260,7 +262,7 @@ def test_zoo_models_step_with_fused_stretches(name):
     ref, mine, kwargs, module = captured_step(ZOO[name])
     run_passes(module, "fuse")
     assert any(fusion.FUSE in op.attrs for _, op in module.ops()), name
-    program = dcir.lower(module, backend.state_of(mine))
+    program = dcir.lower(module, state_of(mine))
     loss_ref, loss_mine = eager_and_lowered(ref, program, kwargs)
     assert abs(loss_ref.item() - loss_mine.item()) <= 1e-5 * abs(loss_ref.item()), (name, loss_ref, loss_mine)
     grads = {n: (p.grad, q.grad) for (n, p), (_, q) in zip(ref.named_parameters(), mine.named_parameters())

@@ -273,7 +273,7 @@ def test_logging_warnings_and_print_do_not_break_capture(capsys, caplog):
     # one graph: the whole step, forward and backward; the three calls were ignored while traced
     assert set(module.functions) == {"forward", "backward"}
     assert "Chatty prints" not in capsys.readouterr().out and "Chatty.forward" not in caplog.text
-    from dcir_lowering.backend import state_of
+    from dcir_lowering.program import state_of
     program = dcir.lower(module, state_of(mine))
     _three_adamw_steps(ref, program, mine, x)
     for (n, a), (_, b) in zip(ref.named_parameters(), mine.named_parameters()):
@@ -329,7 +329,7 @@ def test_first_call_setup_under_a_lock_runs_outside_the_trace():
     assert not getattr(mine, "hooked", False) and not mine.fc._forward_hooks  # the user's model is untouched
     assert torch.equal(mine.bn.running_mean, torch.zeros(8)) and int(mine.bn.num_batches_tracked) == 0
     assert "{other = 3}" in dcir.print(module)  # the hook installed by the warm-up was traced
-    from dcir_lowering.backend import state_of
+    from dcir_lowering.program import state_of
     program = dcir.lower(module, state_of(mine))
     torch.manual_seed(1)
     expected = ref(x)
@@ -406,7 +406,7 @@ def test_index_with_an_absent_entry_is_written_parsed_and_trained():
     """A list of optional tensors with absent entries was refused at capture ("an absent
     tensor in a list"); it is now its present tensors as operands and
     ``{indices.absent = [0]}``, which prints, parses, verifies and runs."""
-    from dcir_lowering.backend import state_of
+    from dcir_lowering.program import state_of
     torch.manual_seed(0)
     ref, mine = Pick(), Pick()
     mine.load_state_dict(ref.state_dict())

@@ -1,0 +1,83 @@
+"""What the nodes of a lowered graph call besides torch's ops: the program's state
+(``param.get`` / ``param.set``, ``grad.set``), the random generator (``rng.get`` /
+``rng.set``), the unboxing of a boxed function's arguments and the picking of one result
+of several; and what a node is to the profiler (``OP_INDEX``, ``reads_state``).
+
+The lowering (``dcir_lowering.backend``) makes these calls, the compiled stretches
+(``dcir_lowering.stretches``) keep them out of Inductor, and the profiler
+(``dcir_runtime.profiler``) reads them; they live here so that none of those imports another
+for them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from dcir_lowering import state_store
+
+
+#: ``node.meta`` key: position in its function of the op an FX node comes from
+OP_INDEX = "dcir_op"
+
+
+def _state_get(state: dict, name: str) -> torch.Tensor:
+    return state[name]
+
+
+def _state_set(state: dict, name: str, value: torch.Tensor) -> None:
+    with torch.no_grad():
+        state[name].copy_(value)
+
+
+def _grad_set(grads: dict, name: str, value: torch.Tensor) -> None:
+    grads[name] = value
+
+
+def _unbox(box: list) -> tuple:
+    """A boxed function's arguments, taken out of the caller's list, which is emptied:
+    the function then holds the only reference to each, and its graph lets it go after
+    its last use (a backward's saved activations, as AOTAutograd's boxed calls do)."""
+    args = tuple(box)
+    box.clear()
+    return args
+
+
+def _rng_get(where: torch.Tensor) -> torch.Tensor:
+    """``rng.get``: the state of the default generator of ``where``'s device."""
+    if where.device.type == "cpu":
+        return torch.get_rng_state()
+    return torch.get_device_module(where.device).get_rng_state(where.device)
+
+
+def _rng_set(state: torch.Tensor, where: torch.Tensor) -> None:
+    """``rng.set``: the default generator of ``where``'s device starts again from ``state``."""
+    if where.device.type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.get_device_module(where.device).set_rng_state(state, where.device)
+
+
+def _item(values, i):
+    """The ``i``-th of several results (a coalesced collective's, a multi-result op's)."""
+    return values[i]
+
+
+# ---- what a lowered graph's nodes do, for the profiler (``dcir_runtime.profiler``) ----------
+
+def reads_state(node: fx.Node) -> bool:
+    """Whether a node of a lowered function reads the program's state (parameter
+    shards, buffers, optimizer state), or picks a result of such a read. An update
+    (``optim.step``) returns the state it was given, updated in place."""
+    if node.op != "call_function":
+        return False
+    if node.target is _item and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    if node.target in (state_store.get_state, state_store.step):
+        return True
+    qualified = getattr(node.target, "_qualified_op_name", "")
+    return qualified == "dcir::get_shard" or node.target is _state_get
+
+
+#: what a lowered graph calls that is state access or the runtime's (``dcir_lowering.stretches``)
+RUNTIME_CALLS = (_state_get, _state_set, _grad_set, *state_store.CALLS, _rng_get, _rng_set, _unbox)

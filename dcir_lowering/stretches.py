@@ -1,0 +1,215 @@
+"""Compiled stretches: the compute of a lowered graph between the runtime's ops, each
+stretch compiled by Inductor (``compile_compute``, ``_Compiled``) and timed, its times read
+by the profiler (``stretch_times``). ``dcir.fusion`` cuts and arranges the IR the same way.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.split_module import split_module
+
+from dcir import fusion
+from dcir_lowering.calls import OP_INDEX, RUNTIME_CALLS, _grad_set, _item, _state_get
+
+
+def _runs_in_runtime(node: fx.Node, runtime: set) -> bool:
+    """State access and the runtime's ops (and the picking of their results)."""
+    if node.op != "call_function":
+        return False
+    t = node.target
+    if t in RUNTIME_CALLS or getattr(t, "_qualified_op_name", "").startswith("dcir::"):
+        return True
+    if torch.Tag.nondeterministic_seeded in getattr(t, "tags", ()):  # eager's generator (dcir.activations)
+        return True
+    return t is _item and node.args[0] in runtime
+
+
+def compile_compute(gm: fx.GraphModule, only: set[int] | None = None) -> fx.GraphModule:
+    """Inductor for the compute between collectives, the runtime's ops as they are.
+
+    Inductor sees a collective as a synchronous kernel: it would reuse the storage of
+    an input the transfer is still reading, or of a result that ``comm.wait`` returns,
+    for its own buffers. So the graph is cut at runtime ops; each stretch of compute
+    between them is compiled on its own, and the runtime's ops run between the compiled
+    pieces. A copy of the graph is cut (``gm`` stays as it is: the profiler runs it).
+
+    Fewer cuts mean fewer calls into compiled code (each costs some microseconds) and
+    more to fuse, so runtime ops that need not split a stretch are moved to its edge
+    (``_arrange``), keeping the order of every runtime op that has an effect:
+
+    * to its start: reads of state (``param.get``: a reference to a stored tensor, which
+      only ``param.set`` and the optimizer change, and those cut), the picking of a
+      result already made, and a ``comm.wait`` on a collective that an earlier wait has
+      finished (the wait of one result of a coalesced transfer finishes all of them:
+      the others return at once);
+    * to its end, or to just before the first compute that reads its result: any other
+      ``comm.wait`` (waiting later blocks less; its buffer is allocated already),
+      ``mem.free`` (nothing reads a freed value after the free, the verifier proves it,
+      so only the release comes later: the stretch's compute keeps its memory that long)
+      and ``grad.set`` (a dict entry);
+    * never: collective starts (moving one earlier allocates its buffer earlier, later
+      starts the transfer later), ``param.set`` (compute after it reads the new value),
+      the optimizer-state store's calls (reloads, copies home, the step), ``rng.get``,
+      ``rng.set`` and random ops (eager's generator: ``dcir.activations``).
+
+    A stretch with fewer than ``MIN_COMPILED_OPS`` ops Inductor could fuse (views and
+    matmuls aside: Inductor calls the same library kernels for those) runs as it is:
+    there is nothing to fuse, and the call would cost more than it saves. With ``only``
+    (positions of IR ops: those the ``fuse`` pass marked), only a stretch that runs one
+    of them is compiled (``dcir.fusion`` cuts the IR as this function cuts the graph)."""
+    arranged = fx.GraphModule(gm, _arrange(gm.graph))
+    runtime: set = set()
+    part: dict = {}
+    compute_parts: dict[int, int] = {}  # stretch -> its ops Inductor could fuse
+    chosen: set[int] = set()  # stretches that run an op of ``only``
+    current, last = 0, None
+    for n in arranged.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        in_runtime = _runs_in_runtime(n, runtime)
+        if in_runtime:
+            runtime.add(n)
+        if in_runtime != last:
+            current, last = current + 1, in_runtime
+        part[n] = current
+        if not in_runtime:
+            compute_parts[current] = compute_parts.get(current, 0) + _fusible(n)
+            if only is None or n.meta.get(OP_INDEX) in only:
+                chosen.add(current)
+    split = split_module(arranged, torch.nn.Module(), lambda n: part[n], keep_original_order=True)
+    for name, sub in list(split.named_children()):
+        k = int(name.rsplit("_", 1)[1])
+        if compute_parts.get(k, 0) >= MIN_COMPILED_OPS and k in chosen:
+            setattr(split, name, _Compiled(sub))
+    return split
+
+
+#: the fewest ops Inductor could fuse (``_fusible``) a stretch needs to be compiled
+MIN_COMPILED_OPS = fusion.MIN_OPS
+
+
+def _fusible(node: fx.Node) -> int:
+    """1 for an op Inductor could fuse with others, 0 for a view, the picking of a
+    result, or a library kernel (a matmul: ``dcir.fusion.LIBRARY_KERNELS``)."""
+    t = node.target
+    return int(t is not _item and not str(t).startswith(fusion.LIBRARY_KERNELS) and not getattr(t, "is_view", False))
+
+
+def _kind(node: fx.Node, runtime: set) -> str:
+    """What ``node`` is to a stretch, in ``dcir.fusion``'s terms (``fusion.arrange`` places
+    it); ``runtime``: the runtime's nodes so far."""
+    if not _runs_in_runtime(node, runtime):
+        return fusion.COMPUTE
+    runtime.add(node)
+    t, runtime_op = node.target, _runtime_op(node)
+    if t is _state_get or runtime_op == "get_shard":
+        return fusion.READ
+    if t is _item:
+        return fusion.PICK
+    if t is _grad_set:
+        return fusion.HAND_OVER
+    return {"free": fusion.FREE, "wait": fusion.WAIT}.get(runtime_op, fusion.OTHER)
+
+
+def _runtime_op(node: fx.Node) -> str:
+    """The name of the runtime's op (``torch.ops.dcir.*``) a node calls, or ``""``."""
+    name = getattr(node.target, "_qualified_op_name", "")
+    return name[len("dcir::"):] if name.startswith("dcir::") else ""
+
+
+def _collective(wait: fx.Node) -> fx.Node:
+    """The collective a ``comm.wait`` node finishes (a coalesced one's results are picked)."""
+    pending = wait.args[0]
+    return pending.args[0] if pending.target is _item else pending
+
+
+def _arrange(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` with the runtime ops that may cross compute moved to the edges
+    of their stretch (``compile_compute``), where ``dcir.fusion.arrange`` puts them."""
+    args = [n for n in graph.nodes if n.op == "placeholder"]
+    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    runtime: set = set()
+    kinds = [_kind(n, runtime) for n in nodes]
+    order, _ = fusion.arrange(nodes, kinds, lambda n: n.all_input_nodes,
+                              lambda n: [_collective(n)], placed=args)
+    out = fx.Graph()
+    env: dict = {}
+    for n in [*args, *order, *[m for m in graph.nodes if m.op == "output"]]:
+        env[n] = out.node_copy(n, lambda a: env[a])
+    return out
+
+
+#: the runs of a compiled stretch after compiling it that are not timed (``_Compiled``)
+WARM_RUNS = 4
+
+#: the views a compiled stretch reshapes instead (``_Compiled``)
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+class _Compiled(torch.nn.Module):
+    """A stretch compiled by Inductor at its first call (``compile_fx`` with the call's
+    tensors as the example: a program's shapes are fixed, and Inductor's code checks
+    each input's size and strides), its tensor results made contiguous.
+
+    Straight to Inductor, not ``torch.compile``: Dynamo would check its guards on every
+    call (about 15 us on this CPU, hundreds of stretches a step) for a graph that has no
+    Python to trace. Inductor may lay a result out differently from eager (a pointwise
+    result keeps its input's permuted strides); a later stretch that ``aten.view``s it,
+    as the IR says, then fails. Every view of a contiguous tensor is valid, and the
+    captured graphs are functional, so a copy changes no value (``contiguous`` copies
+    only what is not). For the same reason the stretch's own ``aten.view``s are
+    reshapes: Inductor traces with meta strides, which can differ from eager's (a
+    ``cat`` with an empty operand keeps the other's permuted strides on meta, a
+    contiguous result in eager), and a view the eager strides allow would fail there.
+
+    Each call is timed (``times``: the profiler prices the stretch's ops from them). The
+    first run of a compiled kernel loads it, which took up to 10 times its later runs
+    here, and the next few are slow too (their buffers are fresh: a tiny Llama's
+    stretches, run once a step, took 1.8, 1.55 and 1.28 times a later run in their 2nd,
+    3rd and 4th runs, 1.05 in their 5th), so after compiling, the stretch runs
+    ``WARM_RUNS`` times untimed; their results are dropped (the stretch has no effect
+    but its results: state is written by ``param.set``, which cuts stretches; a stretch
+    with random ops draws its seeds from torch's generator that many times more then).
+    The optimization cycle profiles a compiled plan after one step, so the first timed
+    run is what prices it."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__()
+        for n in gm.graph.nodes:  # the same values; see the class's docstring
+            if n.target in _VIEWS:
+                n.target = torch.ops.aten.reshape.default
+        gm.recompile()
+        self.gm, self.compiled = gm, None
+        # the IR ops it runs (its placeholders carry the meta of the ops that made its inputs)
+        self.ops = sorted({n.meta[OP_INDEX] for n in gm.graph.nodes if n.op == "call_function" and OP_INDEX in n.meta})
+        self.times: deque = deque(maxlen=5)  # seconds of its last calls, compiling aside (``stretch_times``)
+
+    def forward(self, *args):
+        if self.compiled is None:
+            from torch._inductor.compile_fx import compile_fx
+            with torch.no_grad():
+                self.compiled = compile_fx(self.gm, list(args))
+            for _ in range(WARM_RUNS):  # untimed: the first runs are slow (the class's docstring)
+                self.compiled(*args)
+        begin = time.perf_counter()
+        out = self.compiled(*args)
+        if isinstance(out, torch.Tensor):
+            out = out.contiguous()
+        elif isinstance(out, (tuple, list)):
+            out = type(out)(x.contiguous() if isinstance(x, torch.Tensor) else x for x in out)
+        self.times.append(time.perf_counter() - begin)
+        return out
+
+
+def stretch_times(runner) -> list[tuple[list[int], float]]:
+    """The compiled stretches of a function's runner (``Program.runs``) that have run:
+    (the IR ops each runs, the median seconds of its last calls). The profiler prices
+    the ops of a program lowered with ``inductor`` from them (``dcir_runtime.profiler``)."""
+    children = runner.children() if isinstance(runner, torch.nn.Module) else ()
+    return [(c.ops, statistics.median(c.times)) for c in children if isinstance(c, _Compiled) and c.times]
+
