@@ -5,11 +5,11 @@ table are in docs/checkpoint.md ("Faults")."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from jobs import run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,9 +22,8 @@ def test_one_fault_of_each_kind_loses_nothing(tmp_path):
     (bit for bit before the world change, and after it against a faultless run at the new
     world size; within 1e-6 of the uninterrupted run)."""
     report_path = tmp_path / "chaos.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--faults", "5", "--steps", "150",
-                          "--work", str(tmp_path / "work"), "--out", str(report_path)],
-                         capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    run = run_job([sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--faults", "5", "--steps", "150",
+                   "--work", str(tmp_path / "work"), "--out", str(report_path)], 900, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     report = json.loads(report_path.read_text())
     faults = {f["kind"]: f for f in report["faults"]}

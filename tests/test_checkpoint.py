@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from dcir_runtime import checkpoint, native, parse_bytes
+from jobs import run_job
 from dcir_runtime.launch import launch
 
 HERE = Path(__file__).resolve().parent
@@ -254,20 +255,6 @@ def test_export_loads_with_from_pretrained_and_load_state_dict(tmp_path, capfd):
     assert bad.returncode == 1 and "no complete checkpoint in" in bad.stderr, bad.stderr
 
 
-def _run_job(argv: list[str], timeout_s: float, **kwargs) -> subprocess.CompletedProcess:
-    """Runs a job in its own process group; past ``timeout_s`` the whole group (torchrun's
-    workers included) is killed and the test fails."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            **kwargs)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(argv[:6])} ... took over {timeout_s} s:\n{out}\n{err}")
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
-
-
 TRAIN = ["--steps", "6", "--layers", "1", "--hidden", "64", "--seq", "32", "--batch", "2"]
 
 
@@ -302,11 +289,11 @@ def test_elastic_restart_under_torchrun(tmp_path):
     uninterrupted run does, exactly: the same final loss, and checkpoints at steps 2, 4
     and 6 equal to the uninterrupted run's, key by key and bit for bit."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    straight = _run_job([sys.executable, "-m", "dcir_runtime.train", "--nproc", "2", *TRAIN, "--save-every", "2",
+    straight = run_job([sys.executable, "-m", "dcir_runtime.train", "--nproc", "2", *TRAIN, "--save-every", "2",
                          "--checkpoint-dir", str(tmp_path / "straight")], 120, env=env, cwd=tmp_path)
     assert straight.returncode == 0, straight.stderr
     ckpt, marker = tmp_path / "ckpt", tmp_path / "killed"
-    elastic = _run_job(
+    elastic = run_job(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
          "-m", "dcir_runtime.train", *TRAIN, "--save-every", "2", "--checkpoint-dir", str(ckpt), "--resume", str(ckpt)],
         180, cwd=tmp_path,

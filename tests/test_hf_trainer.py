@@ -15,6 +15,7 @@ import torch
 
 import dcir
 from dcir_runtime.hf import DcirTrainer, EngineOptimizer
+from jobs import run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "docs" / "examples" / "trainer_dcir.py"
@@ -24,9 +25,9 @@ def _launch(out: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            # the agent's shared store hands restarted workers dead addresses (pytorch/pytorch#135712)
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(SCRIPT), "--out", str(out), *extra], capture_output=True, text=True, timeout=300,
-                          env=env, cwd=out.parent)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return run_job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    str(SCRIPT), "--out", str(out), *extra], 300, env=env, cwd=out.parent)
 
 
 def _final(out: Path) -> dict[str, torch.Tensor]:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import csv
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from dcir.diagnostics import DcirError
 from dcir_runtime import checkpoint, native
 from dcir_runtime.lightning import DcirStrategy
+from jobs import run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "docs" / "examples" / "lightning_dcir.py"
@@ -28,18 +27,10 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 
 def _run_job(argv: list[str], cwd: Path, timeout_s: float = 180) -> None:
-    """Runs ``argv`` in its own process group (torchrun's workers included), all of it
-    killed past ``timeout_s``; fails the test unless it succeeds."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(argv[-4:])} took over {timeout_s} s:\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-6000:]
+    """Runs ``argv`` (torchrun's workers included) under a hard timeout; fails the test
+    unless it succeeds."""
+    done = run_job(argv, timeout_s, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
 
 
 @pytest.fixture(scope="module")
