@@ -19,8 +19,9 @@ trains. Each fault is one of:
 * ``world``: stop the job and start it again at another world size (2 <-> 3, with the
   global batch kept: 3 x 2 sequences, or 2 x 3), from its newest checkpoint.
 
-The four kinds come in shuffled rounds, then the world change, then (from 7 faults on)
-a kill and a stall at the new world size. After every fault the job must resume from
+The four kinds come in shuffled rounds, then the world change, late in the run (40 steps
+before its end, or 25 without faults after it), then (from 7 faults on) a kill and a
+stall at the new world size. After every fault the job must resume from
 its newest complete checkpoint (torchrun restarts it, or the injector does for
 ``world``). The checkpoints are kept 3 deep (``--keep-last 3``). At the end:
 
@@ -269,7 +270,9 @@ def _run_chaos(ns, work: Path, log) -> tuple[list[dict], dict | None, str]:
         time.sleep(rng.uniform(0, 0.3))
         if job.proc.poll() is not None:
             raise RuntimeError(f"chaos: the job ended before fault {i + 1} (use more --steps)")
-        if kind == "world":
+        if kind == "world":  # late, so that the steps at the new world size, whose sums run in another order, are few
+            reserve = 40 if i + 1 < ns.faults else 25  # the faults after it need steps too
+            _wait_for(lambda: job.step >= ns.steps - reserve or job.proc.poll() is not None, 600, "progress")
             record = {"kind": "world", "rank": None, "step": job.step, "at": time.time()}
             job.stop()
             newest = _complete(ckpt)[-1].name
