@@ -37,6 +37,7 @@ from transformers import Trainer, TrainingArguments
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir_runtime import checkpoint
 from dcir_runtime.engine import initialize
+from dcir_runtime.shards import EngineOptimizerView
 
 __all__ = ["DcirTrainer", "EngineModule", "EngineOptimizer"]
 
@@ -81,29 +82,22 @@ class EngineModule(torch.nn.Module):
         return self.module._get_name()
 
 
-class EngineOptimizer(torch.optim.Optimizer):
-    """The Trainer's optimizer: the Engine's optimizer over the shards (its parameter
-    groups, hyperparameters and state, which the LR scheduler sets), whose ``step()``
-    ends the Engine's accumulation and runs it. ``zero_grad`` is the Engine's (at each
-    optimizer step); the state is saved with the Engine's checkpoint."""
+class EngineOptimizer(EngineOptimizerView):
+    """The Trainer's optimizer: the Engine's (``EngineOptimizerView``), whose ``step()``
+    ends the Engine's accumulation and runs it; the state is saved with the Engine's
+    checkpoint."""
 
     _is_accelerate_prepared = True  # accelerator.prepare hands it back as it is
 
-    def __init__(self, engine):  # no super().__init__: the groups are the Engine's optimizer's
-        self.engine, self.step_was_skipped = engine, False
-
-    param_groups = property(lambda self: self.engine.optimizer.param_groups)
-    state = property(lambda self: self.engine.optimizer.state)
-    defaults = property(lambda self: self.engine.optimizer.defaults)
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.step_was_skipped = False
 
     def step(self, closure=None):
         if closure is not None:
             raise DcirError(Diagnostic("the Engine's optimizer step takes no closure (LBFGS-style optimizers are "
                                        "not supported)"))
         self.step_was_skipped = not self.engine.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        pass
 
     def state_dict(self) -> dict:
         return {}  # in the Engine's checkpoint, sharded

@@ -35,6 +35,7 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir_runtime.engine import Engine, initialize
+from dcir_runtime.shards import EngineOptimizerView
 
 __all__ = ["DcirStrategy", "EngineOptimizer"]
 
@@ -51,26 +52,10 @@ def _accumulation_error(batches, accumulate: int) -> DcirError:
         "micro-batches; make the batches per epoch a multiple of it (batch size, drop_last, limit_train_batches)"))
 
 
-class EngineOptimizer(torch.optim.Optimizer):
-    """The optimizer Lightning steps: the engine's optimizer (its groups, state and
-    defaults, over this rank's shards). ``step(closure)`` runs the closure (the last
-    micro-step's forward, backward and clipping), then ``engine.step()``; gradients are
-    the engine's to clear, so ``zero_grad`` does nothing."""
-
-    def __init__(self, engine: Engine):  # no Optimizer.__init__: the engine's optimizer holds the groups
-        self.engine = engine
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.engine.optimizer.param_groups
-
-    @property
-    def state(self) -> dict:
-        return self.engine.optimizer.state
-
-    @property
-    def defaults(self) -> dict:
-        return self.engine.optimizer.defaults
+class EngineOptimizer(EngineOptimizerView):
+    """The optimizer Lightning steps: the engine's (``EngineOptimizerView``).
+    ``step(closure)`` runs the closure (the last micro-step's forward, backward and
+    clipping), then ``engine.step()``."""
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         accumulate = self.engine.config.gradient_accumulation_steps
@@ -83,9 +68,6 @@ class EngineOptimizer(torch.optim.Optimizer):
 
     # an LR scheduler warns unless the optimizer's step is the one it wrapped: this is the step
     step._wrapped_by_lr_sched = True
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        pass
 
     def state_dict(self) -> dict:
         return self.engine.optimizer.state_dict()

@@ -134,3 +134,21 @@ def _rebuild(built: torch.optim.Optimizer, model: torch.nn.Module) -> Callable:
         return type(built)([{**g, "params": [(n, shard[n]) for n in g["params"] if n in shard]}
                             for g in groups if any(n in shard for n in g["params"])])
     return make
+
+
+class EngineOptimizerView(torch.optim.Optimizer):
+    """What a training loop (the transformers Trainer, Lightning) holds as its optimizer
+    when the Engine trains: the Engine's optimizer over the shards, its parameter
+    groups, hyperparameters and state (which an LR scheduler sets). Gradients are the
+    Engine's to clear, so ``zero_grad`` does nothing; each loop's subclass says what
+    ``step`` is."""
+
+    def __init__(self, engine):  # no Optimizer.__init__: the groups are the Engine's optimizer's
+        self.engine = engine
+
+    param_groups = property(lambda self: self.engine.optimizer.param_groups)
+    state = property(lambda self: self.engine.optimizer.state)
+    defaults = property(lambda self: self.engine.optimizer.defaults)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
