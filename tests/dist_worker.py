@@ -413,7 +413,9 @@ def print_segments() -> None:
         path = line.split(maxsplit=5)[5:]
         if path and path[0].startswith("/dev/shm/dcir-"):
             names.add(path[0].removesuffix(" (deleted)"))
-    print("SEGMENTS:", *sorted(names), flush=True)
+    # one write, so that the ranks' lines on their shared stdout cannot interleave mid-line
+    sys.stdout.write(" ".join(["SEGMENTS:", *sorted(names)]) + "\n")
+    sys.stdout.flush()
 
 
 def attempt(fn) -> None:

@@ -59,8 +59,10 @@ def _run(capfd, nproc: int, *args: str, timeout_s: float = 300) -> tuple[int, st
 
 
 def _segments(out: str) -> set[str]:
-    """The shared-memory files the ranks mapped, by name (``dist_worker.py``'s ``SEGMENTS:`` lines)."""
-    return {name for line in out.splitlines() if line.startswith("SEGMENTS:") for name in line.split()[1:]}
+    """The shared-memory files the ranks mapped, by name (``dist_worker.py``'s ``SEGMENTS:`` lines).
+    Read by pattern, not by line: the ranks share one stdout and another rank's write may land
+    beside a line's end."""
+    return set(re.findall(r"/dev/shm/dcir-[0-9a-f]+-\d+(?![0-9])", out))
 
 
 @pytest.mark.parametrize("transport", ["auto", "process_group"])
