@@ -45,8 +45,7 @@ def draws_random(op: Op) -> bool:
 
 @lru_cache(maxsize=None)
 def _random_overload(name: str) -> bool:
-    import torch  # a schema op's name was read from torch already; dcir-opt on plain text stays torch-free
-    return torch.Tag.nondeterministic_seeded in custom_ops.resolve(name).tags
+    return custom_ops.lazy_torch().Tag.nondeterministic_seeded in custom_ops.resolve(name).tags
 
 
 def recomputed(func: Function) -> list[Op]:

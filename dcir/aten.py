@@ -43,6 +43,7 @@ _LIST_ALIAS = re.compile(r"Tensor\((\w+)\)\[\]")
 
 
 def _read_from_torch() -> dict[str, list]:
+    # only when the table is first read and not cached: dcir-opt on plain text stays torch-free
     import torch  # noqa: F401  (registers the aten schemas)
     from torch._C import _jit_get_all_schemas
 

@@ -8,9 +8,12 @@ internal error (a bug in DCIR).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 import sys
 import time
+import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
@@ -155,8 +158,6 @@ def _machine(args):
     if args.micro_steps < 1:
         raise _Usage("--micro-steps must be at least 1")
     if args.memory_plot:
-        import importlib.util
-
         if importlib.util.find_spec("matplotlib") is None:
             raise _Usage("--memory-plot needs matplotlib, an optional dependency: pip install 'dcir[plot]'")
     if not args.simulate:
@@ -191,8 +192,6 @@ class _Result:
 def _on_program_ranks(module, machine):
     """``machine`` with the ranks ``module`` is sharded over: a program runs on as many."""
     if module.world_size and machine.world_size != module.world_size:
-        from dataclasses import replace
-
         return replace(machine, world_size=module.world_size)
     return machine
 
@@ -303,7 +302,6 @@ def opt_main() -> None:
     except KeyboardInterrupt:
         code = 130
     except Exception:
-        import traceback
         sys.stderr.write("dcir-opt: internal error, a bug in DCIR (please report it with the input):\n")
         traceback.print_exc()
         code = 3

@@ -42,8 +42,10 @@ def split(op_name: str) -> tuple[str, str, str] | None:
     return parts[0], parts[1], parts[2]
 
 
-def _torch():
-    import torch  # only when a module holds a custom op: dcir-opt stays torch-free otherwise
+def lazy_torch():
+    """torch, imported on first need: only a module that holds a schema op needs it, and
+    dcir-opt on plain text stays torch-free (importing torch takes seconds)."""
+    import torch  # lazily, for the reason above
     return torch
 
 
@@ -54,14 +56,14 @@ def _function_schema(op_name: str):
         return None
     ns, name, overload = parts
     try:
-        return _torch()._C._get_schema(f"{ns}::{name}", "" if overload == "default" else overload)
+        return lazy_torch()._C._get_schema(f"{ns}::{name}", "" if overload == "default" else overload)
     except RuntimeError:
         return None
 
 
 def _has_fake_kernel(qualname: str) -> bool:
-    torch = _torch()
-    from torch._library.simple_registry import singleton
+    torch = lazy_torch()
+    from torch._library.simple_registry import singleton  # torch's, so as lazily as lazy_torch
 
     if singleton.find(qualname).fake_impl.kernel is not None:
         return True
@@ -107,7 +109,7 @@ def schema(op_name: str):
 
 def resolve(op_name: str):
     """The ``torch._ops.OpOverload`` an op name (aten or custom) stands for."""
-    torch = _torch()
+    torch = lazy_torch()
     ns, name, overload = split(op_name)
     return getattr(getattr(getattr(torch.ops, ns), name), overload)
 

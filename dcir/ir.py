@@ -12,7 +12,7 @@ rule) lives in the op registry, ``dcir.ops``; checking lives in ``dcir.verifier`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import zip_longest
 from typing import Iterator, Literal, Union
@@ -343,7 +343,6 @@ class Module:
         """A deep copy: declarations, functions (new values and ops) and attributes; the
         source text is shared (it is immutable). Replanning copies a module this way
         rather than printing and parsing it."""
-        from dataclasses import replace
         decls = {k: replace(d, attrs=dict(d.attrs)) for k, d in self.decls.items()}
         funcs = {k: f.clone() for k, f in self.functions.items()}
         return Module(self.name, decls, funcs, dict(self.attrs), self.loc, self.source)

@@ -91,10 +91,10 @@ def split(module: Module, lines: dict | None = None) -> dict[str, dict[str, list
 def plot(module: Module, path: str | Path, budget: int | None = None, title: str = "") -> Path:
     """Draw the picture of ``module`` into ``path`` (PNG, or any format matplotlib knows
     by the suffix); one panel per function."""
-    try:
+    try:  # matplotlib is optional (the plot extra) and slow to import: only when a picture is asked for
         import matplotlib
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # after the backend is chosen: no display needed
     except ImportError:
         raise PlotError("--memory-plot needs matplotlib, an optional dependency: pip install 'dcir[plot]'") from None
     lines = timelines(module)

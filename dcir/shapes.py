@@ -13,7 +13,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from dcir import aten
-from dcir.custom_ops import resolve
+from dcir.custom_ops import lazy_torch, resolve
 from dcir.ir import NONE, DType, TensorType, Type, attr_key
 
 _DTYPES = {
@@ -24,8 +24,7 @@ _DTYPES = {
 
 
 def torch_dtype(name: str):
-    import torch
-    return getattr(torch, _DTYPES[name])
+    return getattr(lazy_torch(), _DTYPES[name])
 
 
 def dcir_dtype(dtype) -> str:
@@ -50,11 +49,9 @@ def _attr_to_torch(arg: aten.Arg, value, device=None):
     if aten.is_complex_text(value) and arg.type in _NUMBER_TYPES:
         return complex(value)  # "(1+2j)": a complex number, as the language writes it
     if isinstance(value, str) and arg.type in ("Device", "Optional[Device]"):
-        import torch
-        return torch.device(device or value)
+        return lazy_torch().device(device or value)
     if isinstance(value, str) and arg.type in ("int", "Optional[int]"):
-        import torch
-        return getattr(torch, value)  # memory_format = "contiguous_format", layout = "strided"
+        return getattr(lazy_torch(), value)  # memory_format = "contiguous_format", layout = "strided"
     return value
 
 
@@ -89,8 +86,7 @@ def call_arguments(op_name: str, operands: list, attrs: dict, *, device=None) ->
 
 @lru_cache(maxsize=None)
 def _infer_cached(op_name: str, operand_types: tuple, attrs_key: tuple, attrs_items: tuple) -> tuple[Type, ...]:
-    import torch
-
+    torch = lazy_torch()
     operands = []
     for t in operand_types:
         if t == NONE:

@@ -138,7 +138,7 @@ def breaks_of(fn, args: tuple, kwargs: dict) -> GraphBreaks:
 @contextlib.contextmanager
 def _recording(found: dict):
     """Dynamo's record of each break as it decides to break, added to ``found``."""
-    from torch._dynamo.symbolic_convert import InstructionTranslatorBase
+    from torch._dynamo.symbolic_convert import InstructionTranslatorBase  # Dynamo's, ~0.8 s: when listing breaks
 
     original = getattr(InstructionTranslatorBase, "log_graph_break", None)
     if original is None:  # a torch without it: the graphs' compile reasons alone

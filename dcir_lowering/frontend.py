@@ -40,6 +40,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch._guards import TracingContext, detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
 from dcir import custom_ops, signature
 from dcir.activations import RECOMPUTE
@@ -153,8 +156,6 @@ def _stepper(work: torch.nn.Module, training: bool, loss_fn, param_dtype, output
 def _device(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.device:
     """Where the step runs: the model's (its first parameter or buffer not on the meta
     device), else its inputs', else the CPU."""
-    from torch.utils._pytree import tree_leaves
-
     tensors = [*model.parameters(), *model.buffers(), *tree_leaves((args, kwargs))]
     return next((t.device for t in tensors if isinstance(t, torch.Tensor) and not t.is_meta), torch.device("cpu"))
 
@@ -166,8 +167,6 @@ def _fake_copy(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     or activation, whatever the model's size, and takes a model whose parameters are on
     the meta device or held elsewhere as shards (the Engine's). The other buffers are
     copied (a step may read their values, and they are small)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     def fake(t: torch.Tensor) -> torch.Tensor:
@@ -184,8 +183,6 @@ def _fake_copy(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
 
 
 def _check_inputs(args: tuple, kwargs: dict) -> None:
-    from torch.utils._pytree import tree_leaves
-
     for t in tree_leaves((args, kwargs)):
         if isinstance(t, torch.Tensor) and t.requires_grad:
             raise DcirError(Diagnostic(
@@ -204,15 +201,11 @@ def _backward(captured: "_Captured") -> None:
 
 
 def _clone_tensors(tree):
-    from torch.utils._pytree import tree_map_only
-
     return tree_map_only(torch.Tensor, torch.clone, tree)
 
 
 def _cast_floats(tree, dtype: torch.dtype):
     """Every floating tensor in ``tree`` cast to ``dtype`` (FSDP2's cast of forward inputs)."""
-    from torch.utils._pytree import tree_map_only
-
     return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
@@ -282,8 +275,6 @@ def _warm_up(step, model: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
 
 
 def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return isinstance(t, FakeTensor)
 
 
@@ -333,9 +324,9 @@ class _Captured:
     produced: list = field(default_factory=list)  # the model's outputs the capture run computed, in graph order
 
     def backend(self, gm: fx.GraphModule, example_inputs):
+        # AOTAutograd's modules take ~0.9 s to import: loaded at the first capture, not with the package
         from functorch.compile import make_boxed_func
         from torch._functorch.aot_autograd import aot_module_simplified
-        from torch._guards import TracingContext
 
         self.inputs = list(example_inputs)
         self.sources = [n.meta["grapharg"].source.name for n in gm.graph.nodes if n.op == "placeholder"]
@@ -366,7 +357,7 @@ class _Captured:
     def aliased(self) -> bool:
         """Whether an output aliases an input or another value (AOTAutograd regenerates
         such outputs outside the graph, so the graph's output is not the model's)."""
-        from torch._functorch._aot_autograd.schemas import OutputType
+        from torch._functorch._aot_autograd.schemas import OutputType  # AOTAutograd's, loaded by the capture
 
         return any(o.output_type != OutputType.non_alias for o in self.meta.output_info)
 
@@ -571,9 +562,6 @@ class GraphLowering:
 def _call_val(target, args: tuple, kwargs: dict):
     """What ``target`` returns on the fake values of ``args`` (a wrapper node of AOTAutograd's
     carries no value of its own)."""
-    from torch._guards import detect_fake_mode
-    from torch.utils._pytree import tree_map
-
     vals = tree_map(lambda a: a.meta["val"] if isinstance(a, fx.Node) else a, args)
     kw = tree_map(lambda a: a.meta["val"] if isinstance(a, fx.Node) else a, kwargs)
     mode = detect_fake_mode(vals)

@@ -18,6 +18,7 @@ import pickle
 from dataclasses import dataclass
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef  # storage identity, fake tensors' too
 
 from dcir.diagnostics import DcirError, Diagnostic
 
@@ -51,8 +52,6 @@ class Outputs:
         ``produced`` (by identity), or views of them (by storage: a sliding-window cache's
         slice). A tensor in ``out`` that the graph did not produce (an input or a parameter
         returned as it is) is refused: the engine would return a copy."""
-        from torch.multiprocessing.reductions import StorageWeakRef  # storage identity, fake tensors' too
-
         memo = {id(t): _Slot(k) for k, t in enumerate(produced)}
         storages = {StorageWeakRef(t.untyped_storage()): k for k, t in enumerate(produced) if t.numel()}
         for t in _tensors(out):

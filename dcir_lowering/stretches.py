@@ -191,7 +191,7 @@ class _Compiled(torch.nn.Module):
 
     def forward(self, *args):
         if self.compiled is None:
-            from torch._inductor.compile_fx import compile_fx
+            from torch._inductor.compile_fx import compile_fx  # Inductor takes ~1.3 s to import: at first use
             with torch.no_grad():
                 self.compiled = compile_fx(self.gm, list(args))
             for _ in range(WARM_RUNS):  # untimed: the first runs are slow (the class's docstring)

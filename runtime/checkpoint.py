@@ -48,6 +48,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.layout import ShardLayout
@@ -72,8 +74,6 @@ def _mesh(world: int):
     gloo's worker threads alive into interpreter shutdown, where a worker releasing a
     finished collective's tensors needs the GIL and aborts the process ("terminate
     called without an active exception")."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     return init_device_mesh("cpu", (world,))
 
 
@@ -100,8 +100,6 @@ def _local(engine, name: str, padded: torch.Tensor) -> torch.Tensor:
 
 
 def _dtensor(engine, name: str, padded: torch.Tensor, mesh):
-    from torch.distributed.tensor import DTensor, Shard
-
     n = _numel(engine, name)
     return DTensor.from_local(_local(engine, name, padded.detach()).cpu(), mesh, [Shard(0)],
                               run_check=False, shape=torch.Size([n]), stride=(1,))
@@ -496,8 +494,6 @@ def _load_dict(engine, meta: dict, marker: dict) -> dict:
 
 
 def _is_elementwise(value) -> bool:
-    from torch.distributed.tensor import DTensor
-
     return isinstance(value, DTensor)
 
 
@@ -636,7 +632,7 @@ def export(ckpt_dir, out_dir, tag: str | None = None) -> Path:
     whole, under each of its names, and the persistent buffers), plus ``config.json``
     when the model had a ``transformers`` config; one process, no process group.
     Returns the safetensors file."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # transformers' dependency, not DCIR's: needed by export alone
 
     path = _resolve(ckpt_dir, tag)
     marker = _read_marker(path)

@@ -115,7 +115,7 @@ def initializer(model: torch.nn.Module, param_init_fn: Callable | None) -> Calla
         return param_init_fn
     owner = _transformers_owners(model)
     if owner:
-        from transformers import initialization
+        from transformers import initialization  # optional: here the model is a transformers one
 
         def hf(m):
             root = owner[m]
@@ -133,7 +133,7 @@ def _transformers_owners(model: torch.nn.Module) -> dict:
     """Each module -> the ``transformers`` model whose ``_init_weights`` initializes it
     (the nearest enclosing one), or {} when ``model`` is not one."""
     try:
-        from transformers import PreTrainedModel
+        from transformers import PreTrainedModel  # optional (the integrations and train extras)
     except ImportError:
         return {}
     if not isinstance(model, PreTrainedModel):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -77,7 +78,6 @@ def _cuda_home() -> str | None:
     ``$CUDA_HOME``, ``$CUDA_PATH``, ``/usr/local/cuda`` or the ``nvcc`` on ``PATH``. The
     extension builder's own guess takes the parent of ``nvcc``'s folder, which is no
     toolkit when ``nvcc`` is a wrapper in ``/usr/local/bin``."""
-    import shutil
     nvcc = shutil.which("nvcc")
     candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda",
                   str(Path(nvcc).resolve().parents[1]) if nvcc else None]
@@ -151,7 +151,7 @@ def load(verbose: bool = False, *, variant: str | None = None, werror: bool = Fa
     if chosen == "cuda":
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
         os.environ["CUDA_HOME"] = _cuda_home()
-    from torch.utils import cpp_extension
+    from torch.utils import cpp_extension  # after CUDA_HOME is set: the builder reads it on first import
     if chosen == "cuda":  # the builder reads its toolkit from this global, set when it was first imported
         cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"]
     build = cache_dir() / (chosen + ("-werror" if werror else ""))

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 import torch
+from torch.utils import swap_tensors
 
 from dcir.diagnostics import DcirError, Diagnostic, Note
 from dcir.layout import ShardLayout
@@ -169,7 +170,7 @@ class Checkpoint:
         """``file`` opened with safetensors, the one open file (the previous one closed)."""
         if self._open is not None and self._open[0] == file:
             return self._open[1]
-        from safetensors import safe_open
+        from safetensors import safe_open  # transformers' dependency, not DCIR's: for pretrained weights
 
         self.close()
         self._open = (file, self._stack.enter_context(safe_open(str(file), framework="pt", device="cpu")))
@@ -228,7 +229,7 @@ def _check_index(path: Path, files: dict[Path, set[str] | None], tensors: dict[s
 
 def _header(file: Path) -> dict[str, Stored]:
     """Every tensor in ``file``'s header (no tensor data is read)."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError, safe_open  # as in _handle: only pretrained weights need it
 
     try:
         with safe_open(str(file), framework="pt", device="cpu") as handle:
@@ -278,8 +279,6 @@ def load_shards(model: torch.nn.Module, path, rank: int, world: int, device: tor
     the checkpoint at ``path`` after ``check`` has passed; its persistent buffers are set
     in place (a non-persistent one, such as rotary ``inv_freq``, may be absent: the
     model's init computes it)."""
-    from torch.utils import swap_tensors
-
     aliases = aliases_of(model)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())

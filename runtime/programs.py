@@ -27,6 +27,8 @@ from dcir.ir import TensorType
 from dcir.memory import GRAD_ACC_OF
 from dcir_lowering.program import call_inputs
 from dcir_runtime import transport
+from dcir_runtime.capture import capture
+from dcir_runtime.execution import Installed
 
 
 class Mode(NamedTuple):
@@ -163,9 +165,6 @@ def capture_program(engine, args: tuple, kwargs: dict, k: ProgramKey, training: 
     """Capture ``engine``'s program of key ``k``: through rank 0 the first of its mode
     (every rank calls it then); on this rank alone a shape this rank meets later, checked
     to run the collectives the mode's first program runs."""
-    from dcir_runtime.capture import capture
-    from dcir_runtime.execution import Installed
-
     engine.programs.check_room(k, engine.config.max_programs)
     mode = k.mode
     base = engine.programs.base(mode)

@@ -25,7 +25,13 @@ import dataclasses
 import json
 import os
 import sys
+import signal
 import time
+from pydoc_data.topics import topics
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 import dcir
 from dcir.diagnostics import DcirError, Diagnostic
@@ -36,8 +42,6 @@ from dcir_runtime.launch import launch
 
 
 def corpus() -> bytes:
-    from pydoc_data.topics import topics
-
     return "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
 
 
@@ -96,7 +100,7 @@ def _config(text: str | None, precision: str = "fp32"):
 
 def _model(ns):
     """A byte-level Llama from a ``LlamaConfig`` (no download)."""
-    import torch
+    # the train extra's (~0.5 s to import): only the built-in model needs it, not --help or a checkpoint's check
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -110,8 +114,6 @@ def _model(ns):
 
 def _model_and_engine(ns):
     """The model (``_model``) in an Engine."""
-    import torch
-
     model = _model(ns)
     return dcir.initialize(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=ns.lr, weight_decay=0.01),
                            config=_config(ns.config, ns.precision))
@@ -123,8 +125,6 @@ class _Batches:
     batch; a checkpoint saves its state, so a resumed run draws the same batches."""
 
     def __init__(self, ns, rank: int, world: int):
-        import torch
-
         self.ns, self.rank, self.world = ns, rank, world
         data = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8).long()
         split = int(len(data) * 0.95)
@@ -132,8 +132,6 @@ class _Batches:
         self.generator = torch.Generator().manual_seed(ns.seed)
 
     def __call__(self, source):
-        import torch
-
         ns = self.ns
         starts = torch.randint(0, len(source) - ns.seq, (ns.batch * self.world,), generator=self.generator)
         mine = starts[self.rank * ns.batch:(self.rank + 1) * ns.batch]
@@ -143,17 +141,12 @@ class _Batches:
 def next_token_loss(logits, ids):
     """The language-modelling loss, computed outside the engine as a DeepSpeed or FSDP
     user writes it: cross-entropy of each position's logits against the next byte."""
-    import torch.nn.functional as F
-
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
 
 
 def _evaluate(engine, batches: _Batches) -> float:
     """The mean loss over 4 held-out batches of every rank: ``engine.eval()`` under
     ``torch.no_grad()`` runs the forward-only program."""
-    import torch
-    import torch.distributed as dist
-
     engine.eval()
     with torch.no_grad():
         losses = []
@@ -181,7 +174,7 @@ def _resume(engine, directory: str, batches: _Batches) -> None:
 def _progress_bar(engine, ns):
     if engine.rank != 0:
         return None
-    from tqdm import tqdm
+    from tqdm import tqdm  # the train extra's: rank 0 alone draws the bar
     return tqdm(total=ns.steps, initial=engine.steps, desc=f"dcir {engine.world} ranks", unit="step",
                 file=sys.stdout, dynamic_ncols=True)
 
@@ -227,10 +220,6 @@ def _train(engine, ns, batches: _Batches):
 def _memory_of_every_rank(engine, memory) -> list:
     """Every rank's accounting: from the first backward (gradients held), with the
     optimizer state as it is at the end (none before the last step: resumed at the end)."""
-    import dataclasses
-
-    import torch.distributed as dist
-
     last = engine.memory()
     memory = dataclasses.replace(memory or last, optimizer_state=last.optimizer_state,
                                  optimizer_state_peak=last.optimizer_state_peak,
@@ -287,8 +276,6 @@ def _memory_table(everyone: list) -> None:
 def rank_main(ns) -> None:
     """One rank: capture (by a first evaluation), resume if asked, train, evaluate,
     and on rank 0 the summary."""
-    import torch.distributed as dist
-
     engine = _model_and_engine(ns)
     batches = _Batches(ns, engine.rank, engine.world)
     begin = time.perf_counter()
@@ -334,8 +321,6 @@ def _test_kill(rank: int) -> None:
     """Test-only (tests/test_checkpoint.py, the elastic test): with
     ``DCIR_TEST_KILL_AT_STEP=K`` and ``DCIR_TEST_KILL_MARKER=FILE``, rank 1 SIGKILLs itself
     after step K, once: the marker file keeps the restarted job from dying again."""
-    import signal
-
     marker = os.environ.get("DCIR_TEST_KILL_MARKER")
     if rank != 1 or not marker or os.path.exists(marker):
         return

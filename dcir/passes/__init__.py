@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import pkgutil
 import re
 import sys
@@ -131,7 +132,6 @@ def _convert(raw: str, typ) -> object:
     if typ == "Bytes":
         return parse_bytes(raw)
     if raw.startswith('"'):
-        import json
         raw = json.loads(raw)
     if typ == "bool":
         if raw not in ("true", "false"):
