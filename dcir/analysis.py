@@ -26,6 +26,15 @@ def started_by(value: Value) -> tuple[Op, int] | None:
     return (pending.owner, pending.index) if isinstance(pending.owner, Op) else None
 
 
+def read_end(op: Op) -> Op:
+    """The op at which ``op`` is done reading its operands: for an async op (a collective,
+    a copy) the wait that joins it, since the transfer reads them until then; for any
+    other op, itself."""
+    if not registry.has_trait(op, registry.ASYNC):
+        return op
+    return next((u for r in op.results for u in r.users() if registry.has_trait(u, registry.WAITS)), op)
+
+
 def dependency_graph(func: Function) -> nx.DiGraph:
     """The ops of ``func`` as a DAG, nodes numbered by schedule position.
 

@@ -86,6 +86,19 @@ class Rewriter:
     def append(self, ops: Iterable[Op]) -> None:
         self.insert_at(len(self.func.ops), ops)
 
+    def insert_after_each(self, placements: dict[Op, list[Op]]) -> None:
+        """Insert each ``placements[anchor]`` just after its anchor, in one sweep over the
+        ops (placing them one by one would search the list for each anchor)."""
+        placed = [op for ops in placements.values() for op in ops]
+        self.func.ops[:] = [op for anchor in self.func.ops for op in (anchor, *placements.get(anchor, ()))]
+
+        def undo():
+            gone = {id(op) for op in placed}
+            self.func.ops[:] = [op for op in self.func.ops if id(op) not in gone]
+            for op in placed:
+                op.operands = ()
+        self._undo.append(undo)
+
     def erase(self, op: Op) -> None:
         """Remove ``op``; its results must be unused (replace their uses first)."""
         used = [r for r in op.results if r.uses]

@@ -59,6 +59,7 @@ from dcir.dtypes import is_float, parse_dtype
 from dcir.memory import GRAD_ACC_OF
 from dcir.ir import DTYPE_BYTES, DType, Function, Module, Op, PendingType, ShardType, TensorType, Type, Value
 from dcir.passes import Pass
+from dcir.passes.free import FreePlacer
 from dcir.rewrite import EDITED, Constraint, Match, P, Rewriter, Rule, apply_rules
 
 #: the dtype of the master parameters (and so of the optimizer state and the gradients it sees)
@@ -81,15 +82,14 @@ def retyped(t: Type, dtype: str) -> Type:
 
 class _Edit:
     """The rewriter of one function, with what this pass's rewrites read: fresh names,
-    the ops' original order, and the frees placed after each op so far (so several
-    frees after one op keep the order they were asked for)."""
+    the ops' original order, and the placer of its frees (``dcir.passes.free``)."""
 
     def __init__(self, func: Function):
         self.func = func
         self.rewriter = Rewriter(func)
         self.fresh = func.name_maker()
         self.order = {op: i for i, op in enumerate(func.ops)}
-        self.last_after: dict[Op, Op] = {}
+        self.frees = FreePlacer(func)
 
     def first_user(self, value: Value) -> Op | None:
         users = [u for u in value.users() if u in self.order]
@@ -102,15 +102,8 @@ class _Edit:
         return out
 
     def free_when_done(self, value: Value, reader: Op) -> None:
-        """Free ``value`` after ``reader``, or after the wait that ends ``reader`` when it is async."""
-        if any(not isinstance(u, Op) for u, _ in value.uses):
-            return  # returned: the caller holds it
-        done = reader
-        if registry.has_trait(reader, registry.ASYNC):
-            done = next(op for op in reader.results[0].users() if registry.has_trait(op, registry.WAITS))
-        free = Op("mem.free", [value], parens=True)
-        self.rewriter.insert_after(self.last_after.get(done, done), [free])
-        self.last_after[done] = free
+        """Free ``value`` once ``reader`` is done reading it (after its wait, when it is async)."""
+        self.frees.release(self.rewriter, value, after=reader)
 
     def set_operand(self, op: Op, index: int, value: Value) -> None:
         self.rewriter.set_operands(op, [value if k == index else v for k, v in enumerate(op.operands)])

@@ -45,11 +45,11 @@ from dataclasses import dataclass
 
 from dcir import ops as registry
 from dcir import roles, signature
-from dcir.analysis import last_uses, view_bases
 from dcir.context import PlanContext
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Function, Module, Op, PendingType, ShardType, TensorType, Value
 from dcir.passes import Pass
+from dcir.passes.free import FreePlacer
 from dcir.rewrite import EDITED, Constraint, Match, P, Rewriter, Rule, apply_rules
 
 # ---- rematerializing saved views of parameters ----------------------------------------
@@ -119,31 +119,13 @@ def _recompute(bw: Function, recompute: list) -> None:
 
 def _facts(func: Function) -> dict:
     """What the rewrites read, computed once per function before any of them runs: the
-    first reader of every value, the last reader of every storage, the storages the
-    function returns, and a name maker."""
-    last, returned = last_uses(func)
+    first reader of every value, the placer of the frees (liveness as the function
+    came), and a name maker."""
     first: dict[Value, Op] = {}
     for op in func.ops:
         for v in op.operands:
             first.setdefault(v, op)
-    return {"first": first, "last": {v: func.ops[i] for v, i in last.items()}, "returned": returned,
-            "storage": view_bases(func), "fresh": func.name_maker(), "frees": {}}
-
-
-def _free_after_last_use(m: Match, v: Value, value: Value | None = None) -> None:
-    """Free the storage of ``v`` (as ``value``, the value that now holds it) after its
-    last reader, unless the function returns it or received it (an argument is its
-    caller's to free). Frees after one reader keep the order they were asked in."""
-    base = m["storage"].get(v, v)
-    if base in m["returned"] or base.owner is m.func or base not in m["last"]:
-        return
-    anchor = m["last"][base]
-    frees = m["frees"].setdefault(anchor, {})
-    if base in frees:
-        return
-    free = Op("mem.free", [value or base], parens=True)
-    m.rewriter.insert_after(list(frees.values())[-1] if frees else anchor, [free])
-    frees[base] = free
+    return {"first": first, "frees": FreePlacer(func), "fresh": func.name_maker()}
 
 
 def gather_before_first_use(m: Match):
@@ -160,7 +142,7 @@ def gather_before_first_use(m: Match):
         start = Op("comm.all_gather", [shard], [pending])
         rewriter.insert_before(m["first"][full], [start, Op(registry.wait_for(start), [pending], [gathered])])
         rewriter.replace_all_uses(full, gathered)
-        _free_after_last_use(m, full, gathered)
+        m["frees"].release(rewriter, full, gathered)
     rewriter.erase(root)
     return EDITED
 
@@ -177,7 +159,7 @@ def reduce_then_hand_over(m: Match):
     start = Op("comm.reduce_scatter", [grad], [pending], {"op": "avg"})
     rewriter.insert_before(root, [start, Op(registry.wait_for(start), [pending], [shard])])
     rewriter.set_operands(root, [shard])
-    _free_after_last_use(m, grad)
+    m["frees"].release(rewriter, grad)
     return EDITED
 
 
