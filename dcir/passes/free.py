@@ -107,9 +107,12 @@ def owned_unfreed(func: Function) -> dict[Value, Op]:
     for op in func.ops:
         for v in op.operands:
             last[own(v)] = op
-        if registry.has_trait(op, registry.FREES) or registry.has_trait(op, registry.GRADIENT):
+        d = registry.lookup(op.name)
+        if d is None:
+            continue
+        if d.has(registry.FREES) or d.has(registry.GRADIENT):
             held.update(own(v) for v in op.operands)
-        if registry.has_trait(op, registry.ALLOCATES) and not registry.has_trait(op, registry.LOADS_STATE):
+        if d.has(registry.ALLOCATES) and not d.has(registry.LOADS_STATE):
             made.extend(r for r in op.results if own(r) is r)
     return {v: last.get(v, v.owner) for v in made if v not in held}
 
