@@ -138,6 +138,23 @@ def test_uses_are_kept_by_construction_and_rollback_restores_the_function():
     assert str(module) == before
 
 
+def test_insert_after_each_places_in_one_sweep_and_rolls_back():
+    module = dcir.parse(TEXT)
+    func = module.functions["f"]
+    before = str(module)
+    x, (relu, neg, add) = func.args[0], func.ops
+    rw = Rewriter(func)
+    mark = rw.checkpoint()
+    free = Op("mem.free", [relu.results[0]], parens=True)
+    sig = Op("aten.sigmoid.default", [x], [Value("s", x.type)])
+    rw.insert_after_each({add: [free], relu: [sig]})
+    assert func.ops == [relu, sig, neg, add, free]
+    _consistent(func)
+    rw.rollback(mark)
+    _consistent(func)
+    assert str(module) == before
+
+
 def test_erase_refuses_an_op_whose_results_are_used():
     func = dcir.parse(TEXT).functions["f"]
     with pytest.raises(ValueError, match="still used"):
