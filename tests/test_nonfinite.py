@@ -15,6 +15,7 @@ import torch
 import dcir
 from dcir_runtime import Config, native
 from dcir_runtime.launch import launch
+from dcir_runtime.precision import _nonfinite_here
 
 HERE = Path(__file__).resolve().parent
 TAIL = "the step's gradients were dropped, nothing else changed (config nonfinite 'skip' skips such steps)"
@@ -107,3 +108,20 @@ def test_nonfinite_defaults_to_error_and_skip_agrees_with_fp16():
     assert Config.load({}).nonfinite is None  # "error"; under fp16 the loss scaler's skipping
     assert Config.load({"nonfinite": "skip", "fp16": {"enabled": True}}).nonfinite == "skip"
     assert Config.load({"nonfinite": "error", "bf16": {"enabled": True}}).nonfinite == "error"
+
+
+def test_the_fast_check_settles_finite_steps_and_defers_overflowing_norms_to_the_elements():
+    def shards(*values):
+        out = {}
+        for k, v in enumerate(values):
+            p = torch.nn.Parameter(torch.zeros(3))
+            p.grad = torch.tensor([1.0, v, -2.0])
+            out[f"p{k}"] = p
+        return out
+    loss = [(1, torch.tensor(0.5))]
+    assert not _nonfinite_here(loss, shards(1.0, 3.0))
+    # finite gradients whose norm overflows fp32 are finite: the element check decides
+    assert not _nonfinite_here(loss, shards(1e30, 3.0))
+    assert _nonfinite_here(loss, shards(1.0, float("nan")))
+    assert _nonfinite_here(loss, shards(float("-inf"), 3.0))
+    assert _nonfinite_here([(1, torch.tensor(float("inf")))], shards(1.0))
