@@ -27,13 +27,14 @@ import warnings
 
 import torch
 import torch.fx as fx
+from torch._guards import TracingContext
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Function, Module, Value
 from dcir.verifier import verify
 from dcir_lowering.backend import lower_function
-from dcir_lowering.frontend import GraphLowering, _type, _where, benign_breaks  # noqa: F401  (re-exported)
+from dcir_lowering.frontend import GraphLowering, _type, _where, benign_breaks, fold_clones  # noqa: F401  (re-exported)
 from dcir_lowering.program import constants, device_of
 
 
@@ -178,7 +179,19 @@ def graph_to_module(gm: fx.GraphModule, name: str) -> tuple[Module, list[int]]:
     return module, none_at
 
 
+def _fold_forward_clones(gm: fx.GraphModule) -> None:
+    """The capture's clone folding (``frontend.fold_clones``) on a forward AOTAutograd
+    hands over, which outputs leave the graph read from its metadata (Dynamo's tracing
+    context); without it nothing is folded."""
+    context = TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None) if context is not None else None
+    if meta is not None:
+        fold_clones(gm, sum(1 for info in meta.input_info if info.mutates_data) + len(meta.output_info))
+
+
 def _through_dcir(name: str, gm: fx.GraphModule, example_inputs):
+    if name == "forward":
+        _fold_forward_clones(gm)
     # AOTAutograd calls its compilers inside its FakeTensorMode, where torch.tensor() makes a
     # fake tensor and a real one cannot be read: a graph's constants (a KV cache's empty start,
     # T5's torch.tensor(0) in forward) are spelled out and rebuilt here, so they must be real

@@ -103,21 +103,24 @@ def capture(model: torch.nn.Module, example_inputs, *, kwargs: dict | None = Non
     outputs = Outputs.of(out, captured.produced)
     if training:
         _backward(captured)
-    _fold_clones(captured)
+    fold_clones(captured.forward, captured.mutated_outputs() + len(captured.meta.output_info))
     return _Lowering(work, captured, name or type(model).__name__).module(), outputs
 
 
-def _fold_clones(captured: "_Captured") -> None:
-    """The forward's copies that copy nothing, gone: AOTAutograd traces ``dropout`` at
-    ``p=0`` (and any dropout outside training) as ``clone(x)``, which eager PyTorch does
-    not run (it returns ``x``); under attention that is a second [batch, heads, seq, seq]
-    tensor per layer, saved for the backward beside the softmax it copies. A clone is
-    folded into its source when neither can be seen or written outside the graph: the
-    clone is no model output, its source is no graph input (the only values a functional
-    graph writes are inputs) and no model output, and it keeps the source's layout."""
-    graph = captured.forward.graph
+def fold_clones(forward: fx.GraphModule, seen_outside: int) -> None:
+    """AOTAutograd's forward graph ``forward`` without its copies that copy nothing:
+    AOTAutograd traces ``dropout`` at ``p=0`` (and any dropout outside training) as
+    ``clone(x)``, which eager PyTorch does not run (it returns ``x``); under attention
+    that is a second [batch, heads, seq, seq] tensor per layer, saved for the backward
+    beside the softmax it copies. ``seen_outside``: how many of the graph's first
+    outputs leave it (mutated inputs, then the model's outputs; the rest are saved for
+    the backward). A clone is folded into its source when neither can be seen or
+    written outside the graph: the clone is no such output, its source is no graph
+    input (the only values a functional graph writes are inputs) and no such output,
+    and it keeps the source's layout."""
+    graph = forward.graph
     outputs = next(n for n in graph.nodes if n.op == "output").args[0]
-    visible = set(outputs[:captured.mutated_outputs() + len(captured.meta.output_info)])
+    visible = set(outputs[:seen_outside])
     folded = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.aten.clone.default or node in visible:
@@ -130,7 +133,7 @@ def _fold_clones(captured: "_Captured") -> None:
         graph.erase_node(node)
         folded += 1
     if folded:
-        captured.forward.recompile()
+        forward.recompile()
 
 
 def _stepper(work: torch.nn.Module, training: bool, loss_fn, param_dtype, output_dtype, cast_inputs: bool):

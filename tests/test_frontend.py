@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import dcir
+import dcir_lowering.dynamo as dcir_dynamo
 from dcir_lowering.program import state_of
 from models import Breaks, ConvBN, Tied
 
@@ -280,3 +281,39 @@ def test_a_copy_that_copies_nothing_is_folded():
     expected = torch.autograd.grad(model(x), [model.proj.weight, model.proj.bias])
     dcir.lower(dcir.compile_to_ir(model, (x,)), state_of(mine)).train_step(x)
     torch.testing.assert_close([mine.proj.weight.grad, mine.proj.bias.grad], list(expected), rtol=0, atol=0)
+
+
+def _backend_forward(model, x, monkeypatch):
+    """The forward module ``torch.compile(model, backend="dcir")`` lowered, and the step's
+    loss and gradients."""
+    seen = {}
+    original = dcir_dynamo.graph_to_module
+
+    def recorded(gm, name):
+        module, none_at = original(gm, name)
+        seen.setdefault(name, module)
+        return module, none_at
+    monkeypatch.setattr(dcir_dynamo, "graph_to_module", recorded)
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(model, backend="dcir")(x)
+        loss = out[0] if isinstance(out, tuple) else out
+        loss.backward()
+    finally:
+        torch._dynamo.reset()
+    return seen["forward"].functions["forward"], [model.proj.weight.grad, model.proj.bias.grad]
+
+
+def test_the_backend_folds_a_copy_that_copies_nothing_too(monkeypatch):
+    """Through ``torch.compile(backend="dcir")`` as through the Engine's capture: the
+    dropout's clone is gone, a copy the model returns stays, the gradients are eager's."""
+    x = torch.randn(4, 8)
+    torch.manual_seed(0)
+    model = _Attention()
+    mine = copy.deepcopy(model)
+    expected = torch.autograd.grad(model(x), [model.proj.weight, model.proj.bias])
+    forward, grads = _backend_forward(mine, x, monkeypatch)
+    assert not [op for op in forward.ops if op.name == "aten.clone.default"], str(forward)
+    torch.testing.assert_close(grads, list(expected), rtol=0, atol=0)
+    exposed, _ = _backend_forward(_Attention(expose=True), x, monkeypatch)
+    assert [op for op in exposed.ops if op.name == "aten.clone.default"], str(exposed)
