@@ -120,13 +120,14 @@ CASES = {
     "hf_llama": (tiny_llama, _llama_batch, lambda out: out.loss, {}),
     "hf_llama_accumulate2": (tiny_llama, _llama_batch, lambda out: out.loss, {"gradient_accumulation_steps": 2}),
     # activations rebuilt in the backward: the cheap ones; every one it can (matmuls too,
-    # gathers again under ZeRO-3) under the schedule passes and accumulation (two backwards),
-    # with every other buffer's free then placed by liveness
+    # gathers again under ZeRO-3) under the schedule passes and accumulation (two backwards)
     "hf_llama_recompute": (tiny_llama, _llama_batch, lambda out: out.loss, {"passes": ["recompute"]}),
-    "hf_llama_recompute_all_schedule_free_accumulate2": (
+    "hf_llama_recompute_all_schedule_accumulate2": (
         tiny_llama, _llama_batch, lambda out: out.loss,
-        {"gradient_accumulation_steps": 2,
-         "passes": ["recompute{budget=1}", "prefetch", "unshard", "bucket", "free"]}),
+        {"gradient_accumulation_steps": 2, "passes": ["recompute{budget=1}", "prefetch", "unshard", "bucket"]}),
+    # the schedule passes, then every other buffer's free placed by liveness (the runtime drops each there)
+    "hf_llama_schedule_free": (tiny_llama, _llama_batch, lambda out: out.loss,
+                               {"passes": ["prefetch", "unshard", "bucket", "free"]}),
 }
 # the schedule passes, alone and together, as static passes after zero3
 _SCHEDULE = ["prefetch", "unshard", "bucket"]

@@ -39,7 +39,7 @@ SCHEDULE_CASES = [f"transformer_{c}" for c in ("prefetch", "unshard", "bucket", 
                                                 "prefetch_bucket", "unshard_bucket")] + [
     "mlp_prefetch_unshard_bucket", "tied_frozen_prefetch_unshard_bucket", "transformer_optimize_budget",
     "mlp_accumulate2_unshard", "transformer_optimize_shrink", "hf_llama_recompute",
-    "hf_llama_recompute_all_schedule_free_accumulate2"]
+    "hf_llama_recompute_all_schedule_accumulate2", "hf_llama_schedule_free"]
 # Inductor reassociates float sums inside its fused kernels, so gradients differ from
 # eager in the last bits and AdamW turns that into ~2e-5 of a weight's scale in 5 steps
 # (1.7e-5 measured); the eager lowering runs the captured ops as they are (bit for bit).
