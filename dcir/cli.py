@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--help-pass", metavar="NAME", help="describe one pass and its options, then exit")
     p.add_argument("--load", action="append", default=[], metavar="MODULE",
                    help="import the Python module MODULE first, which registers the custom ops (torch.library) the "
-                        "input uses, e.g. --load transformers.integrations.moe (repeatable)")
+                        "input uses, e.g. --load transformers.integrations.moe (repeatable); a module DCIR captured "
+                        "names its own in its attribute 'libraries', which parsing imports")
     return p
 
 

@@ -10,7 +10,10 @@ on meta tensors, so the verifier checks them without running the op.
 
 Unlike aten, the schema is not in DCIR's cached table: it is read from the running
 torch (``torch._C._get_schema``), so the library that registers the op must be imported
-in the process (``dcir-opt --load MODULE``). An op DCIR cannot carry says why:
+in the process. A captured module records which Python modules registered its custom
+ops in its attribute ``libraries`` (``defining_module``), and parsing it imports them
+(``load_libraries``), so ``dcir-opt file.dcir`` reads a file DCIR wrote as it is;
+``dcir-opt --load MODULE`` imports one by hand. An op DCIR cannot carry says why:
 
 * no such operator is registered in this process (import the library that defines it);
 * it has no fake kernel (DCIR derives shapes from it: ``torch.library.register_fake``);
@@ -30,6 +33,8 @@ import sys
 from dcir.op_schema import Arg, Schema, arg_record
 
 _FOUND: dict[str, object] = {}  # op name -> its Schema, once it is known to be usable
+#: the module attribute naming the Python modules that register the module's custom ops
+LIBRARIES = "libraries"
 
 
 def split(op_name: str) -> tuple[str, str, str] | None:
@@ -118,3 +123,34 @@ def load(module_name: str) -> None:
     """Import a module that registers custom ops (``dcir-opt --load``)."""
     if module_name not in sys.modules:
         __import__(module_name)
+
+
+def defining_module(op_name: str) -> str | None:
+    """The Python module, importable by its name, whose code registered custom op
+    ``op_name``: the one that defines its ``torch.library.custom_op`` function, else its
+    fake kernel; None when torch cannot say, or for a script's own ops (``__main__``)."""
+    lazy_torch()
+    from torch._library.custom_ops import OPDEFS  # torch's registry of custom_op functions
+    from torch._library.simple_registry import singleton  # and of fake kernels
+
+    qualname = "::".join(split(op_name)[:2])
+    opdef = OPDEFS.get(qualname)
+    fn = getattr(opdef, "_init_fn", None) if opdef is not None else singleton.find(qualname).fake_impl.kernel
+    module = getattr(fn, "__module__", None)
+    return None if module in (None, "__main__") else module
+
+
+def is_module_name(name) -> bool:
+    """Whether ``name`` names a Python module (dotted identifiers), as ``libraries`` must."""
+    return isinstance(name, str) and all(part.isidentifier() for part in name.split("."))
+
+
+def load_libraries(names: tuple) -> str | None:
+    """Import each Python module of a module's ``libraries``; why the first that fails
+    cannot be imported, or None."""
+    for name in names:
+        try:
+            load(name)
+        except Exception as e:  # noqa: BLE001  (any error of the import: the user's module, reported as such)
+            return f"importing {name!r} failed: {type(e).__name__}: {e}"
+    return None

@@ -19,7 +19,7 @@ from pathlib import Path
 from lark import Lark, Token, Transformer, UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, v_args
 from lark.exceptions import VisitError
 
-from dcir import fast_parse
+from dcir import custom_ops, fast_parse
 from dcir.diagnostics import DcirError, Diagnostic, Note
 from dcir.ir import (DTYPE_BYTES, NONE, UNIT, Decl, DType, Function, HostType, Module, Op, PendingType, ShardType,
                      Source, SymbolRef, TensorType, Value)
@@ -316,6 +316,13 @@ def _parse(text: str, name: str, fast: bool, line_offset: int) -> Module:
                                     (Note(module.functions[func.name].loc, "previous definition here"),)))
             continue
         module.functions[func.name] = func
+    libraries = attrs.get(custom_ops.LIBRARIES)
+    if isinstance(libraries, tuple) and all(map(custom_ops.is_module_name, libraries)):  # else the verifier says
+        if why := custom_ops.load_libraries(libraries):
+            diags.append(Diagnostic(
+                f"the custom ops of @{module.name} are registered by the Python modules its attribute "
+                f"'{custom_ops.LIBRARIES}' names, and {why}; put the module on the path (PYTHONPATH), or drop the "
+                "attribute and import the library with --load", source, module.loc, 6))
     if diags:
         raise DcirError(diags)
     return module

@@ -34,7 +34,7 @@ from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Function, Module, Value
 from dcir.verifier import verify
 from dcir_lowering.backend import lower_function
-from dcir_lowering.frontend import GraphLowering, _type, _where, benign_breaks, fold_clones  # noqa: F401  (re-exported)
+from dcir_lowering.frontend import GraphLowering, _type, _where, benign_breaks, fold_clones, record_libraries  # noqa: F401  (re-exported)
 from dcir_lowering.program import constants, device_of
 
 
@@ -176,6 +176,7 @@ def graph_to_module(gm: fx.GraphModule, name: str) -> tuple[Module, list[int]]:
     func.returns = [env[o] for o in outputs if o is not None]
     func.result_types = [v.type for v in func.returns]
     module.functions[name] = func
+    record_libraries(module)
     return module, none_at
 
 

@@ -45,6 +45,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
 from dcir import custom_ops, signature
+from dcir import ops as registry
 from dcir.activations import RECOMPUTE
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import DTYPE_BYTES, NONE, UNIT, Decl, DType, Function, Module, Op, TensorType, Type, Value
@@ -105,6 +106,16 @@ def capture(model: torch.nn.Module, example_inputs, *, kwargs: dict | None = Non
         _backward(captured)
     fold_clones(captured.forward, captured.mutated_outputs() + len(captured.meta.output_info))
     return _Lowering(work, captured, name or type(model).__name__).module(), outputs
+
+
+def record_libraries(module: Module) -> None:
+    """``module``'s attribute ``libraries``: the Python modules that register its custom
+    ops (``dcir.custom_ops.defining_module``), so its text parses in a process that has
+    not imported them (``dcir-opt file.dcir`` with no ``--load``)."""
+    names = {custom_ops.defining_module(op.name) for _, op in module.ops()
+             if op.family not in registry.FAMILIES and custom_ops.split(op.name) is not None}
+    if names - {None}:
+        module.attrs[custom_ops.LIBRARIES] = tuple(sorted(names - {None}))
 
 
 def fold_clones(forward: fx.GraphModule, seen_outside: int) -> None:
@@ -623,10 +634,12 @@ class _Lowering(GraphLowering):
     def module(self) -> Module:
         if self.c.backward is None:  # captured under torch.no_grad(): the forward alone
             self.m.functions[EVAL] = self._forward(EVAL)[0]
+            record_libraries(self.m)
             return self.m
         fw, saved = self._forward(FORWARD)
         self.m.functions[FORWARD] = fw
         self.m.functions[BACKWARD] = self._backward(saved, fw)
+        record_libraries(self.m)
         return self.m
 
     # ---- one FX graph -> one function ----

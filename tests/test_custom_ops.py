@@ -64,22 +64,38 @@ def test_dcir_opt_runs_passes_and_the_cost_model_on_custom_ops(text, tmp_path):
     assert "step" in report.getvalue()
 
 
-def test_dcir_opt_loads_the_library_in_a_fresh_process(text, tmp_path):
-    path = tmp_path / "gated.dcir"
-    path.write_text(text)
+def test_dcir_opt_reads_a_captured_file_as_it_is_in_a_fresh_process(text, tmp_path):
+    """The captured module names the Python module that registers its custom ops
+    (attribute ``libraries``), which parsing imports: no ``--load``. Without the
+    attribute, ``--load`` imports it; a named module that cannot be imported is a
+    located error."""
+    assert text.startswith('module @GatedMLP attributes {libraries = ["custom_op_lib"]} {'), text[:200]
     env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    run = lambda *extra: subprocess.run([sys.executable, "-m", "dcir.cli", str(path), *extra],  # noqa: E731
-                                        capture_output=True, text=True, env=env, timeout=120)
-    without = run()
+
+    def run(text, *extra):
+        path = tmp_path / "gated.dcir"
+        path.write_text(text)
+        return subprocess.run([sys.executable, "-m", "dcir.cli", str(path), *extra], capture_output=True, text=True,
+                              env=env, timeout=120)
+    as_written = run(text)
+    assert as_written.returncode == 0 and as_written.stdout == text, as_written.stderr
+    bare = text.replace(' attributes {libraries = ["custom_op_lib"]}', "")
+    without = run(bare)
     assert without.returncode == 1
     assert "no operator dcirtest::gated_tanh.default is registered with torch.library in this process" in \
         without.stderr
     assert "(dcir-opt --load MODULE)" in without.stderr
-    loaded = run("--load", "custom_op_lib")
-    assert loaded.returncode == 0, loaded.stderr
-    assert loaded.stdout == text
-    missing = run("--load", "no_such_module_here")
+    loaded = run(bare, "--load", "custom_op_lib")
+    assert loaded.returncode == 0 and loaded.stdout == bare, loaded.stderr
+    missing = run(bare, "--load", "no_such_module_here")
     assert missing.returncode == 2 and "--load no_such_module_here: No module named" in missing.stderr
+    gone = run(text.replace('"custom_op_lib"', '"no_such_module_here"'))
+    assert gone.returncode == 1
+    assert gone.stderr.startswith(f"{tmp_path / 'gated.dcir'}:1:1: error: the custom ops of @GatedMLP are registered "
+                                  "by the Python modules its attribute 'libraries' names, and importing "
+                                  "'no_such_module_here' failed: ModuleNotFoundError: No module named "
+                                  "'no_such_module_here'; put the module on the path (PYTHONPATH), or drop the "
+                                  "attribute and import the library with --load"), gone.stderr
 
 
 def test_backend_trains_like_eager():

@@ -4,6 +4,7 @@ attributes, type and (for a buffer) value."""
 from __future__ import annotations
 
 from dcir.aten import is_complex_text
+from dcir.custom_ops import LIBRARIES, is_module_name
 from dcir.ir import UNIT, HostType, ShardType, TensorType
 from dcir.verifier.checker import Checker
 
@@ -13,9 +14,13 @@ class Declarations(Checker):
         for key, value in self.m.attrs.items():
             if "." in key:
                 continue
-            if key != "world_size":
-                self.report.error(f"unknown module attribute '{key}'; modules take: world_size (and dotted names)",
-                                  self.report.loc(self.m), 6)
+            if key == LIBRARIES:
+                if not (isinstance(value, tuple) and value and all(map(is_module_name, value))):
+                    self.report.error(f"module attribute {LIBRARIES} must be a list of Python module names, e.g. "
+                                      '["transformers.integrations.moe"]', self.report.loc(self.m), 6)
+            elif key != "world_size":
+                self.report.error(f"unknown module attribute '{key}'; modules take: world_size, {LIBRARIES} (and "
+                                  "dotted names)", self.report.loc(self.m), 6)
             elif not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 self.report.error("module attribute world_size must be a positive integer", self.report.loc(self.m), 6)
         for decl in self.m.decls.values():
