@@ -12,9 +12,10 @@ collective, a copy) reads its operands until the wait that joins it, so a storag
 read by one goes after that wait. The free names the value that holds the storage when
 it goes: the base of its views, or the wait's result for a collective's buffer.
 
-The sharding passes place the frees of what they create through the same placer
-(``FreePlacer``): ``zero3`` frees each gathered parameter and each reduced full gradient,
-``mixed_precision`` each cast copy it gathers or reduces from.
+The sharding passes place the frees of what they create by the same rule: ``zero3``
+frees each gathered parameter and each reduced full gradient and ``mixed_precision``
+each cast copy it gathers or reduces from, through a ``FreePlacer``; ``unshard`` builds
+``@unshard`` without frees and has ``place_frees`` release each gathered replica.
 
 Before -> after::
 

@@ -62,6 +62,7 @@ from dcir.cost import Machine, note_source, op_seconds
 from dcir.ir import Decl, Function, Module, Op, PendingType, SymbolRef, Value
 from dcir.memory import UNSHARD_OF, Bytes, storage_bases, timelines
 from dcir.passes import Pass
+from dcir.passes.free import place_frees
 from dcir.rewrite import Rewriter
 
 
@@ -183,7 +184,8 @@ def _resident(module: Module, name: str, gathers: list[_Gather]) -> str:
 
 def _unshard_function(module: Module, copies: list[tuple[str, str]]) -> None:
     """``@unshard``: gathers each kept parameter into its copy; the Engine runs it
-    before the first micro-step of every optimizer step."""
+    before the first micro-step of every optimizer step. Each gathered buffer is freed
+    once stored, by the free placement (``dcir.passes.free``)."""
     func = Function(roles.UNSHARD, role=roles.UNSHARD)
     rewriter = Rewriter(func)
     for name, copy in copies:
@@ -195,8 +197,8 @@ def _unshard_function(module: Module, copies: list[tuple[str, str]]) -> None:
         start = Op("comm.all_gather", [shard], [pending])
         rewriter.append([start])
         full = Value(func.fresh_name(base), decl.full_type)
-        rewriter.append([Op(registry.wait_for(start), [pending], [full]), Op("param.set", [full], [], symbol=copy),
-                         Op("mem.free", [full])])
+        rewriter.append([Op(registry.wait_for(start), [pending], [full]), Op("param.set", [full], [], symbol=copy)])
+    place_frees(func, Counter())
     module.functions[roles.UNSHARD] = func
 
 
