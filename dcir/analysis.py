@@ -32,7 +32,8 @@ def read_end(op: Op) -> Op:
     other op, itself."""
     if not registry.has_trait(op, registry.ASYNC):
         return op
-    return next((u for r in op.results for u in r.users() if registry.has_trait(u, registry.WAITS)), op)
+    waits = (u for r in op.results for u in r.users() if registry.has_trait(u, registry.WAITS))
+    return next(waits, op)
 
 
 def dependency_graph(func: Function) -> nx.DiGraph:

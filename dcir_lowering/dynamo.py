@@ -34,7 +34,8 @@ from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Function, Module, Value
 from dcir.verifier import verify
 from dcir_lowering.backend import lower_function
-from dcir_lowering.frontend import GraphLowering, _type, _where, benign_breaks, fold_clones, record_libraries  # noqa: F401  (re-exported)
+from dcir_lowering.frontend import (GraphLowering, _type, _where, benign_breaks,  # noqa: F401  (re-exported)
+                                    fold_clones, record_libraries)
 from dcir_lowering.program import constants, device_of
 
 

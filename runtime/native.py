@@ -151,7 +151,7 @@ def load(verbose: bool = False, *, variant: str | None = None, werror: bool = Fa
     if chosen == "cuda":
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
         os.environ["CUDA_HOME"] = _cuda_home()
-    from torch.utils import cpp_extension  # after CUDA_HOME is set: the builder reads it on first import
+    from torch.utils import cpp_extension  # lazily, after CUDA_HOME is set (below)
     if chosen == "cuda":  # the builder reads its toolkit from this global, set when it was first imported
         cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"]
     build = cache_dir() / (chosen + ("-werror" if werror else ""))

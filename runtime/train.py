@@ -24,8 +24,8 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import signal
+import sys
 import time
 from pydoc_data.topics import topics
 
