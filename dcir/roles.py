@@ -23,7 +23,8 @@ field              meaning
 The kinds (``dcir/signature.py``): ``input`` (a model input), ``output`` (a model
 output), ``saved`` (a value ``forward`` keeps for the backward), ``grad`` (the gradient
 of one of ``forward``'s outputs), ``state`` (optimizer state carried between a backward,
-``step`` and the next ``forward``: ``offload``).
+``step`` and the next ``forward``: ``offload``), ``input_grad`` (the gradient of one of
+``forward``'s inputs: a graph-break region's).
 """
 
 from __future__ import annotations
@@ -60,10 +61,11 @@ ROLES: dict[str, Role] = {r.name: r for r in [
     # gathers the parameters kept whole across micro-steps (unshard, zero2), before the first
     Role(UNSHARD, runs="step", order=0),
     Role(FORWARD, runs="micro_step", order=1, args=("input", "state"), results=("output", "saved")),
-    Role(BACKWARD, runs="micro_step", order=2, args=("saved", "grad"), results=("state",), gradients=True),
+    Role(BACKWARD, runs="micro_step", order=2, args=("saved", "grad"), results=("input_grad", "state"),
+         gradients=True),
     # the last micro-step's backward (zero1 reduces there once; offload reloads there)
-    Role(BACKWARD_LAST, runs="micro_step", order=2, args=("saved", "grad"), results=("state",), last_only=True,
-         replaces=BACKWARD, gradients=True),
+    Role(BACKWARD_LAST, runs="micro_step", order=2, args=("saved", "grad"), results=("input_grad", "state"),
+         last_only=True, replaces=BACKWARD, gradients=True),
     # the optimizer's update at the accumulation boundary (offload)
     Role(STEP, runs="step", order=3, args=("state",), results=("state",)),
     # a forward without a backward (engine.eval() under torch.no_grad()): saves nothing

@@ -17,6 +17,9 @@ kind             meaning
 ``{state}``      optimizer state carried between functions (``offload``): the last
                  backward's state results are ``step``'s arguments, ``step``'s results
                  the next ``forward``'s state arguments
+``{input_grad    a backward's result: the gradient of ``forward``'s K-th ``{input}``
+= K}``           argument (a graph-break region's input computed by the region before
+                 it, which needs one)
 ===============  ======================================================================
 
 The verifier checks these declarations (``dcir/verifier/signatures.py``); passes, the
@@ -27,8 +30,8 @@ from __future__ import annotations
 
 from dcir.ir import UNIT, Function, Value
 
-INPUT, OUTPUT, SAVED, GRAD, STATE = "input", "output", "saved", "grad", "state"
-KINDS = (INPUT, OUTPUT, SAVED, GRAD, STATE)
+INPUT, OUTPUT, SAVED, GRAD, STATE, INPUT_GRAD = "input", "output", "saved", "grad", "state", "input_grad"
+KINDS = (INPUT, OUTPUT, SAVED, GRAD, STATE, INPUT_GRAD)
 
 
 def kind(attrs: dict) -> str | None:
@@ -65,6 +68,11 @@ def input_names(func: Function) -> list[str]:
 def grads(func: Function) -> list[tuple[Value, int]]:
     """``func``'s ``grad`` arguments with the output each is the gradient of."""
     return [(a, d[GRAD]) for a, d in zip(func.args, func.arg_attrs) if GRAD in d]
+
+
+def input_grads(func: Function) -> list[tuple[Value, int]]:
+    """``func``'s ``input_grad`` results with the ``forward`` input each is the gradient of."""
+    return [(v, d[INPUT_GRAD]) for v, d in zip(func.returns, func.result_attrs) if INPUT_GRAD in d]
 
 
 def saved_pairs(forward: Function, backward: Function) -> list[tuple[Value, Value]]:

@@ -243,10 +243,14 @@ def _trace(step, captured: "_Captured", args: tuple, kwargs: dict, model: torch.
                 return compiled()(*args, **kwargs)
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:  # UserError: data-dependent shapes
         where = _where(str(e))  # the notes list every break, not just the first: the step runs again for them
-        raise DcirError(Diagnostic(f"cannot capture the model as one graph: {_why(e)}{where}",
-                                   notes=notes(listing() if listing else step, args, kwargs))) from None
+        raise NotOneGraph(Diagnostic(f"cannot capture the model as one graph: {_why(e)}{where}",
+                                     notes=notes(listing() if listing else step, args, kwargs))) from None
     finally:
         torch._dynamo.reset()
+
+
+class NotOneGraph(DcirError):
+    """The step does not trace as one graph: it has graph breaks (listed in the notes)."""
 
 
 _UNSUPPORTED_OP = re.compile(r"unsupported operator: ([\w.]+)")
@@ -702,11 +706,17 @@ class _Lowering(GraphLowering):
             raise RuntimeError("internal: AOTAutograd's backward takes fewer tangents than there are differentiable outputs")
         self.lower_ops(gm, f, env, backward=True)
         grads = [n for n in g.nodes if n.op == "output"][0].args[0]
+        returns = []
         for i, grad in enumerate(grads):
             fqn = self.state.get(i)
+            if grad is not None and i in self.user_inputs:  # a region's input computed before it
+                returns.append(env[grad])
+                f.result_attrs.append(signature.mark(signature.INPUT_GRAD, self.user_inputs.index(i)))
             if grad is None or fqn is None or "trainable" not in self.m.decls[fqn].attrs:
                 continue
             f.ops.append(Op("grad.set", [env[grad]], symbol=fqn, parens=True))
+        f.returns = returns
+        f.result_types = [v.type for v in returns]
         return f
 
 

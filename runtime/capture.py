@@ -21,11 +21,16 @@ from dcir.passes.offload import Offload
 from dcir.passes.zero1 import Zero1
 from dcir.passes.zero2 import Zero2
 from dcir.passes.zero3 import Zero3
-from dcir_lowering.frontend import capture as frontend_capture
+from dcir_lowering.frontend import NotOneGraph, capture as frontend_capture
 from dcir_lowering.outputs import Outputs
 from dcir_runtime import precision
 from dcir_runtime.config import Config
 from dcir_runtime.group import ProcessGroup
+
+
+#: What rank 0 hands the other ranks for a step with graph breaks: run it as regions
+#: (``dcir_runtime.regions``)
+REGIONS = "regions"
 
 
 @dataclass(frozen=True)
@@ -73,21 +78,25 @@ def compile_step(model: torch.nn.Module, args: tuple, kwargs: dict, *, loss_fn: 
     """The step of ``model`` on ``args``/``kwargs`` through the passes, on this rank:
     its text and the structure of the model's output."""
     policy = precision.policy_of(config)
-    module, outputs = frontend_capture(model, args, kwargs=kwargs, loss_fn=loss_fn, training=training,
-                                       **precision.capture_options(policy))
+    try:
+        module, outputs = frontend_capture(model, args, kwargs=kwargs, loss_fn=loss_fn, training=training,
+                                           **precision.capture_options(policy))
+    except NotOneGraph:
+        return REGIONS, None
     dcir.run_passes(module, pipeline(config, world, training, state_keys, passes))
     return dcir.print(module), outputs
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, group: ProcessGroup, key: str,
-            local: bool = False, **options) -> Captured:
+            local: bool = False, **options) -> Captured | None:
     """The step of ``model`` on ``args``/``kwargs`` (``compile_step``'s ``options``),
     compiled on rank 0 and handed to every rank under the rendezvous ``key``; or, with
-    ``local``, compiled on this rank alone (a shape only this rank runs)."""
+    ``local``, compiled on this rank alone (a shape only this rank runs). None: the step
+    has graph breaks, and runs as regions."""
     name = source_name(model, group.world)
     if local:
         text, outputs = compile_step(model, args, kwargs, world=group.world, **options)
-        return Captured(text, dcir.parse(text, name), outputs)
+        return None if text == REGIONS else Captured(text, dcir.parse(text, name), outputs)
     made: list = []
 
     def make() -> str:
@@ -95,5 +104,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, group: Process
         return made[0]
 
     text = group.from_rank0(key, make)
+    if text == REGIONS:
+        return None
     packed = group.from_rank0(f"{key}/outputs", lambda: made[1].pack())
     return Captured(text, dcir.parse(text, name), made[1] if made else Outputs.unpack(packed))

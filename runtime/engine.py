@@ -327,10 +327,12 @@ class Engine:
         return out
 
     def ir(self) -> dcir.Module:
-        """The DCIR module this engine runs (after the first call has captured it)."""
-        if self.module is None:
+        """The DCIR module this engine runs (after the first call has captured it); for a
+        step with graph breaks, its first region's (``engine.programs.modules()``: all)."""
+        modules = [self.module] if self.module is not None else self.programs.modules()
+        if not modules:
             raise RuntimeError("engine.ir() exists after the first call: capture needs the step's inputs")
-        return self.module
+        return modules[0]
 
     def memory(self) -> MemoryStats:
         """Bytes this rank holds, as the runtime accounts them, and its counters, by name

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_leaves
 
 import dcir
 from dcir.diagnostics import DcirError, Diagnostic
@@ -83,6 +84,7 @@ class Execution:
         self._step_args: tuple = ()
         self._forward_args: tuple = ()
         self._gather_next = False  # after a checkpoint load: gather replicas at the next call
+        self.replicas = 0  # the shards' generation: one more after each optimizer step and checkpoint load
         self._anchor = torch.zeros((), requires_grad=True)
         self.precision = Precision(config)  # the policy, and fp16's loss scaling
         self.tracer = None  # dcir_runtime.trace.Tracer of the next step, when one is asked for
@@ -103,6 +105,7 @@ class Execution:
         self._pending, self._backward_done = None, False
         self.precision.losses.clear()  # the losses of a step that did not happen
         self._gather_next = True
+        self.replicas += 1
 
     def boundary_next(self) -> bool:
         """Whether the next ``step()`` ends an optimizer step (the accumulation boundary)."""
@@ -123,8 +126,9 @@ class Execution:
 
     # ---- forward ---------------------------------------------------------------------------------
 
-    def forward(self, installed: Installed, args: tuple, kwargs: dict):
-        """The model's outputs, as the model returns them; their backward is the program's."""
+    def forward(self, installed, args: tuple, kwargs: dict):
+        """The model's outputs, as the model returns them; their backward is the program's
+        (or, for a step with graph breaks, its regions': ``dcir_runtime.regions``)."""
         if self._pending is not None:
             raise DcirError(Diagnostic(
                 "engine(...) was called again before engine.backward(loss) of the previous forward: run each "
@@ -133,6 +137,11 @@ class Execution:
             raise DcirError(Diagnostic(
                 "engine(...) was called after engine.backward(loss) without engine.step(): end each micro-step "
                 "with engine.step()"))
+        if not isinstance(installed, Installed):  # graph-break regions
+            out = installed(args, kwargs)
+            self._pending = next((t.grad_fn for t in tree_leaves(out)
+                                  if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+            return out
         inputs = installed.program.inputs(FORWARD, args, kwargs)
         outputs = _Step.apply(self, installed, self._anchor, *inputs)
         self._pending = next((o.grad_fn for o in outputs if o.grad_fn is not None), None)
@@ -151,8 +160,10 @@ class Execution:
         return installed.program.split(FORWARD, out)
 
     @torch.no_grad()
-    def evaluate(self, installed: Installed, args: tuple, kwargs: dict):
+    def evaluate(self, installed, args: tuple, kwargs: dict):
         """``@eval``: the outputs of a forward that saves nothing (``torch.no_grad()``)."""
+        if not isinstance(installed, Installed):  # graph-break regions
+            return installed(args, kwargs)
         inputs = installed.program.inputs(EVAL, args, kwargs)
         out = self._run(EVAL, installed.program.runs[EVAL], installed.program.state, {}, *inputs)
         return installed.outputs.rebuild(installed.program.split(EVAL, out)[0])
@@ -194,7 +205,7 @@ class Execution:
                                        "(call backward once per engine(...) call)"))
         program, saved = ctx.installed.program, ctx.saved
         ctx.saved = None
-        self._pending, self._backward_done = None, True
+        self.backward_started()
         scale = self.precision.loss_scale()
         given = {k: (g * scale if scale != 1 else g) for k, g in enumerate(grads) if g is not None}
         last = self.boundary_next()
@@ -208,10 +219,18 @@ class Execution:
             out = self._run(name, fn, program.state, out_grads, box)
             if last:  # what the last backward hands to @step: optimizer state reloaded early
                 self._step_args = tuple(out or ())
-            self.precision.unscale(out_grads)
-            for fqn, g in out_grads.items():
-                shard = self.shards[fqn]
-                shard.grad = g.detach() if shard.grad is None else shard.grad.add_(g)
+            self.add_grads(out_grads)
+
+    def backward_started(self) -> None:
+        """The last forward's backward runs: the next call starts no new forward before ``step()``."""
+        self._pending, self._backward_done = None, True
+
+    def add_grads(self, grads: dict) -> None:
+        """A backward's gradient shards (by FQN), unscaled, added to the shards' ``.grad``."""
+        self.precision.unscale(grads)
+        for fqn, g in grads.items():
+            shard = self.shards[fqn]
+            shard.grad = g.detach() if shard.grad is None else shard.grad.add_(g)
 
     # ---- step ------------------------------------------------------------------------------------
 
@@ -237,7 +256,7 @@ class Execution:
             return False  # an inf or NaN skipped the step (fp16, nonfinite 'skip'); 'error' raised
         if self.config.gradient_clipping is not None:
             self.clip(self.config.gradient_clipping, 2.0)
-        if self.program.step_gm is not None:  # the program's own step: state moves as it says
+        if self.program is not None and self.program.step_gm is not None:  # the program's own step: state moves
             with torch.no_grad():
                 fn = self._timed("step", Installed(self.module, self.program, None))
                 out = self._run("step", fn, self.program.state, {}, *self._step_args)
@@ -250,6 +269,7 @@ class Execution:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.replicas += 1
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.steps += 1

@@ -79,13 +79,34 @@ class ProcessGroup:
         if self.world == 1:
             return value
         agreed = torch.tensor([float(value)], dtype=torch.float64, device=self.collective_device())
+        self._collective(lambda: dist.all_reduce(agreed, op=dist.ReduceOp.MAX), what)
+        return agreed.item()
+
+    def gather_ints(self, value: int, what: str) -> list[int]:
+        """Every rank's ``value`` (an int64), by rank, on every rank; ``what`` names the
+        exchange in the RankFailure of a peer that crashed or stalled."""
+        if self.world == 1:
+            return [value]
+        mine = torch.tensor([value], dtype=torch.int64, device=self.collective_device())
+        seen = [torch.empty_like(mine) for _ in range(self.world)]
+        self._collective(lambda: dist.all_gather(seen, mine), what)
+        return [int(t.item()) for t in seen]
+
+    def gather_texts(self, text: str, what: str) -> list[str]:
+        """Every rank's ``text``, by rank, on every rank (``gather_ints``'s failure)."""
+        if self.world == 1:
+            return [text]
+        seen: list = [None] * self.world
+        self._collective(lambda: dist.all_gather_object(seen, text), what)
+        return seen
+
+    def _collective(self, run: Callable[[], object], what: str) -> None:
         try:
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            run()
         except RuntimeError as e:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise RankFailure(f"rank {self.rank} of {self.world}: agreeing on {what} failed: {reason} (a rank that "
                               "crashed or stalled leaves the others waiting here)") from None
-        return agreed.item()
 
     @torch.no_grad()
     def from_rank0(self, key: str, make: Callable[[], str], what: str = "compile the step") -> str:

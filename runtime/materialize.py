@@ -83,6 +83,15 @@ def to_meta(t: torch.Tensor) -> None:
     _swap_in(t, torch.empty(t.shape, dtype=t.dtype, device="meta"))
 
 
+def hollow(t: torch.Tensor, device: torch.device) -> None:
+    """``t`` in place as a tensor of its shape and dtype on ``device`` with no storage:
+    what Dynamo guards on (shape, stride, device, dtype) without a byte of the values,
+    which the engine holds as shards (graph-break regions, ``dcir_runtime.regions``)."""
+    empty = torch.empty(t.shape, dtype=t.dtype, device=device)
+    empty.untyped_storage().resize_(0)
+    _swap_in(t, empty)
+
+
 def _unset(dtype: torch.dtype):
     """What a materialized tensor holds until an init writes it: NaN, or for integers
     their smallest value (no init writes that); None for booleans."""

@@ -29,6 +29,7 @@ from dcir_lowering.program import call_inputs
 from dcir_runtime import transport
 from dcir_runtime.capture import capture
 from dcir_runtime.execution import Installed
+from dcir_runtime.regions import RegionStep
 
 
 class Mode(NamedTuple):
@@ -81,13 +82,20 @@ class Programs:
     def __init__(self):
         self._by_key: dict[ProgramKey, object] = {}
         self._base: dict[Mode, ProgramKey] = {}  # mode -> the key of its first program
+        self.regions = None  # the step as graph-break regions (dcir_runtime.regions), when it has breaks
 
     def __len__(self) -> int:
         return len(self._by_key)
 
+    def installed(self) -> list:
+        """Each program kept (each region's, for a step with graph breaks)."""
+        if self.regions is not None:
+            return [r.installed for r in self.regions.regions]
+        return list(self._by_key.values())
+
     def modules(self) -> list:
         """The module of each program kept."""
-        return [installed.module for installed in self._by_key.values()]
+        return [installed.module for installed in self.installed()]
 
     def get(self, k: ProgramKey):
         return self._by_key.get(k)
@@ -111,7 +119,7 @@ class Programs:
         """Zero every kept program's gradient accumulators (``zero1``'s ``grad_acc``
         buffers): after a checkpoint load the optimizer step goes on from the loaded
         gradients, not from the sums of micro-steps run before the load."""
-        for installed in self._by_key.values():
+        for installed in self.installed():
             for name, d in installed.module.decls.items():
                 if GRAD_ACC_OF in d.attrs:
                     installed.program.state[name].zero_()
@@ -166,12 +174,19 @@ def capture_program(engine, args: tuple, kwargs: dict, k: ProgramKey, training: 
     (every rank calls it then); on this rank alone a shape this rank meets later, checked
     to run the collectives the mode's first program runs."""
     engine.programs.check_room(k, engine.config.max_programs)
+    if engine.programs.regions is not None:  # Dynamo compiles the regions of a new shape or mode
+        engine.programs.add(k, engine.programs.regions)
+        return engine.programs.regions
     mode = k.mode
     base = engine.programs.base(mode)
     captured = capture(engine.model, args, kwargs, loss_fn=engine.loss_fn, config=engine.config,
                        group=engine.process_group, key=f"{engine.store_prefix}program/{mode.training:d}{mode.grad:d}",
                        local=base is not None, training=training, passes=engine.planner.passes,
                        state_keys=engine.optimizer_state_keys)
+    if captured is None:  # graph breaks: the step runs as regions, on every rank
+        engine.programs.regions = RegionStep(engine)
+        engine.programs.add(k, engine.programs.regions)
+        return engine.programs.regions
     installed = Installed(captured.module, engine.lower(captured.module), captured.outputs)
     matches = fits(installed.module, args, kwargs)
     if base is not None:

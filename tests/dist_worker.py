@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import datetime
 import json
 import os
@@ -47,7 +48,7 @@ from dcir_runtime import RankFailure
 from dcir_runtime.accounting import scheduled_bytes
 from dcir_runtime.materialize import flat_shard
 from dcir_runtime.native import runtime_stats
-from models import Breaks, Tied  # a graph break; tied embeddings, a frozen layer
+from models import BreakingNet, Tied  # graph breaks; tied embeddings, a frozen layer
 from models import mlp, tiny_llama  # mlp: 16*8+16 and 4*16+4 split unevenly over 3
 from models import squared as _squared
 
@@ -198,6 +199,13 @@ CASES.update({
     "transformer_prefetch_unshard_bucket_process_group": (TinyTransformer, _transformer_batch, None,
                                                           {"transport": "process_group", "passes": _SCHEDULE}),
 })
+# graph breaks: each region its own sharded program, the Python between them eager
+for _how in ("item", "call", "print"):
+    for _stage in (1, 2, 3):
+        CASES[f"breaks_{_how}_zero{_stage}"] = (functools.partial(BreakingNet, _how), _mlp_batch, _squared,
+                                                {"zero_stage": _stage})
+CASES["breaks_item_zero1_accumulate2"] = (BreakingNet, _mlp_batch, _squared,
+                                          {"zero_stage": 1, "gradient_accumulation_steps": 2})
 CASES.update({
     "transformer_groups_schedule": (TinyTransformer, _transformer_batch, None, {}),
     "transformer_zero1_groups_schedule": (TinyTransformer, _transformer_batch, None, {"zero_stage": 1}),
@@ -408,6 +416,21 @@ def faulty_rank(how: str, timeout_s: float, transport: str) -> None:
         os._exit(17)  # the process group is broken: skip its teardown
 
 
+def diverging_branch() -> None:
+    """Rank 0's activations take the ``.item()`` branch that runs a layer of its own, the
+    others' do not: their collectives differ. Every rank must say so (printed as 'ERROR: ...')
+    within the timeout, and the elapsed seconds."""
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    engine = dcir.initialize(BreakingNet("item", extra=True), config={"timeout_s": 20}, loss_fn=_squared)
+    x = torch.randn(2, 8) * (10.0 if rank == 0 else 0.0)  # rank 0: large activations; the others: the biases'
+    begin = time.perf_counter()
+    attempt(lambda: engine.backward(engine(x)))
+    print(f"rank {rank} answered in {time.perf_counter() - begin:.1f} s", flush=True)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def print_segments() -> None:
     """``SEGMENTS:`` and the runtime's shared-memory outboxes this process maps, by the
     names they were created with (``/proc/self/maps``)."""
@@ -431,9 +454,20 @@ def attempt(fn) -> None:
         print("NO ERROR", flush=True)
 
 
+class _Detached(torch.nn.Module):
+    """A model whose output needs no gradient: rank 0 cannot capture a training step."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x).detach().mean()
+
+
 def user_errors() -> None:
     """Each mistake is a DcirError with its message on every rank; printed as 'ERROR: ...'."""
-    engine = dcir.initialize(Breaks(), config={"timeout_s": 30})
+    engine = dcir.initialize(_Detached(), config={"timeout_s": 30})
     attempt(lambda: engine(torch.randn(2, 4)))  # rank 0 cannot capture; everyone hears of it
     engine = dcir.initialize(mlp(), config={"timeout_s": 30, "max_programs": 1}, loss_fn=_squared)
     engine.backward(engine(torch.randn(2, 8)))
@@ -611,6 +645,8 @@ if __name__ == "__main__":
         faulty_rank(sys.argv[2], float(sys.argv[3]), sys.argv[4])
     elif sys.argv[1] == "errors":
         user_errors()
+    elif sys.argv[1] == "diverging-branch":
+        diverging_branch()
     elif sys.argv[1] == "initialize-fails":
         initialize_fails()
     elif sys.argv[1] == "ops":

@@ -75,6 +75,39 @@ class Breaks(torch.nn.Module):
         return y.mean()
 
 
+@torch._dynamo.disable
+def _eager_only(h):
+    """A call Dynamo does not trace (as a C extension or an unsupported library would be):
+    the graph breaks around it, and it runs eagerly, under autograd."""
+    return h * torch.sigmoid(h)
+
+
+class BreakingNet(torch.nn.Module):
+    """Three layers with a graph break between each (``how``): ``item`` branches on a
+    value read with ``.item()`` (data-dependent: each rank may go its own way, with the
+    same collectives); ``call`` calls a function Dynamo cannot trace; ``print`` prints a
+    tensor's value. ``extra``: the ``item`` branch uses a layer of its own, so ranks that
+    branch differently run different collectives."""
+
+    def __init__(self, how: str = "item", extra: bool = False):
+        super().__init__()
+        self.how = how
+        self.fc1, self.fc2, self.head = torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+        self.extra = torch.nn.Linear(16, 16) if extra else None
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        if self.how == "item":
+            if h.mean().item() > 0.25:
+                h = self.extra(h) if self.extra is not None else h * 2
+        elif self.how == "call":
+            h = _eager_only(h)
+        else:
+            print("dcir-test: largest activation", h.abs().max())
+        h = torch.tanh(self.fc2(h))
+        return self.head(h)
+
+
 def checkpointed_llama(reentrant: bool):
     """``tiny_llama`` with attention dropout, and the first switch of every fine-tuning
     recipe: ``gradient_checkpointing_enable()`` (each decoder layer recomputed)."""

@@ -3,6 +3,7 @@ function declares it, and its arguments and results each declare one kind the ro
 takes, in the role's order (``dcir/signature.py``). Between functions, the hand-offs
 agree: each backward's ``{saved}`` arguments are ``forward``'s ``{saved}`` results in
 number and type; each ``{grad = K}`` is the gradient of ``forward``'s output K, of its
+type, once; each ``{input_grad = K}`` the gradient of ``forward``'s input K, of its
 type, once; ``{state}`` travels from the last backward to ``step`` and from ``step`` to
 ``forward`` in number and type."""
 
@@ -53,6 +54,7 @@ class Signatures(Checker):
                 continue
             self._same(f, "saved", signature.results(fw, signature.SAVED), signature.args(f, signature.SAVED), fw)
             self._grads(f, fw)
+            self._input_grads(f, fw)
         step = self.m.role(roles.STEP)
         last = roles.last_micro_step(self.m.functions.values(), roles.BACKWARD)
         if step is not None and last is not None:
@@ -84,4 +86,19 @@ class Signatures(Checker):
             elif a.type != outputs[k].type:
                 self.report.error(f"%{a.name} of @{f.name} is the gradient of output {k}, of type {outputs[k].type}, "
                                   f"but has type {a.type}", self.report.loc(f), 4)
+            seen.add(k)
+
+    def _input_grads(self, f, fw) -> None:
+        inputs = signature.args(fw, signature.INPUT)
+        seen = set()
+        for v, k in signature.input_grads(f):
+            if k is UNIT or not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < len(inputs):
+                self.report.error(f"%{v.name} returned by @{f.name} is the gradient of input {k}; @{fw.name} has "
+                                  f"{len(inputs)} inputs (write {{input_grad = K}}, K from 0)", self.report.loc(f), 4)
+            elif k in seen:
+                self.report.error(f"%{v.name} returned by @{f.name} is a second gradient of input {k}",
+                                  self.report.loc(f), 4)
+            elif v.type != inputs[k].type:
+                self.report.error(f"%{v.name} returned by @{f.name} is the gradient of input {k}, of type "
+                                  f"{inputs[k].type}, but has type {v.type}", self.report.loc(f), 4)
             seen.add(k)

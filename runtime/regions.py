@@ -1,0 +1,228 @@
+"""Graph-break regions through the Engine: a step Dynamo splits into several graphs,
+each run as a sharded DCIR program of its own, the Python between them eagerly.
+
+When the step does not trace as one graph (``capture`` says so on every rank), the
+Engine runs the model under ``torch.compile`` with a backend of its own
+(``RegionStep``). Dynamo hands the backend each graph when the step first reaches it,
+on this rank, with real inputs: the Python before it has run on real values (a
+``.item()`` read a real tensor). The backend captures the graph as a module
+(``dcir_lowering.regions.capture_region``), runs the configured pipeline on it (the
+ZeRO stage's pass, the mixed-precision casts, the configured passes) and lowers it over
+the engine's shards; each call runs it inside an ``autograd.Function`` (``_RegionCall``)
+whose backward runs the region's backward: it reduce-scatters the region's parameter
+gradients into the shards and hands autograd the gradients of the region's inputs.
+
+Dynamo guards on the parameters' shapes, devices and dtypes. The model's parameters are
+*hollow* for it (``materialize.hollow``): their shapes on the engine's device, with no
+storage, always. Guards hold from call to call, nothing recompiles, and no rank holds a
+full parameter outside a region's gathers.
+
+The ranks agree on every region before it runs: each sends a fingerprint of the
+region's collectives (``programs.collectives``), and one more at the end of the forward.
+A data-dependent branch that sends ranks into regions with other collectives, or into
+more or fewer regions, is an error on every rank that names the regions, never a hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+import dcir
+from dcir.diagnostics import DcirError, Diagnostic
+from dcir.roles import BACKWARD, EVAL, FORWARD
+from dcir import signature
+from dcir_lowering.breaks import benign_breaks
+from dcir_lowering.frontend import _where
+from dcir_lowering.regions import capture_region
+from dcir_runtime import capture, materialize, programs
+from dcir_runtime.execution import Installed
+
+#: Dynamo's compiles of one piece of code at least (its default: 8)
+RECOMPILE_LIMIT = 64
+
+#: What a rank sends when its forward has run every region it runs (a region's fingerprint is never it)
+_END = 0
+
+
+@dataclass
+class Region:
+    """One captured graph: its lowered program, which of Dynamo's inputs it takes, and
+    what the ranks compare."""
+
+    name: str
+    where: str  # the model's lines it covers: "model.py:12-14"
+    installed: Installed
+    inputs: list[int]  # positions of its {input} arguments among Dynamo's inputs
+    fingerprint: int
+    unsharded: object = None  # the optimizer step its @unshard last ran for
+    grad_inputs: dict[int, int] = field(default_factory=dict)  # {input_grad = K} result -> input K
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.where})" if self.where else self.name
+
+
+class RegionStep:
+    """The Engine's step as graph-break regions (see the module docstring)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.regions: list[Region] = []
+        self.ran: list[Region] = []  # the regions this forward ran, in order
+        config = engine.config
+        if config.offload is not None:
+            raise DcirError(Diagnostic("the step has graph breaks, and 'offload' runs on a whole-step program: "
+                                       "remove the breaks (dcir.graph_breaks lists them) or drop 'offload'"))
+        if engine.execution.precision.loss_scaler is not None:
+            raise DcirError(Diagnostic("the step has graph breaks, and fp16's loss scaling needs a whole-step "
+                                       "program: remove the breaks (dcir.graph_breaks lists them), or train in bf16"))
+        for p in engine.model.parameters():
+            materialize.hollow(p, engine.device)
+        self._compiled = torch.compile(self._step, backend=self._backend, dynamic=False)
+
+    def _step(self, *args, **kwargs):
+        out = self.engine.model(*args, **kwargs)
+        return self.engine.loss_fn(out) if self.engine.loss_fn is not None else out
+
+    # ---- capture ---------------------------------------------------------------------------------
+
+    def _backend(self, gm: fx.GraphModule, example_inputs):
+        engine = self.engine
+        training = torch.is_grad_enabled()
+        name = f"region{len(self.regions)}"
+        module, inputs = capture_region(gm, list(example_inputs), engine.model, name, training)
+        module.name = f"{type(engine.model).__name__}_{name}"
+        config = engine.config
+        if config.zero_stage == 1:  # reduced at every micro-step: a region that a branch skips in the last
+            config = dataclasses.replace(config, gradient_accumulation_steps=1)  # would never reduce its sum
+        dcir.run_passes(module, capture.pipeline(config, engine.world, training and module.role(FORWARD) is not None,
+                                                 engine.optimizer_state_keys, engine.planner.passes))
+        installed = Installed(module, engine.lower(module), None)
+        digest = hashlib.sha256(repr(programs.collectives(module)).encode()).digest()
+        region = Region(name, _lines(gm), installed, inputs, int.from_bytes(digest[:7], "little") + 1)
+        region.grad_inputs = {i: k for i, (_, k) in enumerate(signature.input_grads(module.role(BACKWARD)))} \
+            if module.role(BACKWARD) is not None else {}
+        self.regions.append(region)
+        return lambda *values: self._run(region, values)
+
+    # ---- running -----------------------------------------------------------------------------------
+
+    def __call__(self, args: tuple, kwargs: dict):
+        """The model's outputs for this call; every rank agrees on the regions it ran."""
+        self.ran = []
+        self.engine.model.train(self.engine.training)
+        # every region of every shape and mode the engine keeps compiles (models share their code
+        # objects, and so Dynamo's limit, across engines); past that an error, never the model eagerly
+        limit = max(RECOMPILE_LIMIT, 4 * self.engine.config.max_programs)
+        try:
+            with benign_breaks(), torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
+                out = self._compiled(*args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            raise DcirError(Diagnostic(
+                f"the step's graph-break regions were compiled {limit} times for one piece of the model's code "
+                "(a new input shape or mode each time, or a branch's every value); pad or bucket the inputs to "
+                "fewer shapes")) from None
+        self._agree(_END, "the end of its forward")
+        return out
+
+    def _run(self, region: Region, values: tuple):
+        self._agree(region.fingerprint, region.describe())
+        self.ran.append(region)
+        inputs = [values[i] for i in region.inputs]
+        program = region.installed.program
+        execution = self.engine.execution
+        if program.function(FORWARD) is None:  # no output needs a gradient (or under no_grad)
+            with torch.no_grad():
+                out = execution._run(EVAL, program.runs[EVAL], program.state, {}, *inputs)
+            return tuple(program.split(EVAL, out)[0])
+        return _RegionCall.apply(self, region, execution._anchor, *inputs)
+
+    def _agree(self, fingerprint: int, what: str) -> None:
+        """Every rank is about to run the same region (or all have finished the forward)."""
+        group = self.engine.process_group
+        seen = group.gather_ints(fingerprint, f"the graph-break region to run next ({what})")
+        if len(set(seen)) == 1:
+            return
+        doing = group.gather_texts(f"runs {what}" if fingerprint != _END else "has finished its forward",
+                                   "what each rank runs")
+        said = "; ".join(f"rank {k} {d}" for k, d in enumerate(doing))
+        raise DcirError(Diagnostic(
+            f"the ranks' steps diverged at a graph break: {said}. A branch on a tensor's value went different "
+            "ways on different ranks, and the regions after it run different collectives; keep what the step "
+            "branches on the same on every rank (compute it from values every rank shares, or all_reduce it "
+            "first)"))
+
+    def forward(self, region: Region, inputs: tuple) -> tuple[list, tuple]:
+        execution = self.engine.execution
+        program = region.installed.program
+        if region.unsharded != execution.replicas:
+            with torch.no_grad():
+                execution._run("unshard", program.unshard)
+            region.unsharded = execution.replicas
+        with torch.no_grad():
+            out = execution._run(FORWARD, program.runs[FORWARD], program.state, {}, *inputs)
+        return program.split(FORWARD, out)
+
+    def backward(self, region: Region, saved: tuple, grads: tuple, n_inputs: int) -> list:
+        execution = self.engine.execution
+        program = region.installed.program
+        execution.backward_started()
+        last = execution.boundary_next()
+        name, _, fn = program.backward_for(last)
+        given = {k: g for k, g in enumerate(grads) if g is not None}
+        out_grads: dict = {}
+        with torch.no_grad():
+            out = execution._run(name, fn, program.state, out_grads, [*saved, *program.tangents(given, last)])
+            execution.add_grads(out_grads)
+        input_grads: list = [None] * n_inputs
+        for i, g in enumerate(out or ()):
+            input_grads[region.grad_inputs[i]] = g
+        return input_grads
+
+
+class _RegionCall(torch.autograd.Function):
+    """A region's ``@forward`` as one autograd node; its backward runs the region's
+    backward and returns the gradients of its inputs. ``anchor`` requires grad, so the
+    node exists when no input does (the first region)."""
+
+    @staticmethod
+    def forward(ctx, step: RegionStep, region: Region, anchor, *inputs):
+        outputs, saved = step.forward(region, inputs)
+        ctx.step, ctx.region, ctx.saved, ctx.n_inputs = step, region, saved, len(inputs)
+        ctx.set_materialize_grads(False)
+        differentiable = region.installed.program.differentiable
+        ctx.mark_non_differentiable(*[o for k, o in enumerate(outputs) if k not in differentiable])
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.saved is None:
+            raise DcirError(Diagnostic("a graph-break region's backward ran twice for one forward: its saved values "
+                                       "are gone (call backward once per engine(...) call)"))
+        saved, ctx.saved = ctx.saved, None
+        return (None, None, None, *ctx.step.backward(ctx.region, saved, grads, ctx.n_inputs))
+
+
+#: Dynamo's name for the code after a graph break at line N of a function
+_RESUMED = re.compile(r"torch_dynamo_resume_in_\w+?_at_(\d+)")
+
+
+def _lines(gm: fx.GraphModule) -> str:
+    """The model's lines a region's ops come from, ``file:first-last`` (the innermost frame
+    outside torch), and the graph break it follows, if any: ``model.py:14-20, after the
+    break at line 12``."""
+    traces = [n.meta.get("stack_trace", "") for n in gm.graph.nodes if n.op == "call_function"]
+    spots = [s[5:-1] for s in map(_where, traces) if s]  # " (at file:line)" -> "file:line"
+    if not spots:
+        return ""
+    file = spots[0].rsplit(":", 1)[0]
+    lines = sorted({int(s.rsplit(":", 1)[1]) for s in spots if s.rsplit(":", 1)[0] == file})
+    where = f"{file.rsplit('/', 1)[-1]}:{lines[0]}" + (f"-{lines[-1]}" if lines[-1] != lines[0] else "")
+    after = sorted({int(m) for t in traces for m in _RESUMED.findall(t)})
+    return where + (f", after the break at line {after[-1]}" if after else "")
+
