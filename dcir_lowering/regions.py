@@ -40,8 +40,8 @@ def capture_region(gm: fx.GraphModule, example_inputs: list, model: torch.nn.Mod
         gm = _cloning_outputs(gm)  # such outputs outside the graph, so the region returns copies
         captured = _trace_region(gm, example_inputs, training)
     if captured.mutated_outputs():
-        raise DcirError(Diagnostic(f"region {name} changes one of its inputs in place; DCIR runs a region as a "
-                                   "function of its inputs: write the result to a new tensor"))
+        raise DcirError(Diagnostic(f"the graph-break {name} changes one of its inputs in place; DCIR runs a region "
+                                   "as a function of its inputs: write the result to a new tensor"))
     fold_clones(captured.forward, len(captured.meta.output_info))
     lowering = _Lowering(model, captured, name)
     return lowering.module(), list(lowering.user_inputs)

@@ -83,11 +83,11 @@ def to_meta(t: torch.Tensor) -> None:
     _swap_in(t, torch.empty(t.shape, dtype=t.dtype, device="meta"))
 
 
-def hollow(t: torch.Tensor, device: torch.device) -> None:
-    """``t`` in place as a tensor of its shape and dtype on ``device`` with no storage:
+def hollow(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
+    """``t`` in place as a tensor of its shape on ``device``, in ``dtype``, with no storage:
     what Dynamo guards on (shape, stride, device, dtype) without a byte of the values,
     which the engine holds as shards (graph-break regions, ``dcir_runtime.regions``)."""
-    empty = torch.empty(t.shape, dtype=t.dtype, device=device)
+    empty = torch.empty(t.shape, dtype=dtype, device=device)
     empty.untyped_storage().resize_(0)
     _swap_in(t, empty)
 

@@ -38,13 +38,10 @@ from dcir.diagnostics import DcirError, Diagnostic
 from dcir.roles import BACKWARD, EVAL, FORWARD
 from dcir import signature
 from dcir_lowering.breaks import benign_breaks
-from dcir_lowering.frontend import _where
+from dcir_lowering.frontend import _cast_floats, _where
 from dcir_lowering.regions import capture_region
-from dcir_runtime import capture, materialize, programs
+from dcir_runtime import capture, materialize, precision, programs
 from dcir_runtime.execution import Installed
-
-#: Dynamo's compiles of one piece of code at least (its default: 8)
-RECOMPILE_LIMIT = 64
 
 #: What a rank sends when its forward has run every region it runs (a region's fingerprint is never it)
 _END = 0
@@ -81,12 +78,20 @@ class RegionStep:
         if engine.execution.precision.loss_scaler is not None:
             raise DcirError(Diagnostic("the step has graph breaks, and fp16's loss scaling needs a whole-step "
                                        "program: remove the breaks (dcir.graph_breaks lists them), or train in bf16"))
+        # the step in the policy's precision, as the whole-step capture traces it (``frontend._stepper``)
+        self._precision = precision.capture_options(precision.policy_of(config))
+        low = self._precision.get("param_dtype")
         for p in engine.model.parameters():
-            materialize.hollow(p, engine.device)
+            materialize.hollow(p, engine.device, low if low is not None and p.is_floating_point() else p.dtype)
         self._compiled = torch.compile(self._step, backend=self._backend, dynamic=False)
 
     def _step(self, *args, **kwargs):
+        low, out_dtype = self._precision.get("param_dtype"), self._precision.get("output_dtype")
+        if low is not None and self._precision["cast_inputs"]:
+            args, kwargs = _cast_floats((args, kwargs), low)
         out = self.engine.model(*args, **kwargs)
+        if out_dtype is not None:
+            out = _cast_floats(out, out_dtype)
         return self.engine.loss_fn(out) if self.engine.loss_fn is not None else out
 
     # ---- capture ---------------------------------------------------------------------------------
@@ -94,8 +99,9 @@ class RegionStep:
     def _backend(self, gm: fx.GraphModule, example_inputs):
         engine = self.engine
         training = torch.is_grad_enabled()
-        name = f"region{len(self.regions)}"
-        module, inputs = capture_region(gm, list(example_inputs), engine.model, name, training)
+        name, where = f"region{len(self.regions)}", _lines(gm)
+        module, inputs = capture_region(gm, list(example_inputs), engine.model,
+                                        f"{name} ({where})" if where else name, training)
         module.name = f"{type(engine.model).__name__}_{name}"
         config = engine.config
         if config.zero_stage == 1:  # reduced at every micro-step: a region that a branch skips in the last
@@ -104,7 +110,7 @@ class RegionStep:
                                                  engine.optimizer_state_keys, engine.planner.passes))
         installed = Installed(module, engine.lower(module), None)
         digest = hashlib.sha256(repr(programs.collectives(module)).encode()).digest()
-        region = Region(name, _lines(gm), installed, inputs, int.from_bytes(digest[:7], "little") + 1)
+        region = Region(name, where, installed, inputs, int.from_bytes(digest[:7], "little") + 1)
         region.grad_inputs = {i: k for i, (_, k) in enumerate(signature.input_grads(module.role(BACKWARD)))} \
             if module.role(BACKWARD) is not None else {}
         self.regions.append(region)
@@ -118,10 +124,14 @@ class RegionStep:
         self.engine.model.train(self.engine.training)
         # every region of every shape and mode the engine keeps compiles (models share their code
         # objects, and so Dynamo's limit, across engines); past that an error, never the model eagerly
-        limit = max(RECOMPILE_LIMIT, 4 * self.engine.config.max_programs)
+        limit = 4 * self.engine.config.max_programs
         try:
             with benign_breaks(), torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
                 out = self._compiled(*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as e:  # a region DCIR cannot capture: its own error
+            if isinstance(e.inner_exception, DcirError):
+                raise e.inner_exception from None
+            raise
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             raise DcirError(Diagnostic(
                 f"the step's graph-break regions were compiled {limit} times for one piece of the model's code "

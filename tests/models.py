@@ -86,7 +86,7 @@ class BreakingNet(torch.nn.Module):
     """Three layers with a graph break between each (``how``): ``item`` branches on a
     value read with ``.item()`` (data-dependent: each rank may go its own way, with the
     same collectives); ``call`` calls a function Dynamo cannot trace; ``print`` prints a
-    tensor's value. ``extra``: the ``item`` branch uses a layer of its own, so ranks that
+    tensor's value; ``inline`` computes what ``call`` does, without a break. ``extra``: the ``item`` branch uses a layer of its own, so ranks that
     branch differently run different collectives."""
 
     def __init__(self, how: str = "item", extra: bool = False):
@@ -102,6 +102,8 @@ class BreakingNet(torch.nn.Module):
                 h = self.extra(h) if self.extra is not None else h * 2
         elif self.how == "call":
             h = _eager_only(h)
+        elif self.how == "inline":  # what "call" computes, traced: no break
+            h = h * torch.sigmoid(h)
         else:
             print("dcir-test: largest activation", h.abs().max())
         h = torch.tanh(self.fc2(h))

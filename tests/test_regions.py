@@ -94,6 +94,7 @@ def test_ranks_that_branch_apart_fail_together(capfd):
     about a second, far within the 20 s timeout."""
     code, out = _run(capfd, 2, "diverging-branch", timeout_s=120)
     assert code == 0, out
+    assert ". A branch on a tensor's value went different ways on different ranks, and the regions after it run different collectives; keep what the step branches on the same on every rank (compute it from values every rank shares, or all_reduce it first)" in out  # noqa: E501
     said = re.findall(r"error: the ranks' steps diverged at a graph break: (rank 0 runs .*?); (rank 1 runs .*?)\. ",
                       out)
     assert len(said) == 2, out
@@ -102,3 +103,64 @@ def test_ranks_that_branch_apart_fail_together(capfd):
         assert rank1.startswith("rank 1 runs region"), rank1
     seconds = [float(s) for s in re.findall(r"rank \d answered in ([\d.]+) s", out)]
     assert len(seconds) == 2 and max(seconds) < 10, out
+
+
+class _InPlace(torch.nn.Module):
+    """The region after a break doubles its input in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.mean().item() > 10:
+            h = h + 1
+        h.mul_(2)
+        return h.sum()
+
+
+class _Moving(torch.nn.Module):
+    """Its forward reads a Python int that changes at every call: Dynamo compiles the code
+    after the break again each time."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.calls = torch.nn.Linear(8, 8), 0
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.mean().item() > 10:
+            h = h + 1
+        self.calls += 1
+        return (h * self.calls).sum()
+
+
+def _error(fn) -> str:
+    with pytest.raises(dcir.DcirError) as e:
+        fn()
+    return e.value.render()
+
+
+def test_what_regions_refuse_is_said():
+    """What a step with breaks cannot do yet is an error that says what to change, not a
+    traceback: offload and fp16 loss scaling need a whole-step program; a region that
+    writes into its input; a region's backward run twice; recompiles past the limit."""
+    x = torch.randn(4, 8)
+    for config, said in [({"offload": {"budget": 64}}, "the step has graph breaks, and 'offload' runs on a whole-step program: remove the breaks (dcir.graph_breaks lists them) or drop 'offload'"),  # noqa: E501
+                         ({"fp16": {"enabled": True}}, "the step has graph breaks, and fp16's loss scaling needs a whole-step program: remove the breaks (dcir.graph_breaks lists them), or train in bf16")]:  # noqa: E501
+        engine = dcir.initialize(BreakingNet(), config=config, loss_fn=squared)
+        assert said in _error(lambda: engine(x))
+    engine = dcir.initialize(_InPlace(), config={})
+    assert " changes one of its inputs in place; DCIR runs a region as a function of its inputs: write the result to a new tensor" in _error(lambda: engine(x))  # noqa: E501
+    engine = dcir.initialize(BreakingNet(), config={}, loss_fn=squared)
+    loss = engine(x)
+    loss.backward(retain_graph=True)
+    assert "a graph-break region's backward ran twice for one forward: its saved values are gone (call backward once per engine(...) call)" in _error(loss.backward)  # noqa: E501
+    engine = dcir.initialize(_Moving(), config={"max_programs": 1})
+
+    def steps():
+        for _ in range(8):
+            engine.backward(engine(x))
+            engine.step()
+    assert "the step's graph-break regions were compiled 4 times for one piece of the model's code (a new input shape or mode each time, or a branch's every value); pad or bucket the inputs to fewer shapes" in _error(steps)  # noqa: E501

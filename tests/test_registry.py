@@ -58,7 +58,7 @@ _SOURCES = [*(str(p.relative_to(ROOT)) for p in sorted((ROOT / "dcir" / "verifie
             "dcir_lowering/frontend.py", "dcir_lowering/backend.py", "dcir_lowering/dynamo.py", "runtime/config.py",
             "runtime/engine.py", "runtime/group.py", "runtime/shards.py", "runtime/plan.py", "runtime/execution.py",
             "runtime/precision.py", "runtime/pretrained.py", "runtime/materialize.py", "runtime/checkpoint.py",
-            "runtime/programs.py", "runtime/lightning.py"]
+            "runtime/programs.py", "runtime/lightning.py", "dcir_lowering/regions.py", "runtime/regions.py"]
 
 
 def _message_fragments() -> list[tuple[str, int, str]]:
