@@ -164,3 +164,25 @@ def test_what_regions_refuse_is_said():
             engine.backward(engine(x))
             engine.step()
     assert "the step's graph-break regions were compiled 4 times for one piece of the model's code (a new input shape or mode each time, or a branch's every value); pad or bucket the inputs to fewer shapes" in _error(steps)  # noqa: E501
+
+
+def test_bf16_regions_run_the_whole_step_casts():
+    """In bf16 the regions trace the step as the whole-step capture does (parameters and
+    inputs in bf16, the optimizer's fp32 shards): a call Dynamo cannot trace trains exactly
+    as the same computation traced in one graph does."""
+    runs = {}
+    for how in ("call", "inline"):
+        torch.manual_seed(0)
+        engine = dcir.initialize(BreakingNet(how), optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                                 config={"bf16": {"enabled": True}}, loss_fn=squared)
+        losses = []
+        for step in range(3):
+            loss = engine(torch.randn(4, 8, generator=torch.Generator().manual_seed(step)))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        runs[how] = (losses, engine.full_parameters(), len(engine.programs.modules()))
+    (losses, params, regions), (whole_losses, whole_params, one) = runs["call"], runs["inline"]
+    assert regions >= 2 and one == 1
+    assert losses == whole_losses and all(torch.equal(params[n], whole_params[n]) for n in params)
+    assert all(p.dtype == torch.float32 for p in params.values())
