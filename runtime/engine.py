@@ -181,19 +181,15 @@ class Engine:
     # ---- capture and planning ------------------------------------------------------------------
 
     def _program_for(self, args: tuple, kwargs: dict) -> Installed:
-        """The program for this call: one per mode and input shapes, captured at first use."""
+        """The program for this call: one per mode and input shapes, captured at first use
+        (``programs.capture_program``)."""
         grad = torch.is_grad_enabled()
         key = programs.key(self.training, grad, args, kwargs)
         installed = self.programs.get(key)
         if installed is None:
-            installed = self._capture(args, kwargs, key, grad)
-        return installed
-
-    def _capture(self, args: tuple, kwargs: dict, key: programs.ProgramKey, training: bool) -> Installed:
-        """Capture the program of ``key`` (``programs.capture_program``)."""
-        begin = time.perf_counter()
-        installed = programs.capture_program(self, args, kwargs, key, training)
-        self.capture_s += time.perf_counter() - begin
+            begin = time.perf_counter()
+            installed = programs.capture_program(self, args, kwargs, key, grad)
+            self.capture_s += time.perf_counter() - begin
         return installed
 
     def _install(self, module: dcir.Module) -> None:
@@ -227,16 +223,21 @@ class Engine:
         return self.planner.pass_budget(lambda: self._fixed_bytes(self.memory()))
 
     def _after_step(self) -> None:
-        """The optimization cycle's turn after an optimizer step, then the budget."""
-        if self.planner.after_step(self.steps, self.module):
-            module = self.planner.replan(self.module, self.steps, lambda: self._fixed_bytes(self.memory()),
+        """The optimization cycle's turn after an optimizer step (each region's, for a step
+        with graph breaks: ``RegionStep.after_step``), then the budget."""
+        fixed, regions = lambda: self._fixed_bytes(self.memory()), self.programs.regions
+        if regions is not None:
+            regions.after_step(self.steps, fixed)
+        elif self.planner.after_step(self.steps, self.module):
+            module = self.planner.replan(self.module, self.steps, fixed,
                                          transport.outbox_bytes if self.transport_bytes else None)
             if module is not None:
                 self._install(module)
                 self.ops.reset_peak()  # the new schedule's gathered peak is measured afresh
         if self.config.memory_budget is not None:
             m = self.memory()
-            self.planner.check_budget(self._fixed_bytes(m), scheduled_bytes(m), self.module)
+            self.planner.check_budget(self._fixed_bytes(m), scheduled_bytes(m),
+                                      regions.largest() if regions is not None else self.module)
 
     # ---- the training step -----------------------------------------------------------------------
 
@@ -274,8 +275,7 @@ class Engine:
         return self.execution.boundary_next()
 
     def train(self, mode: bool = True) -> "Engine":
-        """Training mode (dropout on, BatchNorm updating its statistics), as ``nn.Module.train``;
-        each mode has its own programs."""
+        """Training mode (dropout on, BatchNorm updating its statistics): ``nn.Module.train``'s."""
         self.training = bool(mode)
         return self
 

@@ -26,6 +26,7 @@ more or fewer regions, is an error on every rank that names the regions, never a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -40,8 +41,10 @@ from dcir import signature
 from dcir_lowering.breaks import benign_breaks
 from dcir_lowering.frontend import _cast_floats, _where
 from dcir_lowering.regions import capture_region
-from dcir_runtime import capture, materialize, precision, programs
+from dcir.memory import peaks
+from dcir_runtime import capture, materialize, precision, programs, transport
 from dcir_runtime.execution import Installed
+from dcir_runtime.plan import Planner
 
 #: What a rank sends when its forward has run every region it runs (a region's fingerprint is never it)
 _END = 0
@@ -57,7 +60,9 @@ class Region:
     installed: Installed
     inputs: list[int]  # positions of its {input} arguments among Dynamo's inputs
     fingerprint: int
-    unsharded: object = None  # the optimizer step its @unshard last ran for
+    planner: Planner  # its optimization cycle
+    key: str  # its captured text's digest: the same region on every rank that has it
+    unsharded: object = None  # the shards' generation its @unshard last ran for
     grad_inputs: dict[int, int] = field(default_factory=dict)  # {input_grad = K} result -> input K
 
     def describe(self) -> str:
@@ -108,13 +113,55 @@ class RegionStep:
             config = dataclasses.replace(config, gradient_accumulation_steps=1)  # would never reduce its sum
         dcir.run_passes(module, capture.pipeline(config, engine.world, training and module.role(FORWARD) is not None,
                                                  engine.optimizer_state_keys, engine.planner.passes))
-        installed = Installed(module, engine.lower(module), None)
-        digest = hashlib.sha256(repr(programs.collectives(module)).encode()).digest()
-        region = Region(name, where, installed, inputs, int.from_bytes(digest[:7], "little") + 1)
+        text = dcir.print(module)
+        key = hashlib.sha256(text.encode()).hexdigest()[:16]
+        planner = Planner(engine.config, engine.process_group, f"{engine.store_prefix}region-{key}/",
+                          capture.source_name(engine.model, engine.world))
+        planner.start(text, module)
+        planner.log = engine.optimize_log  # the engine's one record of every cycle, each region's among them
+        region = Region(name, where, Installed(module, engine.lower(module), None), inputs, _fingerprint(module),
+                        planner, key)
         region.grad_inputs = {i: k for i, (_, k) in enumerate(signature.input_grads(module.role(BACKWARD)))} \
             if module.role(BACKWARD) is not None else {}
         self.regions.append(region)
         return lambda *values: self._run(region, values)
+
+    # ---- between steps: the optimization cycle, region by region ----------------------------------
+
+    def after_step(self, steps: int, fixed_bytes) -> None:
+        """After optimizer step ``steps``: the outbox sized for every region any rank runs;
+        then each region's optimization cycle (``Planner``): profiled in the step after a
+        ``profile_at`` step, planned from its profile and switched to as one program is.
+        Only the regions every rank profiled are planned (the others keep their schedule):
+        planning agrees across ranks, and a region one rank never ran has nothing to agree."""
+        engine = self.engine
+        if engine.transport_bytes:
+            need = max((transport.outbox_bytes(r.installed.module) for r in self.regions), default=0)
+            need = int(engine.process_group.most(need, "the outbox the regions need"))
+            engine.transport_bytes = transport.resize(engine.process_group, engine.config.transport,
+                                                      engine.transport_bytes, need)
+        if engine.config.optimize is None:
+            return
+        waiting = [r for r in self.regions if r.planner.after_step(steps, r.installed.module)]
+        ready = {r.key: r for r in waiting if r.planner.profile.runs}
+        seen = engine.process_group.gather_texts(" ".join(sorted(ready)), "the graph-break regions to plan")
+        common = set.intersection(*(set(t.split()) for t in seen))
+        for r in waiting:
+            if r.key not in common or ready[r.key] is not r:
+                r.planner.profile = None
+        outbox = transport.outbox_bytes if engine.transport_bytes else None
+        for key in sorted(common):
+            region = ready[key]
+            module = region.planner.replan(region.installed.module, steps, fixed_bytes, outbox)
+            engine.optimize_log[-1]["region"] = region.describe()
+            if module is not None:
+                region.installed = Installed(module, engine.lower(module), None)
+                region.fingerprint, region.unsharded = _fingerprint(module), None  # its own copies: gathered anew
+
+    def largest(self) -> dcir.Module | None:
+        """The region whose modelled peak is the highest (what a memory budget is checked against)."""
+        return max((r.installed.module for r in self.regions), key=lambda m: max(peaks(m).values(), default=0),
+                   default=None)
 
     # ---- running -----------------------------------------------------------------------------------
 
@@ -167,6 +214,12 @@ class RegionStep:
             "branches on the same on every rank (compute it from values every rank shares, or all_reduce it "
             "first)"))
 
+    def _timed(self, region: Region, which: str):
+        """What runs the region's function of role ``which``: under its profiler while its cycle profiles."""
+        program, profile = region.installed.program, region.planner.profile
+        gm, fn = program.graphs[which], program.runs[which]
+        return fn if profile is None else functools.partial(profile.run, which, gm, compiled=fn if fn is not gm else None)
+
     def forward(self, region: Region, inputs: tuple) -> tuple[list, tuple]:
         execution = self.engine.execution
         program = region.installed.program
@@ -175,7 +228,7 @@ class RegionStep:
                 execution._run("unshard", program.unshard)
             region.unsharded = execution.replicas
         with torch.no_grad():
-            out = execution._run(FORWARD, program.runs[FORWARD], program.state, {}, *inputs)
+            out = execution._run(FORWARD, self._timed(region, FORWARD), program.state, {}, *inputs)
         return program.split(FORWARD, out)
 
     def backward(self, region: Region, saved: tuple, grads: tuple, n_inputs: int) -> list:
@@ -183,7 +236,8 @@ class RegionStep:
         program = region.installed.program
         execution.backward_started()
         last = execution.boundary_next()
-        name, _, fn = program.backward_for(last)
+        name = program.backward_for(last)[0]
+        fn = self._timed(region, name)
         given = {k: g for k, g in enumerate(grads) if g is not None}
         out_grads: dict = {}
         with torch.no_grad():
@@ -220,6 +274,12 @@ class _RegionCall(torch.autograd.Function):
 
 #: Dynamo's name for the code after a graph break at line N of a function
 _RESUMED = re.compile(r"torch_dynamo_resume_in_\w+?_at_(\d+)")
+
+
+def _fingerprint(module: dcir.Module) -> int:
+    """A positive int64 of the collectives ``module`` runs, in order (``programs.collectives``)."""
+    digest = hashlib.sha256(repr(programs.collectives(module)).encode()).digest()
+    return int.from_bytes(digest[:7], "little") + 1
 
 
 def _lines(gm: fx.GraphModule) -> str:

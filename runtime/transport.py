@@ -70,9 +70,14 @@ def fit(group, mode: str, current: int, module) -> int:
     """Resizes this rank's outbox (``current`` bytes; 0: none) to what ``module`` needs
     (``outbox_bytes``); collective: every rank calls it, between steps, when the
     training program is installed. Returns the outbox bytes."""
+    return resize(group, mode, current, outbox_bytes(module))
+
+
+def resize(group, mode: str, current: int, need: int) -> int:
+    """Resizes this rank's outbox (``current`` bytes; 0: none) to ``need`` bytes, the same
+    on every rank; collective: every rank calls it, between steps. Returns the outbox bytes."""
     if current == 0:
         return 0
-    need = outbox_bytes(module)
     if need == current:
         return current
     capacity = _open(group, mode, need, None)

@@ -206,6 +206,11 @@ for _how in ("item", "call", "print"):
                                                 {"zero_stage": _stage})
 CASES["breaks_item_zero1_accumulate2"] = (BreakingNet, _mlp_batch, _squared,
                                           {"zero_stage": 1, "gradient_accumulation_steps": 2})
+# ... each region planned by the optimization cycle, profiled after steps 1 and 3
+for _how, _stage in (("item", 3), ("call", 2), ("call", 1)):
+    CASES[f"breaks_{_how}_zero{_stage}_optimize"] = (
+        functools.partial(BreakingNet, _how), _mlp_batch, _squared,
+        {"zero_stage": _stage, "optimize": {"passes": ["prefetch", "unshard", "bucket"], "profile_at": [1, 3]}})
 CASES.update({
     "transformer_groups_schedule": (TinyTransformer, _transformer_batch, None, {}),
     "transformer_zero1_groups_schedule": (TinyTransformer, _transformer_batch, None, {"zero_stage": 1}),

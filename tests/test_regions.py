@@ -79,6 +79,7 @@ def test_regions_train_sharded_equal_to_eager(world, tmp_path, capfd):
     """Each kind of break (a .item() branch that ranks may take differently, a call Dynamo cannot
     trace, a print of a value) with ZeRO-1, 2 and 3: 5 AdamW steps equal to one-device eager."""
     cases = [f"breaks_{how}_zero{stage}" for how in ("item", "call", "print") for stage in (1, 2, 3)]
+    cases += ["breaks_item_zero3_optimize", "breaks_call_zero2_optimize", "breaks_call_zero1_optimize"]
     if world == 3:
         cases = ["breaks_item_zero3", "breaks_call_zero1", "breaks_print_zero2", "breaks_item_zero1_accumulate2"]
     out_file = tmp_path / "results.json"
@@ -86,7 +87,11 @@ def test_regions_train_sharded_equal_to_eager(world, tmp_path, capfd):
     assert code == 0, out
     results = json.loads(out_file.read_text())
     for case in cases:
-        assert results[case]["max_rel_err"] <= 1e-6, (case, results[case]["worst_param"], results[case]["max_rel_err"])
+        r = results[case]
+        assert r["max_rel_err"] <= 1e-6, (case, r["worst_param"], r["max_rel_err"])
+        assert r["shm_fallbacks"] == 0, case  # the outbox sized for every region's collectives
+        if case.endswith("_optimize"):  # every region each rank ran planned after steps 2 and 4 (profiled 1, 3)
+            assert {c["step"] for c in r["optimize"]} == {2, 4} and all("region" in c for c in r["optimize"]), r
 
 
 def test_ranks_that_branch_apart_fail_together(capfd):
