@@ -88,6 +88,7 @@ class RegionStep:
         low = self._precision.get("param_dtype")
         for p in engine.model.parameters():
             materialize.hollow(p, engine.device, low if low is not None and p.is_floating_point() else p.dtype)
+        self.eager = EagerParameters(engine)
         self._compiled = torch.compile(self._step, backend=self._backend, dynamic=False)
 
     def _step(self, *args, **kwargs):
@@ -247,6 +248,51 @@ class RegionStep:
         for i, g in enumerate(out or ()):
             input_grads[region.grad_inputs[i]] = g
         return input_grads
+
+
+class EagerParameters:
+    """Parameters a module Dynamo does not trace uses: its forward marked
+    ``torch._dynamo.disable`` (a layer calling a library Dynamo cannot follow) runs
+    eagerly between regions, with its parameters (its submodules' too) gathered for the
+    call and hollow again after it; the gradients autograd accumulates into them are
+    averaged across the ranks into the shards (``comm.reduce_scatter``'s ``avg``, as a
+    region's are). The hooks that do it are themselves outside Dynamo, and run only around
+    such a module, whose call is a graph break already."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.fqn = {id(p): name for name, p in engine.model.named_parameters()}
+        self.hollow: dict[int, torch.Tensor] = {}  # a gathered parameter's hollow tensor, until released
+        self.handles = []
+        eager = [m for m in engine.model.modules() if getattr(m.forward, "_torchdynamo_disable", False)]
+        for m in eager:
+            self.handles += [m.register_forward_pre_hook(self._gather), m.register_forward_hook(self._release)]
+        for p in {id(p): p for m in eager for p in m.parameters() if p.requires_grad}.values():
+            self.handles.append(p.register_post_accumulate_grad_hook(self._reduce))
+
+    @torch._dynamo.disable
+    def _gather(self, module, _args) -> None:
+        ops, engine = torch.ops.dcir, self.engine
+        for p in module.parameters():
+            if id(p) in self.hollow:
+                continue
+            name = self.fqn[id(p)]
+            shard = engine.shards[name].detach()
+            full = ops.wait(ops.all_gather(shard, list(p.shape), engine.group, f"{name} (eager)")).to(p.dtype)
+            self.hollow[id(p)], p.data = p.data, full
+
+    @torch._dynamo.disable
+    def _release(self, module, _args, _out) -> None:
+        for p in module.parameters():
+            if id(p) in self.hollow:
+                p.data = self.hollow.pop(id(p))
+
+    def _reduce(self, p: torch.Tensor) -> None:
+        ops, engine = torch.ops.dcir, self.engine
+        name = self.fqn[id(p)]
+        grad = p.grad.to(engine.shards[name].dtype)
+        p.grad = None
+        engine.execution.add_grads({name: ops.wait(ops.reduce_scatter(grad, "avg", engine.group, f"{name} (eager)"))})
 
 
 class _RegionCall(torch.autograd.Function):

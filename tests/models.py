@@ -110,6 +110,25 @@ class BreakingNet(torch.nn.Module):
         return self.head(h)
 
 
+class _EagerLayer(torch.nn.Linear):
+    """A layer Dynamo does not trace: its call runs eagerly, with its own parameters."""
+
+    @torch._dynamo.disable
+    def forward(self, x):
+        return super().forward(x)
+
+
+class EagerLayerNet(torch.nn.Module):
+    """An MLP whose middle layer runs outside every graph (``_EagerLayer``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.mid, self.head = torch.nn.Linear(8, 16), _EagerLayer(16, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mid(torch.relu(self.fc1(x)))))
+
+
 def checkpointed_llama(reentrant: bool):
     """``tiny_llama`` with attention dropout, and the first switch of every fine-tuning
     recipe: ``gradient_checkpointing_enable()`` (each decoder layer recomputed)."""

@@ -79,9 +79,11 @@ def test_regions_train_sharded_equal_to_eager(world, tmp_path, capfd):
     """Each kind of break (a .item() branch that ranks may take differently, a call Dynamo cannot
     trace, a print of a value) with ZeRO-1, 2 and 3: 5 AdamW steps equal to one-device eager."""
     cases = [f"breaks_{how}_zero{stage}" for how in ("item", "call", "print") for stage in (1, 2, 3)]
-    cases += ["breaks_item_zero3_optimize", "breaks_call_zero2_optimize", "breaks_call_zero1_optimize"]
+    cases += ["breaks_item_zero3_optimize", "breaks_call_zero2_optimize", "breaks_call_zero1_optimize",
+              "eager_layer_zero1", "eager_layer_zero3"]
     if world == 3:
-        cases = ["breaks_item_zero3", "breaks_call_zero1", "breaks_print_zero2", "breaks_item_zero1_accumulate2"]
+        cases = ["breaks_item_zero3", "breaks_call_zero1", "breaks_print_zero2", "breaks_item_zero1_accumulate2",
+                 "eager_layer_zero3"]
     out_file = tmp_path / "results.json"
     code, out = _run(capfd, world, "equivalence", str(out_file), *cases, timeout_s=600)
     assert code == 0, out
