@@ -24,6 +24,7 @@ import torch.fx as fx
 from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from dcir import signature
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Module
 from dcir_lowering.frontend import _Captured, _Lowering, fold_clones
@@ -44,7 +45,10 @@ def capture_region(gm: fx.GraphModule, example_inputs: list, model: torch.nn.Mod
                                    "as a function of its inputs: write the result to a new tensor"))
     fold_clones(captured.forward, len(captured.meta.output_info))
     lowering = _Lowering(model, captured, name)
-    return lowering.module(), list(lowering.user_inputs)
+    module = lowering.module()
+    for f in module.functions.values():  # a region takes its inputs by position, in Dynamo's order
+        f.arg_attrs = [signature.mark(signature.INPUT) if signature.INPUT in d else d for d in f.arg_attrs]
+    return module, list(lowering.user_inputs)
 
 
 def _trace_region(gm: fx.GraphModule, example_inputs: list, training: bool) -> _Captured:

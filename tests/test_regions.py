@@ -193,3 +193,45 @@ def test_bf16_regions_run_the_whole_step_casts():
     assert regions >= 2 and one == 1
     assert losses == whole_losses and all(torch.equal(params[n], whole_params[n]) for n in params)
     assert all(p.dtype == torch.float32 for p in params.values())
+
+
+@torch._dynamo.disable
+def log_scale(h):  # a call Dynamo cannot trace
+    return h * h.norm().log1p()
+
+
+class TwoRegions(torch.nn.Module):
+    """docs/runtime.md's example, "Graph breaks: regions"."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        h = log_scale(h)  # the graph breaks around this call
+        return self.fc2(h).sum()
+
+
+def test_the_documented_two_region_ir_is_what_capture_makes():
+    """docs/runtime.md shows the two modules of TwoRegions at world 2 after zero3: the text
+    capture_region and the zero3 pass make, each a module dcir-opt reads as it is."""
+    from dcir.passes.zero3 import Zero3
+    from dcir_lowering.regions import capture_region
+
+    model, modules = TwoRegions(), []
+
+    def backend(gm, example_inputs):
+        module, _ = capture_region(gm, list(example_inputs), model, f"region{len(modules)}", True)
+        module.name = f"TwoRegions_region{len(modules)}"
+        dcir.run_passes(module, [Zero3(world_size=2)])
+        modules.append(module)
+        return gm.forward
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, dynamic=False)(torch.randn(2, 4))
+    torch._dynamo.reset()
+    doc = (HERE.parent / "docs" / "runtime.md").read_text()
+    shown = doc.split("Their modules at world 2, after `zero3`", 1)[1].split("```text\n", 1)[1].split("\n```", 1)[0]
+    assert shown == "\n".join(dcir.print(m).strip() + "\n" for m in modules).strip()
+    for m in modules:
+        assert str(dcir.parse(dcir.print(m))) == dcir.print(m)
