@@ -169,6 +169,7 @@ class RegionStep:
     def __call__(self, args: tuple, kwargs: dict):
         """The model's outputs for this call; every rank agrees on the regions it ran."""
         self.ran = []
+        self.eager.release()  # what the last call's eager modules gathered and no gradient released
         self.engine.model.train(self.engine.training)
         # every region of every shape and mode the engine keeps compiles (models share their code
         # objects, and so Dynamo's limit, across engines); past that an error, never the model eagerly
@@ -251,47 +252,62 @@ class RegionStep:
 
 
 class EagerParameters:
-    """Parameters a module Dynamo does not trace uses: its forward marked
-    ``torch._dynamo.disable`` (a layer calling a library Dynamo cannot follow) runs
-    eagerly between regions, with its parameters (its submodules' too) gathered for the
-    call and hollow again after it; the gradients autograd accumulates into them are
-    averaged across the ranks into the shards (``comm.reduce_scatter``'s ``avg``, as a
-    region's are). The hooks that do it are themselves outside Dynamo, and run only around
-    such a module, whose call is a graph break already."""
+    """Parameters the Python between regions uses. A module whose call runs eagerly (one
+    whose forward is marked ``torch._dynamo.disable``, or one called from code Dynamo
+    skipped) has its own parameters gathered by a forward pre-hook; Dynamo traces the
+    hooks of the modules it compiles as no-ops (``torch.compiler.is_compiling``), and
+    those of a marked forward run outside it. A gathered parameter stays whole until its
+    gradient has been averaged across the ranks into its shard (``comm.reduce_scatter``'s
+    ``avg``, as a region's are; autograd may have saved it for the backward), or, frozen
+    or under ``torch.no_grad()``, until the next call; then it is hollow again."""
 
     def __init__(self, engine):
         self.engine = engine
         self.fqn = {id(p): name for name, p in engine.model.named_parameters()}
-        self.hollow: dict[int, torch.Tensor] = {}  # a gathered parameter's hollow tensor, until released
+        self.hollow: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (parameter, its hollow tensor)
         self.handles = []
-        eager = [m for m in engine.model.modules() if getattr(m.forward, "_torchdynamo_disable", False)]
-        for m in eager:
-            self.handles += [m.register_forward_pre_hook(self._gather), m.register_forward_hook(self._release)]
-        for p in {id(p): p for m in eager for p in m.parameters() if p.requires_grad}.values():
-            self.handles.append(p.register_post_accumulate_grad_hook(self._reduce))
+        for m in engine.model.modules():
+            if not any(p is not None for p in m._parameters.values()):
+                continue
+            marked = getattr(m.forward, "_torchdynamo_disable", False)
+            self.handles.append(m.register_forward_pre_hook(self._gather_outside if marked else self._gather))
+        for p in engine.model.parameters():
+            if p.requires_grad:
+                self.handles.append(p.register_post_accumulate_grad_hook(self._reduce))
+
+    def _gather(self, module, _args) -> None:
+        if not torch.compiler.is_compiling():
+            self.gather(module)
 
     @torch._dynamo.disable
-    def _gather(self, module, _args) -> None:
+    def _gather_outside(self, module, _args) -> None:
+        self.gather(module)
+
+    def gather(self, module) -> None:
+        """``module``'s own parameters whole, from every rank's shard."""
         ops, engine = torch.ops.dcir, self.engine
-        for p in module.parameters():
-            if id(p) in self.hollow:
+        for p in module._parameters.values():
+            if p is None or id(p) in self.hollow:
                 continue
             name = self.fqn[id(p)]
             shard = engine.shards[name].detach()
             full = ops.wait(ops.all_gather(shard, list(p.shape), engine.group, f"{name} (eager)")).to(p.dtype)
-            self.hollow[id(p)], p.data = p.data, full
+            self.hollow[id(p)] = (p, p.data)
+            p.data = full
 
-    @torch._dynamo.disable
-    def _release(self, module, _args, _out) -> None:
-        for p in module.parameters():
-            if id(p) in self.hollow:
-                p.data = self.hollow.pop(id(p))
+    def release(self, p: torch.Tensor | None = None) -> None:
+        """``p`` (None: every gathered parameter) hollow again."""
+        for key in [id(p)] if p is not None else list(self.hollow):
+            if key in self.hollow:
+                param, empty = self.hollow.pop(key)
+                param.data = empty
 
     def _reduce(self, p: torch.Tensor) -> None:
         ops, engine = torch.ops.dcir, self.engine
         name = self.fqn[id(p)]
         grad = p.grad.to(engine.shards[name].dtype)
         p.grad = None
+        self.release(p)
         engine.execution.add_grads({name: ops.wait(ops.reduce_scatter(grad, "avg", engine.group, f"{name} (eager)"))})
 
 
