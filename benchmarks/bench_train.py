@@ -48,6 +48,11 @@ Every system trains the same HF Llama (from a config, fp32) on the same batches
 * ``fsdp2-offload``: the same with ``offload_policy=CPUOffloadPolicy()``; without an
   accelerator host memory cannot be pinned (``pin_memory=False`` then), and the
   "device" and the host are the same RAM, as for ``dcir-offload``;
+* ``dcir-break``, ``fsdp2-break``: ``dcir`` and ``fsdp2`` on the same Llama with its
+  middle decoder layer behind a finiteness check (``if not torch.isfinite(h).all():
+  raise``): one data-dependent graph break, which the Engine runs as graph-break
+  regions (docs/runtime.md, "Graph breaks: regions"); beside ``dcir`` and ``fsdp2``,
+  the cost of a break;
 * ``deepspeed``: DeepSpeed ZeRO-3, eager (CPU accelerator, gloo), when installed;
 * ``deepspeed-zero1``, ``deepspeed-zero2``: the same at ZeRO stage 1 and 2;
 * ``deepspeed-offload``: ZeRO-3 with ``offload_optimizer`` to the CPU (ZeRO-Offload:
@@ -131,7 +136,7 @@ MALLOC = {"system": {},
 SYSTEMS = ["floor", "eager", "dcir", "dcir-prefetch", "dcir-unshard", "dcir-optimized", "dcir-inductor",
            "dcir-fused", "dcir-zero1", "dcir-zero2", "dcir-offload", "dcir-bf16", "dcir-recompute", "fsdp2", "fsdp2-offload",
            "fsdp2-bf16", "fsdp2-ckpt", "fsdp2-compile-budget", "deepspeed-zero1", "deepspeed-zero2",
-           "deepspeed", "deepspeed-offload"]
+           "deepspeed", "deepspeed-offload", "dcir-break", "fsdp2-break"]
 WORKLOAD = [("layers", 6), ("hidden", 256), ("seq", 128), ("batch", 4), ("vocab", 32000), ("accumulate", 1),
             ("intermediate", 0)]  # intermediate 0: 4 x hidden
 #: ``--model``: workload values that differ from WORKLOAD's defaults

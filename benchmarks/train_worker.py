@@ -58,8 +58,23 @@ def backend(ns) -> str:
     return "nccl" if ns.device == "cuda" else "gloo"
 
 
-def llama(ns, meta: bool = False):
-    """The benchmark Llama (seed 0); with ``meta``, built on the meta device (no values)."""
+class Checked(torch.nn.Module):
+    """A decoder layer behind a finiteness check of its input: a data-dependent branch,
+    one graph break (``--systems ...-break``)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if not torch.isfinite(hidden_states).all():
+            raise FloatingPointError("non-finite activations before a decoder layer")
+        return self.layer(hidden_states, *args, **kwargs)
+
+
+def llama(ns, meta: bool = False, graph_break: bool = False):
+    """The benchmark Llama (seed 0); with ``meta``, built on the meta device (no values);
+    with ``graph_break``, its middle decoder layer behind a finiteness check (``Checked``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -71,8 +86,13 @@ def llama(ns, meta: bool = False):
         max_position_embeddings=ns.seq, attn_implementation="eager")
     if meta:
         with torch.device("meta"):
-            return LlamaForCausalLM(config)
-    return LlamaForCausalLM(config).to(device(ns))
+            model = LlamaForCausalLM(config)
+    else:
+        model = LlamaForCausalLM(config).to(device(ns))
+    if graph_break:
+        middle = ns.layers // 2
+        model.model.layers[middle] = Checked(model.model.layers[middle])
+    return model
 
 
 def batches(ns, rank: int, world: int):
@@ -167,11 +187,11 @@ class Dcir:
     ``offload_half``, ``offload.budget`` is half of this rank's optimizer state bytes."""
 
     def __init__(self, ns, inductor: bool, passes: tuple[str, ...] = (), extra: dict | None = None,
-                 offload_half: bool = False):
+                 offload_half: bool = False, graph_break: bool = False):
         import dcir
 
         self.init = ns.init
-        model = llama(ns, meta=ns.init == "meta")  # on meta: initialize() gives each rank its shards
+        model = llama(ns, meta=ns.init == "meta", graph_break=graph_break)  # on meta: initialize() shards it
         rss_trace(ns, "model")
         config = {"gradient_accumulation_steps": ns.accumulate, "inductor": inductor, "timeout_s": 600,
                   "transport": ns.transport,
@@ -199,8 +219,9 @@ class Dcir:
         self.engine.trace(path)
 
     def predicted_s(self) -> float | None:
+        """The cost model's step time (None for a step with graph breaks: its regions are priced one by one)."""
         log = self.engine.optimize_log
-        return log[-1]["predicted_s"] if log else None
+        return log[-1]["predicted_s"] if log and self.engine.programs.regions is None else None
 
     def optimize_log(self) -> list[dict]:
         """Each cycle's record: the pipeline planned, why it was taken, its budget, predicted peak and step,
@@ -270,13 +291,13 @@ class Fsdp2(_Plain):
     model's own init (``initialize_weights()``) on the local shards."""
 
     def __init__(self, ns, offload: bool = False, bf16: bool = False, checkpoint: bool = False,
-                 compile_budget: float | None = None):
+                 compile_budget: float | None = None, graph_break: bool = False):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         dist.init_process_group(backend(ns))
         meta = ns.init == "meta"
         self.init = ns.init
-        model = llama(ns, meta=meta)
+        model = llama(ns, meta=meta, graph_break=graph_break)
         rss_trace(ns, "model")
         if checkpoint:  # every decoder layer recomputed in the backward: transformers' own switch
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -371,6 +392,10 @@ def make(system: str, ns):
                     offload_half=system == "dcir-offload")
     if system == "fsdp2":
         return Fsdp2(ns)
+    if system == "dcir-break":  # plain zero3 on the model with one graph break: regions
+        return Dcir(ns, inductor=False, graph_break=True)
+    if system == "fsdp2-break":
+        return Fsdp2(ns, graph_break=True)
     if system == "fsdp2-offload":
         return Fsdp2(ns, offload=True)
     if system == "fsdp2-bf16":

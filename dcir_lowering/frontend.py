@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 from torch._guards import TracingContext, detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
+                                           FakeTensorMode)
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
 from dcir import custom_ops, signature
@@ -241,12 +242,18 @@ def _trace(step, captured: "_Captured", args: tuple, kwargs: dict, model: torch.
                     raise
                 torch._dynamo.reset()
                 return compiled()(*args, **kwargs)
-    except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:  # UserError: data-dependent shapes
+    except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError, *DATA_DEPENDENT) as e:
         where = _where(str(e))  # the notes list every break, not just the first: the step runs again for them
         raise NotOneGraph(Diagnostic(f"cannot capture the model as one graph: {_why(e)}{where}",
                                      notes=notes(listing() if listing else step, args, kwargs))) from None
     finally:
         torch._dynamo.reset()
+
+
+#: What running a captured graph on fake tensors raises at an op whose output's shape or
+#: value depends on the data (Dynamo keeps ``torch.nonzero`` in its graph, and ``.item()``
+#: called from a hook)
+DATA_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
 
 
 class NotOneGraph(DcirError):
@@ -257,8 +264,12 @@ _UNSUPPORTED_OP = re.compile(r"unsupported operator: ([\w.]+)")
 
 
 def _why(e: Exception) -> str:
-    """Dynamo's reason, or for a custom op it cannot run on fake tensors, DCIR's
+    """Dynamo's reason; for an op Dynamo kept in the graph whose output's shape or value
+    depends on the data (``torch.nonzero``, ``.item()`` in a hook), which fake tensors
+    cannot run, what it is; for a custom op it cannot run on fake tensors, DCIR's
     (``dcir.custom_ops.problem``: which op, and to register a fake kernel)."""
+    if isinstance(e, DATA_DEPENDENT):
+        return f"{e.func} computes a shape or a value from the data, which a graph traced on fake tensors cannot"
     m = _UNSUPPORTED_OP.search(str(e))
     if m and not m.group(1).startswith("aten."):
         return custom_ops.problem(m.group(1)) or _first_line(e)
@@ -347,7 +358,9 @@ class _Captured:
         from torch._functorch.aot_autograd import aot_module_simplified
 
         self.inputs = list(example_inputs)
-        self.sources = [n.meta["grapharg"].source.name for n in gm.graph.nodes if n.op == "placeholder"]
+        # a placeholder a graph specialized to its sizes kept has Dynamo's record; no other has one
+        self.sources = [n.meta["grapharg"].source.name if "grapharg" in n.meta else n.name
+                        for n in gm.graph.nodes if n.op == "placeholder"]
 
         def fw(g, _):
             self.forward = g

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import logging
 import re
 from dataclasses import dataclass, field
 
@@ -36,15 +37,18 @@ import torch.fx as fx
 
 import dcir
 from dcir.diagnostics import DcirError, Diagnostic
-from dcir.roles import BACKWARD, EVAL, FORWARD
+from dcir.roles import BACKWARD, EVAL, FORWARD, UNSHARD
 from dcir import signature
 from dcir_lowering.breaks import benign_breaks
-from dcir_lowering.frontend import _cast_floats, _where
+from dcir_lowering.frontend import DATA_DEPENDENT, _cast_floats, _where
+from dcir_lowering.dynamo import _symbolic_inputs, specialize
 from dcir_lowering.regions import capture_region
 from dcir.memory import peaks
 from dcir_runtime import capture, materialize, precision, programs, transport
 from dcir_runtime.execution import Installed
 from dcir_runtime.plan import Planner
+
+log = logging.getLogger("dcir")
 
 #: What a rank sends when its forward has run every region it runs (a region's fingerprint is never it)
 _END = 0
@@ -63,6 +67,7 @@ class Region:
     planner: Planner  # its optimization cycle
     key: str  # its captured text's digest: the same region on every rank that has it
     unsharded: object = None  # the shards' generation its @unshard last ran for
+    unshard_now: bool = False  # whether this call runs its @unshard (the ranks agreed)
     grad_inputs: dict[int, int] = field(default_factory=dict)  # {input_grad = K} result -> input K
 
     def describe(self) -> str:
@@ -75,6 +80,8 @@ class RegionStep:
     def __init__(self, engine):
         self.engine = engine
         self.regions: list[Region] = []
+        self.eager_regions: list[str] = []  # the graphs DCIR could not capture, run eagerly
+        self.eager_reasons: set[str] = set()  # where they are, each logged once
         self.ran: list[Region] = []  # the regions this forward ran, in order
         config = engine.config
         if config.offload is not None:
@@ -89,7 +96,10 @@ class RegionStep:
         for p in engine.model.parameters():
             materialize.hollow(p, engine.device, low if low is not None and p.is_floating_point() else p.dtype)
         self.eager = EagerParameters(engine)
-        self._compiled = torch.compile(self._step, backend=self._backend, dynamic=False)
+        # Dynamo's automatic dynamism: a float read with .item() that changes between calls becomes an input
+        # (a region after `if x.item() > t:` is guarded on the comparison, not compiled again per value), and
+        # sizes that change become symbolic; each concrete size is a static program (_backend)
+        self._compiled = torch.compile(self._step, backend=self._backend, dynamic=None)
 
     def _step(self, *args, **kwargs):
         low, out_dtype = self._precision.get("param_dtype"), self._precision.get("output_dtype")
@@ -103,11 +113,31 @@ class RegionStep:
     # ---- capture ---------------------------------------------------------------------------------
 
     def _backend(self, gm: fx.GraphModule, example_inputs):
+        """What runs one graph Dynamo hands over: its region; for a graph Dynamo made
+        symbolic (sizes that changed between calls, a float read with ``.item()`` that it
+        keeps as an input), one region per concrete set of sizes, captured at its first call
+        (``specialize``: the sizes become constants), the float an input of its own."""
+        if not _symbolic_inputs(gm):
+            return self._region(gm, list(example_inputs))
+        regions: dict = {}
+
+        def run(*values):
+            key = tuple((tuple(v.shape), v.stride()) if isinstance(v, torch.Tensor) else v for v in values)
+            tensors = [v for v in values if not isinstance(v, (int, torch.SymInt))]
+            if key not in regions:
+                regions[key] = self._region(specialize(gm, values, [False] * len(values)), tensors)
+            return regions[key](*tensors)
+        return run
+
+    def _region(self, gm: fx.GraphModule, example_inputs: list):
         engine = self.engine
         training = torch.is_grad_enabled()
-        name, where = f"region{len(self.regions)}", _lines(gm)
-        module, inputs = capture_region(gm, list(example_inputs), engine.model,
-                                        f"{name} ({where})" if where else name, training)
+        name, where = f"region{len(self.regions) + len(self.eager_regions)}", _lines(gm)
+        try:
+            module, inputs = capture_region(gm, example_inputs, engine.model,
+                                            f"{name} ({where})" if where else name, training)
+        except (DcirError, *DATA_DEPENDENT) as e:
+            return self._eager_region(gm, example_inputs, f"{name} ({where})" if where else name, e)
         module.name = f"{type(engine.model).__name__}_{name}"
         config = engine.config
         if config.zero_stage == 1:  # reduced at every micro-step: a region that a branch skips in the last
@@ -126,6 +156,27 @@ class RegionStep:
             if module.role(BACKWARD) is not None else {}
         self.regions.append(region)
         return lambda *values: self._run(region, values)
+
+    def _eager_region(self, gm: fx.GraphModule, example_inputs, label: str, why: Exception):
+        """A graph DCIR cannot capture (an op it cannot express, a shape from the data): it
+        runs as Dynamo traced it, eagerly, with the parameters it reads gathered for it
+        (``EagerParameters``), agreed across ranks as a region is."""
+        fqn = self.eager.fqn
+        params = [t for t in example_inputs if isinstance(t, torch.nn.Parameter) and id(t) in fqn]
+        reason = why.render().splitlines()[0] if isinstance(why, DcirError) else str(why).splitlines()[0]
+        where = label.split(" ", 1)[-1]  # "region3 (model.py:12)" -> "(model.py:12)"
+        if where not in self.eager_reasons:  # once: Dynamo may compile the same code again (another size)
+            self.eager_reasons.add(where)
+            log.warning("dcir: graph-break %s runs eagerly, its parameters gathered for it: %s", label, reason)
+        digest = hashlib.sha256(repr(("eager", [fqn[id(p)] for p in params])).encode()).digest()
+        fingerprint = int.from_bytes(digest[:7], "little") + 1
+        self.eager_regions.append(label)
+
+        def run(*values):
+            self._agree(fingerprint, f"{label}, run eagerly")
+            self.eager.gather_params(params)
+            return gm(*values)
+        return run
 
     # ---- between steps: the optimization cycle, region by region ----------------------------------
 
@@ -190,23 +241,27 @@ class RegionStep:
         return out
 
     def _run(self, region: Region, values: tuple):
-        self._agree(region.fingerprint, region.describe())
-        self.ran.append(region)
-        inputs = [values[i] for i in region.inputs]
         program = region.installed.program
         execution = self.engine.execution
+        stale = UNSHARD in program.graphs and region.unsharded != execution.replicas
+        # a rank that ran this region's twin (a branch's other side, the same collectives) earlier in the
+        # step has its replicas already: every rank gathers them again when one must, or their gathers differ
+        region.unshard_now = self._agree(region.fingerprint, region.describe(), stale)
+        self.ran.append(region)
+        inputs = [values[i] for i in region.inputs]
         if program.function(FORWARD) is None:  # no output needs a gradient (or under no_grad)
             with torch.no_grad():
                 out = execution._run(EVAL, program.runs[EVAL], program.state, {}, *inputs)
             return tuple(program.split(EVAL, out)[0])
         return _RegionCall.apply(self, region, execution._anchor, *inputs)
 
-    def _agree(self, fingerprint: int, what: str) -> None:
-        """Every rank is about to run the same region (or all have finished the forward)."""
+    def _agree(self, fingerprint: int, what: str, flag: bool = False) -> bool:
+        """Every rank is about to run the same region (or all have finished the forward);
+        returns whether any rank raised ``flag``."""
         group = self.engine.process_group
-        seen = group.gather_ints(fingerprint, f"the graph-break region to run next ({what})")
-        if len(set(seen)) == 1:
-            return
+        seen = group.gather_ints(fingerprint * 2 + int(flag), f"the graph-break region to run next ({what})")
+        if len({v >> 1 for v in seen}) == 1:
+            return any(v & 1 for v in seen)
         doing = group.gather_texts(f"runs {what}" if fingerprint != _END else "has finished its forward",
                                    "what each rank runs")
         said = "; ".join(f"rank {k} {d}" for k, d in enumerate(doing))
@@ -225,7 +280,7 @@ class RegionStep:
     def forward(self, region: Region, inputs: tuple) -> tuple[list, tuple]:
         execution = self.engine.execution
         program = region.installed.program
-        if region.unsharded != execution.replicas:
+        if region.unshard_now:
             with torch.no_grad():
                 execution._run("unshard", program.unshard)
             region.unsharded = execution.replicas
@@ -285,9 +340,13 @@ class EagerParameters:
 
     def gather(self, module) -> None:
         """``module``'s own parameters whole, from every rank's shard."""
+        self.gather_params([p for p in module._parameters.values() if p is not None])
+
+    def gather_params(self, params: list) -> None:
+        """``params`` whole, from every rank's shard (those gathered already stay as they are)."""
         ops, engine = torch.ops.dcir, self.engine
-        for p in module._parameters.values():
-            if p is None or id(p) in self.hollow:
+        for p in params:
+            if id(p) in self.hollow:
                 continue
             name = self.fqn[id(p)]
             shard = engine.shards[name].detach()

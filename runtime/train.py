@@ -314,6 +314,9 @@ def breaks_table(found) -> str:
     plural = "" if len(found) == 1 else "s"
     lines.append(f"{len(found)} graph break{plural}: the forward runs as {found.graphs} graph(s) "
                  "and Python between them")
+    lines.append("the Engine trains each graph as a sharded region of its own and runs the Python between them "
+                 "eagerly, a module Dynamo does not trace with its parameters gathered (docs/runtime.md, "
+                 "\"Graph breaks: regions\")")
     return "\n".join(lines)
 
 

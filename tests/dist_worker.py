@@ -48,7 +48,7 @@ from dcir_runtime import RankFailure
 from dcir_runtime.accounting import scheduled_bytes
 from dcir_runtime.materialize import flat_shard
 from dcir_runtime.native import runtime_stats
-from models import BreakingNet, EagerLayerNet, Tied  # graph breaks; tied embeddings, a frozen layer
+from models import BreakingNet, EagerLayerNet, InPlaceNet, Tied  # graph breaks; tied, a frozen layer
 from models import mlp, tiny_llama  # mlp: 16*8+16 and 4*16+4 split unevenly over 3
 from models import squared as _squared
 
@@ -209,6 +209,9 @@ CASES["breaks_item_zero1_accumulate2"] = (BreakingNet, _mlp_batch, _squared,
 # a layer Dynamo does not trace, run eagerly with its parameters gathered for it
 for _stage in (1, 3):
     CASES[f"eager_layer_zero{_stage}"] = (EagerLayerNet, _mlp_batch, _squared, {"zero_stage": _stage})
+# a graph DCIR cannot capture (it writes into its input) run eagerly, its parameters gathered
+for _stage in (2, 3):
+    CASES[f"inplace_eager_zero{_stage}"] = (InPlaceNet, _mlp_batch, _squared, {"zero_stage": _stage})
 # ... each region planned by the optimization cycle, profiled after steps 1 and 3
 for _how, _stage in (("item", 3), ("call", 2), ("call", 1)):
     CASES[f"breaks_{_how}_zero{_stage}_optimize"] = (

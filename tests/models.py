@@ -129,6 +129,22 @@ class EagerLayerNet(torch.nn.Module):
         return self.head(torch.tanh(self.mid(torch.relu(self.fc1(x)))))
 
 
+class InPlaceNet(torch.nn.Module):
+    """The graph after a ``.item()`` branch doubles its input in place, which DCIR does
+    not capture: that graph runs eagerly, ``fc2`` gathered for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if h.mean().item() > 10:
+            h = h + 1
+        h.mul_(2)
+        return self.fc2(torch.tanh(h))
+
+
 def checkpointed_llama(reentrant: bool):
     """``tiny_llama`` with attention dropout, and the first switch of every fine-tuning
     recipe: ``gradient_checkpointing_enable()`` (each decoder layer recomputed)."""

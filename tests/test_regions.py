@@ -15,7 +15,7 @@ import dcir
 from dcir import signature
 from dcir_runtime import native
 from dcir_runtime.launch import launch
-from models import BreakingNet, squared
+from models import BreakingNet, InPlaceNet, squared
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "dist_worker.py")
@@ -80,7 +80,7 @@ def test_regions_train_sharded_equal_to_eager(world, tmp_path, capfd):
     trace, a print of a value) with ZeRO-1, 2 and 3: 5 AdamW steps equal to one-device eager."""
     cases = [f"breaks_{how}_zero{stage}" for how in ("item", "call", "print") for stage in (1, 2, 3)]
     cases += ["breaks_item_zero3_optimize", "breaks_call_zero2_optimize", "breaks_call_zero1_optimize",
-              "eager_layer_zero1", "eager_layer_zero3"]
+              "eager_layer_zero1", "eager_layer_zero3", "inplace_eager_zero2", "inplace_eager_zero3"]
     if world == 3:
         cases = ["breaks_item_zero3", "breaks_call_zero1", "breaks_print_zero2", "breaks_item_zero1_accumulate2",
                  "eager_layer_zero3"]
@@ -112,21 +112,6 @@ def test_ranks_that_branch_apart_fail_together(capfd):
     assert len(seconds) == 2 and max(seconds) < 10, out
 
 
-class _InPlace(torch.nn.Module):
-    """The region after a break doubles its input in place."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(8, 8)
-
-    def forward(self, x):
-        h = self.fc(x)
-        if h.mean().item() > 10:
-            h = h + 1
-        h.mul_(2)
-        return h.sum()
-
-
 class _Moving(torch.nn.Module):
     """Its forward reads a Python int that changes at every call: Dynamo compiles the code
     after the break again each time."""
@@ -151,15 +136,13 @@ def _error(fn) -> str:
 
 def test_what_regions_refuse_is_said():
     """What a step with breaks cannot do yet is an error that says what to change, not a
-    traceback: offload and fp16 loss scaling need a whole-step program; a region that
-    writes into its input; a region's backward run twice; recompiles past the limit."""
+    traceback: offload and fp16 loss scaling need a whole-step program; a region's
+    backward run twice; recompiles past the limit."""
     x = torch.randn(4, 8)
     for config, said in [({"offload": {"budget": 64}}, "the step has graph breaks, and 'offload' runs on a whole-step program: remove the breaks (dcir.graph_breaks lists them) or drop 'offload'"),  # noqa: E501
                          ({"fp16": {"enabled": True}}, "the step has graph breaks, and fp16's loss scaling needs a whole-step program: remove the breaks (dcir.graph_breaks lists them), or train in bf16")]:  # noqa: E501
         engine = dcir.initialize(BreakingNet(), config=config, loss_fn=squared)
         assert said in _error(lambda: engine(x))
-    engine = dcir.initialize(_InPlace(), config={})
-    assert " changes one of its inputs in place; DCIR runs a region as a function of its inputs: write the result to a new tensor" in _error(lambda: engine(x))  # noqa: E501
     engine = dcir.initialize(BreakingNet(), config={}, loss_fn=squared)
     loss = engine(x)
     loss.backward(retain_graph=True)
@@ -235,3 +218,16 @@ def test_the_documented_two_region_ir_is_what_capture_makes():
     assert shown == "\n".join(dcir.print(m).strip() + "\n" for m in modules).strip()
     for m in modules:
         assert str(dcir.parse(dcir.print(m))) == dcir.print(m)
+
+
+def test_a_graph_dcir_cannot_capture_runs_eagerly(caplog):
+    """The graph after the break writes into its input, which DCIR does not capture: it runs
+    as Dynamo traced it, eagerly, its parameter gathered for it, and the log says why."""
+    torch.manual_seed(0)
+    with caplog.at_level("WARNING", logger="dcir"):
+        losses, ref_losses, worst, engine = _train(InPlaceNet(), 3, {}, lambda s: torch.randn(4, 8) * (s + 1))
+    assert losses == ref_losses and worst == 0.0, (losses, ref_losses, worst)
+    eager = engine.programs.regions.eager_regions  # the float .item() read: once static, once an input
+    assert eager and all(re.fullmatch(r"region\d \(models\.py:\d+, after the break at line \d+\)", e) for e in eager)
+    said = [r.getMessage() for r in caplog.records if "runs eagerly" in r.getMessage()]
+    assert len(said) == 1 and " changes one of its inputs in place; DCIR runs a region as a function of its inputs: write the result to a new tensor" in said[0], said  # noqa: E501
