@@ -74,14 +74,16 @@ def test_each_region_is_a_module_of_its_own():
             assert str(dcir.parse(str(m))) == str(m)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_regions_train_sharded_equal_to_eager(world, tmp_path, capfd):
+# world 3 (every shard split unevenly): one case of each kind in the default tier, every case in the slow tier
+@pytest.mark.parametrize("world,every", [(2, True), (3, False), pytest.param(3, True, marks=pytest.mark.slow)])
+def test_regions_train_sharded_equal_to_eager(world, every, tmp_path, capfd):
     """Each kind of break (a .item() branch that ranks may take differently, a call Dynamo cannot
     trace, a print of a value) with ZeRO-1, 2 and 3: 5 AdamW steps equal to one-device eager."""
     cases = [f"breaks_{how}_zero{stage}" for how in ("item", "call", "print") for stage in (1, 2, 3)]
     cases += ["breaks_item_zero3_optimize", "breaks_call_zero2_optimize", "breaks_call_zero1_optimize",
-              "eager_layer_zero1", "eager_layer_zero3", "inplace_eager_zero2", "inplace_eager_zero3"]
-    if world == 3:
+              "eager_layer_zero1", "eager_layer_zero3", "inplace_eager_zero2", "inplace_eager_zero3",
+              "breaks_item_zero1_accumulate2"]
+    if not every:
         cases = ["breaks_item_zero3", "breaks_call_zero1", "breaks_print_zero2", "breaks_item_zero1_accumulate2",
                  "eager_layer_zero3"]
     out_file = tmp_path / "results.json"
