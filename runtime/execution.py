@@ -85,7 +85,8 @@ class Execution:
         self._forward_args: tuple = ()
         self._gather_next = False  # after a checkpoint load: gather replicas at the next call
         self.replicas = 0  # the shards' generation: one more after each optimizer step and checkpoint load
-        self._anchor = torch.zeros((), requires_grad=True)
+        # requires grad, so a training forward's autograd node exists even when no input needs one
+        self.anchor = torch.zeros((), requires_grad=True)
         self.precision = Precision(config)  # the policy, and fp16's loss scaling
         self.tracer = None  # dcir_runtime.trace.Tracer of the next step, when one is asked for
         self.profile: Profile | None = None  # set by the engine while the optimization cycle profiles
@@ -143,7 +144,7 @@ class Execution:
                                   if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
             return out
         inputs = installed.program.inputs(FORWARD, args, kwargs)
-        outputs = _Step.apply(self, installed, self._anchor, *inputs)
+        outputs = _Step.apply(self, installed, self.anchor, *inputs)
         self._pending = next((o.grad_fn for o in outputs if o.grad_fn is not None), None)
         return installed.outputs.rebuild(list(outputs))
 
@@ -151,11 +152,11 @@ class Execution:
         first = self.micro_steps % self.config.gradient_accumulation_steps == 0  # of an optimizer step
         if first or self._gather_next:
             with torch.no_grad():  # the first micro-step of a step: gathered copies, if any
-                self._run("unshard", installed.program.unshard)
+                self.run("unshard", installed.program.unshard)
             self._gather_next = False
         fn = self._timed(FORWARD, installed, first)
         with torch.no_grad():
-            out = self._run(FORWARD, fn, installed.program.state, {}, *inputs, *self._forward_args)
+            out = self.run(FORWARD, fn, installed.program.state, {}, *inputs, *self._forward_args)
         self._forward_args = (ABSENT,) * len(self._forward_args)  # the copies home are done
         return installed.program.split(FORWARD, out)
 
@@ -165,10 +166,11 @@ class Execution:
         if not isinstance(installed, Installed):  # graph-break regions
             return installed(args, kwargs)
         inputs = installed.program.inputs(EVAL, args, kwargs)
-        out = self._run(EVAL, installed.program.runs[EVAL], installed.program.state, {}, *inputs)
+        out = self.run(EVAL, installed.program.runs[EVAL], installed.program.state, {}, *inputs)
         return installed.outputs.rebuild(installed.program.split(EVAL, out)[0])
 
-    def _run(self, which: str, fn, *args):
+    def run(self, which: str, fn, *args):
+        """``fn(*args)``, the function of role ``which``; a collective that failed is a ``RankFailure``."""
         try:
             return fn(*args)
         except RuntimeError as e:
@@ -216,7 +218,7 @@ class Execution:
             tangents = program.tangents(given, last)  # held here to the end, as autograd holds the given ones
             box = [*saved, *tangents]
             del saved  # the backward empties the box: each saved activation goes after its last use
-            out = self._run(name, fn, program.state, out_grads, box)
+            out = self.run(name, fn, program.state, out_grads, box)
             if last:  # what the last backward hands to @step: optimizer state reloaded early
                 self._step_args = tuple(out or ())
             self.add_grads(out_grads)
@@ -259,7 +261,7 @@ class Execution:
         if self.program is not None and self.program.step_gm is not None:  # the program's own step: state moves
             with torch.no_grad():
                 fn = self._timed("step", Installed(self.module, self.program, None))
-                out = self._run("step", fn, self.program.state, {}, *self._step_args)
+                out = self.run("step", fn, self.program.state, {}, *self._step_args)
             self._step_args = ()
             self._forward_args = tuple(out or ())  # state still on the device, copied home next forward
         elif self.profile is not None:  # the optimizer runs outside the program: the profile times it

@@ -14,8 +14,9 @@ gradients into the shards and hands autograd the gradients of the region's input
 
 Dynamo guards on the parameters' shapes, devices and dtypes. The model's parameters are
 *hollow* for it (``materialize.hollow``): their shapes on the engine's device, with no
-storage, always. Guards hold from call to call, nothing recompiles, and no rank holds a
-full parameter outside a region's gathers.
+storage, always. Their guards hold from call to call, so they never make a region
+compile again, and no rank holds a full parameter outside a region's gathers (or an
+eager module's call: ``EagerParameters``).
 
 The ranks agree on every region before it runs: each sends a fingerprint of the
 region's collectives (``programs.collectives``), and one more at the end of the forward.
@@ -82,7 +83,6 @@ class RegionStep:
         self.regions: list[Region] = []
         self.eager_regions: list[str] = []  # the graphs DCIR could not capture, run eagerly
         self.eager_reasons: set[str] = set()  # where they are, each logged once
-        self.ran: list[Region] = []  # the regions this forward ran, in order
         config = engine.config
         if config.offload is not None:
             raise DcirError(Diagnostic("the step has graph breaks, and 'offload' runs on a whole-step program: "
@@ -219,7 +219,6 @@ class RegionStep:
 
     def __call__(self, args: tuple, kwargs: dict):
         """The model's outputs for this call; every rank agrees on the regions it ran."""
-        self.ran = []
         self.eager.release()  # what the last call's eager modules gathered and no gradient released
         self.engine.model.train(self.engine.training)
         # every region of every shape and mode the engine keeps compiles (models share their code
@@ -247,13 +246,12 @@ class RegionStep:
         # a rank that ran this region's twin (a branch's other side, the same collectives) earlier in the
         # step has its replicas already: every rank gathers them again when one must, or their gathers differ
         region.unshard_now = self._agree(region.fingerprint, region.describe(), stale)
-        self.ran.append(region)
         inputs = [values[i] for i in region.inputs]
         if program.function(FORWARD) is None:  # no output needs a gradient (or under no_grad)
             with torch.no_grad():
-                out = execution._run(EVAL, program.runs[EVAL], program.state, {}, *inputs)
+                out = execution.run(EVAL, program.runs[EVAL], program.state, {}, *inputs)
             return tuple(program.split(EVAL, out)[0])
-        return _RegionCall.apply(self, region, execution._anchor, *inputs)
+        return _RegionCall.apply(self, region, execution.anchor, *inputs)
 
     def _agree(self, fingerprint: int, what: str, flag: bool = False) -> bool:
         """Every rank is about to run the same region (or all have finished the forward);
@@ -275,17 +273,19 @@ class RegionStep:
         """What runs the region's function of role ``which``: under its profiler while its cycle profiles."""
         program, profile = region.installed.program, region.planner.profile
         gm, fn = program.graphs[which], program.runs[which]
-        return fn if profile is None else functools.partial(profile.run, which, gm, compiled=fn if fn is not gm else None)
+        if profile is None:
+            return fn
+        return functools.partial(profile.run, which, gm, compiled=fn if fn is not gm else None)
 
     def forward(self, region: Region, inputs: tuple) -> tuple[list, tuple]:
         execution = self.engine.execution
         program = region.installed.program
         if region.unshard_now:
             with torch.no_grad():
-                execution._run("unshard", program.unshard)
+                execution.run("unshard", program.unshard)
             region.unsharded = execution.replicas
         with torch.no_grad():
-            out = execution._run(FORWARD, self._timed(region, FORWARD), program.state, {}, *inputs)
+            out = execution.run(FORWARD, self._timed(region, FORWARD), program.state, {}, *inputs)
         return program.split(FORWARD, out)
 
     def backward(self, region: Region, saved: tuple, grads: tuple, n_inputs: int) -> list:
@@ -298,7 +298,7 @@ class RegionStep:
         given = {k: g for k, g in enumerate(grads) if g is not None}
         out_grads: dict = {}
         with torch.no_grad():
-            out = execution._run(name, fn, program.state, out_grads, [*saved, *program.tangents(given, last)])
+            out = execution.run(name, fn, program.state, out_grads, [*saved, *program.tangents(given, last)])
             execution.add_grads(out_grads)
         input_grads: list = [None] * n_inputs
         for i, g in enumerate(out or ()):
