@@ -75,30 +75,25 @@ class Signatures(Checker):
                                   f"over {v.type} there (#{k})", self.report.loc(f), 4)
 
     def _grads(self, f, fw) -> None:
-        outputs = signature.results(fw, signature.OUTPUT)
-        seen = set()
-        for a, k in signature.grads(f):
-            if k is UNIT or not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < len(outputs):
-                self.report.error(f"%{a.name} of @{f.name} is the gradient of output {k}; @{fw.name} has "
-                                  f"{len(outputs)} outputs (write {{grad = K}}, K from 0)", self.report.loc(f), 4)
-            elif k in seen:
-                self.report.error(f"%{a.name} of @{f.name} is a second gradient of output {k}", self.report.loc(f), 4)
-            elif a.type != outputs[k].type:
-                self.report.error(f"%{a.name} of @{f.name} is the gradient of output {k}, of type {outputs[k].type}, "
-                                  f"but has type {a.type}", self.report.loc(f), 4)
-            seen.add(k)
+        self._gradients(f, fw, signature.grads(f), signature.results(fw, signature.OUTPUT), "of", "output",
+                        signature.GRAD)
 
     def _input_grads(self, f, fw) -> None:
-        inputs = signature.args(fw, signature.INPUT)
+        self._gradients(f, fw, signature.input_grads(f), signature.args(fw, signature.INPUT), "returned by",
+                        "input", signature.INPUT_GRAD)
+
+    def _gradients(self, f, fw, pairs, targets: list, how: str, what: str, kind: str) -> None:
+        """Each ``(value, K)`` of ``pairs`` is the gradient of ``targets[K]`` (``forward``'s
+        K-th ``what``): one of them, of its type, once."""
         seen = set()
-        for v, k in signature.input_grads(f):
-            if k is UNIT or not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < len(inputs):
-                self.report.error(f"%{v.name} returned by @{f.name} is the gradient of input {k}; @{fw.name} has "
-                                  f"{len(inputs)} inputs (write {{input_grad = K}}, K from 0)", self.report.loc(f), 4)
+        for v, k in pairs:
+            who = f"%{v.name} {how} @{f.name}"
+            if k is UNIT or not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < len(targets):
+                self.report.error(f"{who} is the gradient of {what} {k}; @{fw.name} has {len(targets)} {what}s "
+                                  f"(write {{{kind} = K}}, K from 0)", self.report.loc(f), 4)
             elif k in seen:
-                self.report.error(f"%{v.name} returned by @{f.name} is a second gradient of input {k}",
-                                  self.report.loc(f), 4)
-            elif v.type != inputs[k].type:
-                self.report.error(f"%{v.name} returned by @{f.name} is the gradient of input {k}, of type "
-                                  f"{inputs[k].type}, but has type {v.type}", self.report.loc(f), 4)
+                self.report.error(f"{who} is a second gradient of {what} {k}", self.report.loc(f), 4)
+            elif v.type != targets[k].type:
+                self.report.error(f"{who} is the gradient of {what} {k}, of type {targets[k].type}, but has type "
+                                  f"{v.type}", self.report.loc(f), 4)
             seen.add(k)
