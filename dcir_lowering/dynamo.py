@@ -41,7 +41,7 @@ from dcir_lowering.program import constants, device_of
 
 def dcir_backend(gm: fx.GraphModule, example_inputs, **_options):
     """The ``"dcir"`` backend for ``torch.compile``."""
-    if _symbolic_inputs(gm):
+    if symbolic_inputs(gm):
         _refuse_higher_order(gm)  # now, as for a static graph, not at the first call
         return PerShape(gm, torch._dynamo.config.recompile_limit)
     return _aot(gm, example_inputs)
@@ -54,7 +54,7 @@ def _aot(gm: fx.GraphModule, example_inputs):
                                  bw_compiler=functools.partial(_through_dcir, "backward"))
 
 
-def _symbolic_inputs(gm: fx.GraphModule) -> bool:
+def symbolic_inputs(gm: fx.GraphModule) -> bool:
     """Whether Dynamo made a size or a scalar symbolic: a size that changed between calls
     ("automatic dynamic"), or under ``dynamic=True`` every size, int and float attribute
     (a float arrives as a 0-d tensor read with ``.item()``)."""

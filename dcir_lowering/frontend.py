@@ -160,10 +160,10 @@ def _stepper(work: torch.nn.Module, training: bool, loss_fn, param_dtype, output
 
     def step(*a, **kw):
         if param_dtype is not None and cast_inputs:
-            a, kw = _cast_floats((a, kw), param_dtype)
+            a, kw = cast_floats((a, kw), param_dtype)
         out = work(*a, **kw)
         if output_dtype is not None:
-            out = _cast_floats(out, output_dtype)
+            out = cast_floats(out, output_dtype)
         return loss_fn(out) if loss_fn is not None else out
     return step
 
@@ -219,7 +219,7 @@ def _clone_tensors(tree):
     return tree_map_only(torch.Tensor, torch.clone, tree)
 
 
-def _cast_floats(tree, dtype: torch.dtype):
+def cast_floats(tree, dtype: torch.dtype):
     """Every floating tensor in ``tree`` cast to ``dtype`` (FSDP2's cast of forward inputs)."""
     return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 

@@ -37,14 +37,14 @@ import torch
 import torch.fx as fx
 
 import dcir
-from dcir.diagnostics import DcirError, Diagnostic
-from dcir.roles import BACKWARD, EVAL, FORWARD, UNSHARD
 from dcir import signature
-from dcir_lowering.breaks import benign_breaks
-from dcir_lowering.frontend import DATA_DEPENDENT, _cast_floats, _where
-from dcir_lowering.dynamo import _symbolic_inputs, specialize
-from dcir_lowering.regions import capture_region
+from dcir.diagnostics import DcirError, Diagnostic
 from dcir.memory import peaks
+from dcir.roles import BACKWARD, EVAL, FORWARD, UNSHARD
+from dcir_lowering.breaks import benign_breaks
+from dcir_lowering.dynamo import specialize, symbolic_inputs
+from dcir_lowering.frontend import DATA_DEPENDENT, _where, cast_floats
+from dcir_lowering.regions import capture_region
 from dcir_runtime import capture, materialize, precision, programs, transport
 from dcir_runtime.execution import Installed
 from dcir_runtime.plan import Planner
@@ -104,10 +104,10 @@ class RegionStep:
     def _step(self, *args, **kwargs):
         low, out_dtype = self._precision.get("param_dtype"), self._precision.get("output_dtype")
         if low is not None and self._precision["cast_inputs"]:
-            args, kwargs = _cast_floats((args, kwargs), low)
+            args, kwargs = cast_floats((args, kwargs), low)
         out = self.engine.model(*args, **kwargs)
         if out_dtype is not None:
-            out = _cast_floats(out, out_dtype)
+            out = cast_floats(out, out_dtype)
         return self.engine.loss_fn(out) if self.engine.loss_fn is not None else out
 
     # ---- capture ---------------------------------------------------------------------------------
@@ -117,7 +117,7 @@ class RegionStep:
         symbolic (sizes that changed between calls, a float read with ``.item()`` that it
         keeps as an input), one region per concrete set of sizes, captured at its first call
         (``specialize``: the sizes become constants), the float an input of its own."""
-        if not _symbolic_inputs(gm):
+        if not symbolic_inputs(gm):
             return self._region(gm, list(example_inputs))
         regions: dict = {}
 
