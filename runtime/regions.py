@@ -67,6 +67,7 @@ class Region:
     fingerprint: int
     planner: Planner  # its optimization cycle
     key: str  # its captured text's digest: the same region on every rank that has it
+    outbox: int = 0  # the shared-memory outbox its collectives need (transport.outbox_bytes)
     unsharded: object = None  # the shards' generation its @unshard last ran for
     unshard_now: bool = False  # whether this call runs its @unshard (the ranks agreed)
     grad_inputs: dict[int, int] = field(default_factory=dict)  # {input_grad = K} result -> input K
@@ -152,6 +153,7 @@ class RegionStep:
         planner.log = engine.optimize_log  # the engine's one record of every cycle, each region's among them
         region = Region(name, where, Installed(module, engine.lower(module), None), inputs, _fingerprint(module),
                         planner, key)
+        region.outbox = transport.outbox_bytes(module)
         region.grad_inputs = {i: k for i, (_, k) in enumerate(signature.input_grads(module.role(BACKWARD)))} \
             if module.role(BACKWARD) is not None else {}
         self.regions.append(region)
@@ -188,7 +190,7 @@ class RegionStep:
         planning agrees across ranks, and a region one rank never ran has nothing to agree."""
         engine = self.engine
         if engine.transport_bytes:
-            need = max((transport.outbox_bytes(r.installed.module) for r in self.regions), default=0)
+            need = max((r.outbox for r in self.regions), default=0)
             need = int(engine.process_group.most(need, "the outbox the regions need"))
             engine.transport_bytes = transport.resize(engine.process_group, engine.config.transport,
                                                       engine.transport_bytes, need)
@@ -209,6 +211,7 @@ class RegionStep:
             if module is not None:
                 region.installed = Installed(module, engine.lower(module), None)
                 region.fingerprint, region.unsharded = _fingerprint(module), None  # its own copies: gathered anew
+                region.outbox = transport.outbox_bytes(module)
 
     def largest(self) -> dcir.Module | None:
         """The region whose modelled peak is the highest (what a memory budget is checked against)."""
