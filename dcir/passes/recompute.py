@@ -50,7 +50,7 @@ from dcir import ops as registry
 from dcir.activations import RECOMPUTE, draws_random
 from dcir.context import PlanContext
 from dcir.ir import UNIT, Function, Module, Op, PendingType, ShardType, Value
-from dcir.memory import Bytes, device_bytes, saved_storage, step_peak
+from dcir.memory import Bytes, device_bytes, saved_storage, step_peak, storage_bases
 from dcir.passes import Pass
 from dcir.rewrite import Rewriter
 
@@ -111,8 +111,10 @@ def _read_again(value: Value, fresh) -> list[Op]:
     return [shard, gather, wait]
 
 
-#: the most ops rebuilt for one activation (a longer chain is the forward run twice)
-MAX_CONE = 16
+#: the most ops rebuilt for one activation without a budget (a longer chain is the
+#: forward run twice), and with one: a budget may need an attention's scores rebuilt
+#: from its input projection and the causal mask, what checkpointing its layer would run
+MAX_CONE, MAX_CONE_BUDGETED = 16, 64
 
 
 def _why_not_op(op) -> str | None:
@@ -126,64 +128,75 @@ def _why_not_op(op) -> str | None:
     return None
 
 
-def cone(module: Module, fw: Function, ret: Value, saved: set[Value]) -> list[Op] | str:
-    """The forward's ops that rebuild the saved activation ``ret`` from what the backward
-    has at hand (the other ``saved`` values, state it reads again), in forward order; or
-    why it cannot be rebuilt."""
+def cone(module: Module, fw: Function, rets: list[Value], saved: set[Value], limit: int = MAX_CONE) -> list[Op] | str:
+    """The forward's ops that rebuild the saved activations ``rets`` (one storage: a
+    tensor and the views of it the forward saves) from what the backward has at hand
+    (the other ``saved`` values, state it reads again), each op once, in forward order;
+    or why they cannot be rebuilt."""
     ops: list[Op] = []
     seen: set[Op] = set()
-    todo = [ret.owner]
+    todo = [ret.owner for ret in rets]
+    owners = set(todo)
+    others = saved - set(rets)
     while todo:
         op = todo.pop()
         if op in seen:
             continue
         why = _why_not_op(op)
         if why is not None:
-            return why if op is ret.owner else "needs a value the backward does not have"
+            return why if op in owners else "needs a value the backward does not have"
         seen.add(op)
         ops.append(op)
-        if len(ops) > MAX_CONE:
-            return f"needs more than {MAX_CONE} ops again"
-        todo.extend(v.owner for v in op.operands if not _at_hand(module, v, saved - {ret}))
+        if len(ops) > limit:
+            return f"needs more than {limit} ops again"
+        todo.extend(v.owner for v in op.operands if not _at_hand(module, v, others))
     order = {op: k for k, op in enumerate(fw.ops)}
     return sorted(ops, key=order.__getitem__)
 
 
-def _rebuild(fw: Function, bws: list[Function], ret: Value, ops: list[Op], rewriters: dict[str, Rewriter]) -> None:
-    """Drop ``ret`` from the hand-off and run ``ops`` (its ``cone``) again in each of
-    ``bws``, before the first use of what it was handed as; every change goes through
-    ``rewriters`` (one per function, by name)."""
+def _rebuild(fw: Function, bws: list[Function], rets: list[Value], ops: list[Op],
+             rewriters: dict[str, Rewriter]) -> None:
+    """Drop ``rets`` from the hand-off and run ``ops`` (their ``cone``) again in each of
+    ``bws``, once, before the first use of what any of them was handed as; every change
+    goes through ``rewriters`` (one per function, by name)."""
     for bw in bws:
         env = dict(signature.saved_pairs(fw, bw))  # forward value -> the backward's
-        arg = env.pop(ret)
+        handed = {ret: env.pop(ret) for ret in rets}
         for v in {v for op in ops for v in op.operands if v not in env}:
             alias = _alias_in(v, set(env))
             if alias is not None:
                 env[v] = env[alias]
         rewriter = rewriters[bw.name]
-        users = [u for u, _ in arg.uses if isinstance(u, Op)]
-        if not users:  # this backward does not read it: it just stops taking it
+        users = [u for arg in handed.values() for u, _ in arg.uses if isinstance(u, Op)]
+        if users:  # a backward that reads none of them just stops taking them
+            _run_again(bw, ops, handed, env, rewriter, anchor=min(users, key=bw.ops.index))
+        for ret, arg in handed.items():
+            if users:
+                rewriter.replace_all_uses(arg, env[ret])
             rewriter.remove_arg(arg)
-            continue
-        anchor = min(users, key=bw.ops.index)
-        fresh = bw.name_maker()
-        for op in ops:
-            for v in op.operands:
-                if v not in env:  # state the backward reads (and gathers) again
-                    again = _read_again(v, fresh)
-                    rewriter.insert_before(anchor, again)
-                    env[v] = again[-1].results[0]
-            results = [Value(arg.name if r is ret else fresh(r.name), r.type) for r in op.results]
-            again = Op(op.name, [env[v] for v in op.operands], results, {**op.attrs, RECOMPUTE: UNIT},
-                       parens=op.parens, loc=op.loc)
-            rewriter.insert_before(anchor, [again])
-            env.update(zip(op.results, results))
-        rewriter.replace_all_uses(arg, env[ret])
-        rewriter.remove_arg(arg)
-    at = next(k for k in signature.result_indices(fw, signature.SAVED) if fw.returns[k] is ret)
-    keep = [k for k in range(len(fw.returns)) if k != at]
+    dropped = {k for k in signature.result_indices(fw, signature.SAVED) if fw.returns[k] in handed}
+    keep = [k for k in range(len(fw.returns)) if k not in dropped]
     rewriters[fw.name].set_returns([fw.returns[k] for k in keep], [fw.result_types[k] for k in keep],
-                             [fw.result_attrs[k] for k in keep])
+                                   [fw.result_attrs[k] for k in keep])
+
+
+def _run_again(bw: Function, ops: list[Op], handed: dict[Value, Value], env: dict[Value, Value],
+               rewriter: Rewriter, anchor: Op) -> None:
+    """Insert ``ops`` again before ``anchor`` in ``bw``, marked recomputed, reading state
+    again where ``env`` (forward value -> the backward's) has no value; a rebuilt value
+    that was handed over takes the name of the argument it replaces."""
+    fresh = bw.name_maker()
+    for op in ops:
+        for v in op.operands:
+            if v not in env:  # state the backward reads (and gathers) again
+                again = _read_again(v, fresh)
+                rewriter.insert_before(anchor, again)
+                env[v] = again[-1].results[0]
+        results = [Value(handed[r].name if r in handed else fresh(r.name), r.type) for r in op.results]
+        again = Op(op.name, [env[v] for v in op.operands], results, {**op.attrs, RECOMPUTE: UNIT},
+                   parens=op.parens, loc=op.loc)
+        rewriter.insert_before(anchor, [again])
+        env.update(zip(op.results, results))
 
 
 def _library(ops: list[Op]) -> bool:
@@ -191,18 +204,28 @@ def _library(ops: list[Op]) -> bool:
     return any(op.name.startswith(fusion.LIBRARY_KERNELS) for op in ops)
 
 
-def _candidates(module: Module, fw: Function, stats: Counter) -> list[Value]:
-    """The saved activations that can be rebuilt: those without a library kernel in their
+def storages(fw: Function) -> list[list[Value]]:
+    """``fw``'s saved activations by storage: a tensor saved with views of it is one
+    entry (dropping one of them frees nothing while another is handed over)."""
+    bases = storage_bases(fw)
+    out: dict[Value, list[Value]] = {}
+    for ret in dict.fromkeys(signature.results(fw, signature.SAVED)):
+        out.setdefault(bases.get(ret, ret), []).append(ret)
+    return list(out.values())
+
+
+def _candidates(module: Module, fw: Function, stats: Counter, limit: int) -> list[list[Value]]:
+    """The saved storages that can be rebuilt: those without a library kernel in their
     cone first, then by bytes, the largest first, then by the fewest ops again."""
     saved = set(signature.results(fw, signature.SAVED))
     out = []
-    for ret in dict.fromkeys(signature.results(fw, signature.SAVED)):
-        ops = cone(module, fw, ret, saved)
+    for rets in storages(fw):
+        ops = cone(module, fw, rets, saved, limit)
         if isinstance(ops, str):
             stats[f"kept: {ops}"] += 1
             continue
-        out.append((_library(ops), -device_bytes(ret), len(ops), ret))
-    return [ret for *_, ret in sorted(out, key=lambda c: c[:3])]
+        out.append((_library(ops), -max(map(device_bytes, rets)), len(ops), rets))
+    return [rets for *_, rets in sorted(out, key=lambda c: c[:3])]
 
 
 @dataclass(frozen=True)
@@ -217,11 +240,12 @@ class Recompute(Pass):
             return
         rewriters = {f.name: Rewriter(f) for f in (fw, *bws)}
         now = footprint(module)
-        for ret in _candidates(module, fw, stats):
+        limit = MAX_CONE if self.budget is None else MAX_CONE_BUDGETED
+        for rets in _candidates(module, fw, stats, limit):
             if self.budget is not None and now[0] <= self.budget:
                 break
-            saved = signature.results(fw, signature.SAVED)
-            ops = cone(module, fw, ret, set(saved)) if ret in saved else "a value it needs was rebuilt"
+            saved = set(signature.results(fw, signature.SAVED))
+            ops = cone(module, fw, rets, saved, limit) if saved.issuperset(rets) else "a value it needs was rebuilt"
             if isinstance(ops, str):
                 stats[f"kept: {ops}"] += 1
                 continue
@@ -229,7 +253,7 @@ class Recompute(Pass):
                 stats["kept: needs a matmul again, and no budget asks for it"] += 1
                 continue
             marks = {name: r.checkpoint() for name, r in rewriters.items()}
-            _rebuild(fw, bws, ret, ops, rewriters)
+            _rebuild(fw, bws, rets, ops, rewriters)
             after = footprint(module)
             if after >= now:
                 for name, r in rewriters.items():
