@@ -92,12 +92,19 @@ class Candidate:
     peak: int
 
 
+#: schedule passes that spend memory for speed (earlier gathers, replicas kept, larger
+#: collectives and with them a larger shared-memory outbox)
+SPENDS_MEMORY = ("prefetch", "unshard", "bucket")
+
+
 def pipelines(passes: list) -> list[list]:
     """The pipelines the planner tries for the configured ``passes``: as given, then
     the schedule passes' joint alternatives. ``unshard`` before ``prefetch`` (the
     gathers left in ``@forward`` are then the ones prefetch places), and ``prefetch``
     without its own fusion when ``bucket`` follows (``bucket`` then groups the
-    hoisted gathers, not only those that start together)."""
+    hoisted gathers, not only those that start together). Under a memory budget (a
+    pass given one), also the pipeline without the passes that spend memory for speed,
+    for a budget at the step's floor."""
     out = [list(passes)]
     names = [p.name for p in passes]
     if "prefetch" in names and "unshard" in names and names.index("unshard") > names.index("prefetch"):
@@ -108,6 +115,9 @@ def pipelines(passes: list) -> list[list]:
     if "prefetch" in names and "bucket" in names:
         for pipe in list(out):
             out.append([dataclasses.replace(p, fuse=False) if p.name == "prefetch" else p for p in pipe])
+    lean = [p for p in passes if p.name not in SPENDS_MEMORY]
+    if lean and len(lean) < len(passes) and any(getattr(p, "budget", None) is not None for p in passes):
+        out.append(lean)
     return out
 
 

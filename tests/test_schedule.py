@@ -307,6 +307,28 @@ def test_the_planner_tries_the_joint_alternatives_and_keeps_the_fastest(llama_ze
     assert tight.peak == min(c.peak for c in tried)
 
 
+def test_under_a_budget_the_planner_also_tries_the_step_without_passes_that_spend_memory(llama_zero3):
+    """A budget at the floor of what ``recompute`` can reach leaves no room for earlier
+    gathers, replicas or larger collectives (``bucket`` grows the outbox): the pipeline
+    without them is tried too, and fits where the others do not."""
+    from dcir.passes.recompute import Recompute
+    from dcir.memory import step_peak
+    from dcir.search import best_pipeline, pipelines
+    from dcir_runtime.transport import outbox_bytes
+
+    m = _profile(llama_zero3, 7)
+    floor = m.clone()
+    dcir.run_passes(floor, [Recompute(budget=1)])
+    budget = step_peak(floor)
+    candidates = pipelines(parse_pipeline(f"recompute{{budget={budget}}},prefetch{{budget={budget}}},unshard,bucket"))
+    assert [p.name for p in candidates[-1]] == ["recompute"]
+    assert all(len(c) == 4 for c in candidates[:-1])
+    assert [p.name for p in pipelines(parse_pipeline("recompute,prefetch"))[-1]] == ["recompute", "prefetch"]
+    _, chosen, tried = best_pipeline(m, candidates, budget=budget + outbox_bytes(m), extra=outbox_bytes)
+    assert chosen.spec.startswith("recompute{") and "," not in chosen.spec, tried
+    assert chosen.peak <= budget + outbox_bytes(m) < min(c.peak for c in tried[:-1]), tried
+
+
 def test_consecutive_profile_steps_each_profile_the_next_step():
     """``profile_at: [1, 2, 3]`` profiles three steps in a row and plans after each,
     every plan named by the pipeline the search chose."""
