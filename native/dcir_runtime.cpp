@@ -81,22 +81,6 @@ std::chrono::milliseconds timeout{300000};
 
 int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 
-void track_gathered(const at::Tensor& buffer) {
-  auto* impl = buffer.storage().unsafeGetStorageImpl();
-  int64_t bytes = static_cast<int64_t>(buffer.storage().nbytes());
-  std::lock_guard<std::mutex> g(mu);
-  auto it = gathered.find(impl);
-  if (it != gathered.end()) {
-    if (!it->second.first.expired()) return;  // tracked already
-    // a buffer dropped without mem.free, whose address the allocator gave to this one
-    stats.gathered_bytes -= it->second.second;
-    gathered.erase(it);
-  }
-  gathered.emplace(impl, std::make_pair(buffer.storage().getWeakStorageImpl(), bytes));
-  stats.gathered_bytes += bytes;
-  stats.peak_gathered_bytes = std::max(stats.peak_gathered_bytes, stats.gathered_bytes);
-}
-
 void prune_locked() {
   for (auto it = gathered.begin(); it != gathered.end();) {
     if (it->second.first.expired()) {
@@ -106,6 +90,21 @@ void prune_locked() {
       ++it;
     }
   }
+}
+
+void track_gathered(const at::Tensor& buffer) {
+  auto* impl = buffer.storage().unsafeGetStorageImpl();
+  int64_t bytes = static_cast<int64_t>(buffer.storage().nbytes());
+  std::lock_guard<std::mutex> g(mu);
+  // buffers dropped without mem.free (a gathered copy released at its last use, as the
+  // recompute pass's gathers are) are gone before this one is counted: the peak is of
+  // the live ones
+  prune_locked();
+  auto it = gathered.find(impl);
+  if (it != gathered.end()) return;  // tracked already (a dropped one at this address was pruned above)
+  gathered.emplace(impl, std::make_pair(buffer.storage().getWeakStorageImpl(), bytes));
+  stats.gathered_bytes += bytes;
+  stats.peak_gathered_bytes = std::max(stats.peak_gathered_bytes, stats.gathered_bytes);
 }
 
 // ---- pending work -----------------------------------------------------------------------

@@ -97,6 +97,9 @@ class _Recorder(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, ops: list[Op], store: OptimizerStateStore | None, sync: bool = True,
                  held: list = ()):
         super().__init__(gm, garbage_collect_values=True)
+        for node in gm.graph.nodes:  # a value nothing reads goes at once, as in the compiled code (and the memory model)
+            if not node.users and node.op != "output":
+                self.user_to_last_uses.setdefault(node, []).append(node)
         self.ops = ops  # the function's IR ops, by position (``OP_INDEX``): their traits say what a node does
         n_ops = len(ops)
         self.store = store  # the optimizer-state store the function's host copies run on (offload), or None

@@ -595,6 +595,14 @@ def native_ops(transport: str) -> None:
     assert runtime_stats().gathered_now - before.gathered_now == ShardLayout(10, world).padded * 4
     d.free(x)
     assert x.untyped_storage().nbytes() == 0 and runtime_stats().gathered_now == before.gathered_now
+    # one dropped without a free (released at its last use) is not counted once it is gone
+    d.reset_peak()
+    blockers = []  # each takes the address the dropped buffer had, so the next gather's is new
+    for _ in range(3):
+        y = d.wait(d.all_gather(shard, [2, 5], g, "t"))
+        del y
+        blockers.append(torch.empty(ShardLayout(10, world).padded, device=where))
+    assert runtime_stats().gathered_peak - before.gathered_now == ShardLayout(10, world).padded * 4
     _layouts_agree(d, g, rank, world, where)
     _many_in_flight(d, g, rank, world, engine.transport_bytes, where)
     try:

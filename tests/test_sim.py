@@ -16,6 +16,7 @@ import dcir
 from dcir.cli import main as opt_main
 from dcir.cost import DEVICE, LAUNCH, OPTIMIZER, TIME, Machine, calibrate, outside_s
 from dcir.hardware import HardwareError, dump, fit, load, shipped
+from dcir.memory import timeline
 from dcir.ops import WAITS, has_trait
 from dcir.schedule import Sweep
 from dcir.sim import COLLECTIVE, COMPUTE, COPY, estimate, estimate_module, simulate, simulate_module
@@ -190,6 +191,38 @@ def test_the_profile_counts_the_page_faults_of_each_op():
     assert loss.item() == 4096 * 4096
     faults = profile.runs["forward"][0].faults
     assert faults[0] >= 32 and faults[1] < faults[0]
+
+
+UNREAD_VIEW = """
+module @m {
+  func @forward(%x: f32[1024, 1024] {input}) -> (f32[] {output}) role forward {
+    %y = aten.mul.Tensor(%x, %x) : f32[1024, 1024]
+    %unread = aten.detach.default(%y) : f32[1024, 1024]
+    %loss = aten.sum.default(%y) : f32[]
+    %z = aten.mul.Tensor(%x, %x) : f32[1024, 1024]
+    %loss2 = aten.sum.default(%z) : f32[]
+    %out = aten.add.Tensor(%loss, %loss2) : f32[]
+    return %out
+  }
+}
+"""
+
+
+def test_the_profile_lets_a_value_nothing_reads_go_at_once():
+    """A view nothing reads (the forward's ``detach`` of an activation the recompute pass
+    stopped handing over) does not keep its tensor: the compiled code drops it at once,
+    and so do the memory model and the profile (4 MiB at most, not 8)."""
+    import torch
+
+    from dcir_runtime import native
+    from dcir_runtime.profiler import Profile
+
+    native.load()
+    m = dcir.parse(UNREAD_VIEW)
+    profile = Profile(m)
+    profile.run("forward", dcir.lower(m, {}).graphs["forward"], {}, {}, torch.ones(1024, 1024))
+    measured = profile.annotate()["forward"] - 4 * 2**20  # less the input
+    assert measured == timeline(m.functions["forward"]).peak - 4 * 2**20 < 5 * 2**20
 
 
 def test_fit_describes_the_machine_a_profile_ran_on():
