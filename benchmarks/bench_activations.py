@@ -30,6 +30,12 @@ pays the same page faults. DCIR points also report the Engine's accounted peak (
 ``memory_budget`` is checked against: shards, gradient shards, optimizer state,
 buffers, the memory model's step peak, the outbox) and their budget.
 
+Each point then runs once more, one measured step, with ``train_worker.py --allocated``:
+its allocator peak (the largest rank's peak of live tensor bytes over the step, what a
+GPU's ``torch.cuda.max_memory_allocated`` reports; the memory profiler it needs slows
+that run, whose step time is not used). The matched-memory lines compare on both
+figures.
+
 Ratios are against the baselines of the same run: "x ckpt speed" is ``fsdp2-ckpt``'s step
 over a point's (above 1: faster), "x ckpt RSS" a point's peak over ``fsdp2-ckpt``'s; the
 simulator's own check is "x pred step" (a point's measured step over the step time the
@@ -78,7 +84,7 @@ def points(ns, probe: dict) -> tuple[list[tuple[str, str, dict]], dict[str, str]
     return run, skipped
 
 
-def summarize(runs: dict[str, list[dict]], budgets: dict[str, int]) -> dict[str, dict]:
+def summarize(runs: dict[str, list[dict]], budgets: dict[str, int], allocated: dict[str, float]) -> dict[str, dict]:
     rows = {}
     for label, results in runs.items():
         if not results:
@@ -93,7 +99,7 @@ def summarize(runs: dict[str, list[dict]], budgets: dict[str, int]) -> dict[str,
                        "budget_mib": budgets[label] / 2**20 if label in budgets else None,
                        "predicted_s": bench_train._median([r.get("predicted_s") for r in results]),
                        "pipeline": next((log[-1]["pipeline"] for r in results if (log := r.get("optimize_log"))), None),
-                       "x_predicted_peak": _peak_ratio(results)}
+                       "x_predicted_peak": _peak_ratio(results), "allocated_mib": allocated.get(label)}
         if rows[label]["predicted_s"]:
             rows[label]["x_predicted_step"] = rows[label]["step_s"] / rows[label]["predicted_s"]
     ckpt = rows.get("fsdp2-ckpt")
@@ -103,6 +109,8 @@ def summarize(runs: dict[str, list[dict]], budgets: dict[str, int]) -> dict[str,
         row["x_ckpt_rss"] = row["peak_rss_mib"] / ckpt["peak_rss_mib"] if ckpt else None
         row["x_fsdp2_speed"] = plain["step_s"] / row["step_s"] if plain else None
         row["x_fsdp2_rss"] = row["peak_rss_mib"] / plain["peak_rss_mib"] if plain else None
+        row["x_ckpt_allocated"] = (row["allocated_mib"] / ckpt["allocated_mib"]
+                                   if ckpt and row["allocated_mib"] and ckpt["allocated_mib"] else None)
     return rows
 
 
@@ -119,25 +127,38 @@ def _peak_ratio(results: list[dict]) -> float | None:
     return statistics.median(ratios) if ratios else None
 
 
-def matched(rows: dict[str, dict]) -> dict | None:
-    """DCIR against ``fsdp2-ckpt`` at ``fsdp2-ckpt``'s peak: the fastest DCIR point within
-    it, and DCIR's curve (its points by peak, the faster at equal peak) interpolated there."""
+def matched(rows: dict[str, dict], key: str) -> dict | None:
+    """DCIR against ``fsdp2-ckpt`` at ``fsdp2-ckpt``'s peak (``key``: ``peak_rss_mib`` or
+    ``allocated_mib``): the fastest DCIR point within it, and DCIR's curve (its points by
+    peak, the faster at equal peak) interpolated there."""
     ckpt = rows.get("fsdp2-ckpt")
-    dcir = sorted((r["peak_rss_mib"], r["step_s"], label) for label, r in rows.items() if label.startswith("dcir"))
-    if ckpt is None or not dcir:
+    dcir = sorted((r[key], r["step_s"], label) for label, r in rows.items() if label.startswith("dcir")
+                  and r.get(key) is not None)
+    if ckpt is None or ckpt.get(key) is None or not dcir:
         return None
-    at = ckpt["peak_rss_mib"]
-    within = [(step, label, rss) for rss, step, label in dcir if rss <= at]
+    at = ckpt[key]
+    within = [(step, label, peak) for peak, step, label in dcir if peak <= at]
     best = min(within) if within else None
     curve = None
     for (r0, s0, _), (r1, s1, _) in zip(dcir, dcir[1:]):
         if r0 <= at <= r1 and r1 > r0:
             curve = s0 + (s1 - s0) * (at - r0) / (r1 - r0)
-    return {"at_mib": at, "ckpt_step_s": ckpt["step_s"],
-            "best_within": best and {"label": best[1], "step_s": best[0], "peak_rss_mib": best[2],
+    return {"key": key, "at_mib": at, "ckpt_step_s": ckpt["step_s"],
+            "best_within": best and {"label": best[1], "step_s": best[0], "peak_mib": best[2],
                                      "x_ckpt_speed": ckpt["step_s"] / best[0]},
             "interpolated_step_s": curve, "x_ckpt_speed_interpolated": ckpt["step_s"] / curve if curve else None,
             "lowest_dcir_mib": dcir[0][0]}
+
+
+def matched_line(match: dict) -> str:
+    what = {"peak_rss_mib": "peak RSS", "allocated_mib": "allocator peak"}[match["key"]]
+    best = match["best_within"]
+    return (f"at fsdp2-ckpt's {what} ({match['at_mib']:.0f} MiB, step {match['ckpt_step_s']:.3f} s): "
+            + (f"fastest DCIR point within it {best['label']} ({best['peak_mib']:.0f} MiB, "
+               f"{best['step_s']:.3f} s): x{best['x_ckpt_speed']:.2f}" if best else
+               f"no DCIR point is within it (the lowest: {match['lowest_dcir_mib']:.0f} MiB)")
+            + (f"; DCIR's curve interpolated there: {match['interpolated_step_s']:.3f} s, "
+               f"x{match['x_ckpt_speed_interpolated']:.2f}" if match["interpolated_step_s"] else ""))
 
 
 def table(rows: dict[str, dict], skipped: dict[str, str]) -> str:
@@ -146,7 +167,7 @@ def table(rows: dict[str, dict], skipped: dict[str, str]) -> str:
 
     head = (f"{'point':<20}{'step s':>8}{'min-max s':>14}{'peak RSS MiB':>14}{'accounted MiB':>15}{'budget MiB':>12}"
             f"{'predicted s':>13}{'x pred step':>12}{'x pred peak':>12}{'x ckpt speed':>14}{'x ckpt RSS':>12}"
-            f"{'x fsdp2 speed':>15}{'x fsdp2 RSS':>13}")
+            f"{'x fsdp2 speed':>15}{'x fsdp2 RSS':>13}{'alloc MiB':>11}{'x ckpt alloc':>14}")
     lines = [head, "-" * len(head)]
     for label, r in rows.items():
         lines.append(f"{label:<20}{r['step_s']:>8.3f}{r['step_s_min']:>7.2f}-{r['step_s_max']:<6.2f}"
@@ -154,7 +175,8 @@ def table(rows: dict[str, dict], skipped: dict[str, str]) -> str:
                      f"{f(r['predicted_s'], '.3f'):>13}{f(r.get('x_predicted_step'), '.2f'):>12}"
                      f"{f(r['x_predicted_peak'], '.2f'):>12}{f(r['x_ckpt_speed'], '.2f'):>14}"
                      f"{f(r['x_ckpt_rss'], '.3f'):>12}"
-                     f"{f(r['x_fsdp2_speed'], '.2f'):>15}{f(r['x_fsdp2_rss'], '.3f'):>13}")
+                     f"{f(r['x_fsdp2_speed'], '.2f'):>15}{f(r['x_fsdp2_rss'], '.3f'):>13}"
+                     f"{f(r['allocated_mib'], '.1f'):>11}{f(r['x_ckpt_allocated'], '.3f'):>14}")
     for label, why in skipped.items():
         lines.append(f"{label:<20}{why}")
     return "\n".join(lines)
@@ -167,7 +189,7 @@ def chart(rows: dict[str, dict], path: Path, title: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "no chart: matplotlib is not installed (pip install -e '.[bench]')"
-    fig, (ax, acc) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
+    fig, (ax, acc) = plt.subplots(1, 2, figsize=(12, 4.4), gridspec_kw={"width_ratios": [1, 1]})
     dcir = sorted((r["peak_rss_mib"], r["step_s"], label) for label, r in rows.items() if label.startswith("dcir"))
     ax.plot([d[0] for d in dcir], [d[1] for d in dcir], "o-", color="#3b7dd8", label="DCIR (recompute budgets)")
     for rss, step, label in dcir:
@@ -185,17 +207,23 @@ def chart(rows: dict[str, dict], path: Path, title: str) -> str | None:
     ax.set_ylabel("median step time (s)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
-    accounted = sorted((r["accounted_mib"], r["step_s"], label, r["budget_mib"]) for label, r in rows.items()
-                       if r.get("accounted_mib") is not None)
-    acc.plot([a[0] for a in accounted], [a[1] for a in accounted], "o-", color="#3b7dd8", label="accounted peak")
-    for a, step, label, budget in accounted:
+    alloc = sorted((r["allocated_mib"], r["step_s"], label, r["budget_mib"]) for label, r in rows.items()
+                   if label.startswith("dcir") and r.get("allocated_mib") is not None)
+    acc.plot([a[0] for a in alloc], [a[1] for a in alloc], "o-", color="#3b7dd8", label="DCIR")
+    for a, step, label, budget in alloc:
         acc.annotate(label.removeprefix("dcir-"), (a, step), textcoords="offset points", xytext=(5, 4), fontsize=8)
         if budget is not None:
             acc.plot([budget], [step], "|", color="red", markersize=12)
     acc.plot([], [], "|", color="red", label="its memory_budget")
-    acc.set_xlabel("DCIR: the Engine's accounted peak per rank (MiB)")
-    acc.set_title("DCIR by its own accounting", fontsize=9)
-    acc.legend(fontsize=8)
+    for label, r in rows.items():
+        if not label.startswith("dcir") and r.get("allocated_mib") is not None:
+            marker, color = styles.get(label, ("^", "#3ba86b"))
+            acc.plot([r["allocated_mib"]], [r["step_s"]], marker, color=color, label=label)
+    if ckpt and ckpt.get("allocated_mib"):
+        acc.axvline(ckpt["allocated_mib"], color="#d8573b", linestyle=":", linewidth=1)
+    acc.set_xlabel("allocator peak per rank over one step (MiB)")
+    acc.set_title("tensors only: the CPU allocator's peak", fontsize=9)
+    acc.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return None
@@ -255,21 +283,26 @@ def main(argv=None) -> int:
                 runs[label].append(result)
                 print(f"  round {r + 1}: {label:<20} median step {statistics.median(result['step_s']):.3f} s, "
                       f"peak {max(result['steps_rss_mib']):.0f} MiB", flush=True)
+    allocated = {}
+    for label, system, settings in todo:  # one more run each, under the memory profiler: the allocator's peak
+        out = logs / f"act-{label}-allocated.json"
+        out.unlink(missing_ok=True)
+        result = bench_train._run(system, argparse.Namespace(**{**vars(base), **settings, "steps": 1,
+                                                                 "allocated": True}), out)
+        if result and all(result["allocated"]):
+            allocated[label] = max(a["peak"] for a in result["allocated"])
+            print(f"  allocator peak: {label:<20} {allocated[label]:.1f} MiB", flush=True)
     for label, results in runs.items():
         if not results:  # say so in the table and the JSON, as an infeasible point is
             skipped[label] = f"failed in every round (its output: {logs / f'act-{label}-0.log'})"
-    rows = summarize(runs, budgets)
+    rows = summarize(runs, budgets, allocated)
     print()
     print(table(rows, skipped))
-    match = matched(rows)
-    if match:
-        best = match["best_within"]
-        print(f"\nat fsdp2-ckpt's peak ({match['at_mib']:.0f} MiB, step {match['ckpt_step_s']:.3f} s): "
-              + (f"fastest DCIR point within it {best['label']} ({best['peak_rss_mib']:.0f} MiB, "
-                 f"{best['step_s']:.3f} s): x{best['x_ckpt_speed']:.2f}" if best else
-                 f"no DCIR point is within it (the lowest: {match['lowest_dcir_mib']:.0f} MiB)")
-              + (f"; DCIR's curve interpolated there: {match['interpolated_step_s']:.3f} s, "
-                 f"x{match['x_ckpt_speed_interpolated']:.2f}" if match["interpolated_step_s"] else ""))
+    match = {key: matched(rows, key) for key in ("peak_rss_mib", "allocated_mib")}
+    print()
+    for m in match.values():
+        if m:
+            print(matched_line(m))
     report = {"workload": {k: getattr(ns, k) for k in WORKLOAD} | {"world": ns.world, "malloc": ns.malloc,
                                                                     "parameters": bench_train.parameters(base)},
               "rounds": ns.rounds, "steps": ns.steps, "warmup": ns.warmup, "probe": probe["accounted"],

@@ -205,6 +205,7 @@ def _run(system: str, ns, out: Path) -> dict | None:
     if system == "fsdp2-compile-budget":
         args += ["--compile-budget", str(ns.compile_budget)]
     args += ["--rss-trace"] if ns.rss_trace else []
+    args += ["--allocated"] if getattr(ns, "allocated", False) else []  # bench_activations' memory runs
     if ns.trace and system.startswith("dcir"):
         args += ["--trace", str(out.with_name(out.stem + "-trace"))]
     world = 1 if system in ("floor", "eager") else ns.world

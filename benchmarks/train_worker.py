@@ -27,12 +27,16 @@ measured step, so building, capture and compiling are left out) and, for DCIR, w
 Engine accounts (``accounted``: ``Dcir.accounting``) and each optimization cycle's record.
 ``dcir-recompute`` runs the cycle with ``recompute`` under ``--memory-budget`` bytes;
 ``fsdp2-ckpt`` checkpoints every decoder layer, ``fsdp2-compile-budget`` compiles each
-under ``--compile-budget`` (``Fsdp2``).
+under ``--compile-budget`` (``Fsdp2``). ``--allocated`` (CPU) also reports each rank's
+allocator peak over the first measured step (``allocated``: ``Allocations``), the
+figure a GPU's ``max_memory_allocated`` gives; the profiler it runs under slows that
+run's steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -166,6 +170,43 @@ def rss_trace(ns, stage: str, runner=None) -> None:
             "parameters", "gradients", "optimizer_state", "buffers", "replicas", "gathered_now", "gathered_peak"))
     print(f"rss-trace rank {rank} {stage:<22} RSS {status.get('VmRSS', 0):8.1f} MiB  peak "
           f"{status.get('VmHWM', 0):8.1f} MiB  age {process_age_s():7.2f} s{extra}", file=sys.stderr, flush=True)
+
+
+class Allocations:
+    """The CPU allocator's live bytes, as ``torch.cuda.max_memory_allocated`` gives a GPU's:
+    torch's memory profiler, on from before the model is built, reports with every
+    allocation and free the bytes allocated since it started that are still live. The
+    peak of that over one step (``window``) is the step's allocator peak: every tensor
+    the rank holds (shards, gradients, optimizer state, buffers) and what the step
+    allocates, without the process's own memory (Python, torch, compiled programs).
+    Allocations on threads other than the one stepping are not seen."""
+
+    def __init__(self):
+        self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        self.profiler.__enter__()
+
+    @contextlib.contextmanager
+    def window(self):
+        with torch.profiler.record_function("bench: measured step"):
+            yield
+
+    def peak_mib(self) -> dict:
+        """``{"start", "peak"}``: MiB live when the window began, and the most within it."""
+        self.profiler.__exit__(None, None, None)
+        events, span = [], None
+        todo = list(self.profiler.profiler.kineto_results.experimental_event_tree())
+        while todo:
+            e = todo.pop()
+            todo.extend(e.children)
+            if type(e.extra_fields).__name__ == "_ExtraFields_Allocation" and str(e.extra_fields.device) == "cpu":
+                events.append((e.start_time_ns, e.extra_fields.total_allocated))
+            elif e.name == "bench: measured step":
+                span = (e.start_time_ns, e.end_time_ns)
+        events.sort()
+        before = [total for t, total in events if t < span[0]]
+        inside = [total for t, total in events if span[0] <= t <= span[1]]
+        start = before[-1] if before else 0
+        return {"start": start / 2**20, "peak": max([start, *inside]) / 2**20}
 
 
 def optimizer_state_bytes(model, world: int) -> int:
@@ -432,11 +473,17 @@ def main() -> None:
     ap.add_argument("--trace", default=None, help="trace one more step after the measured ones into DIR/rank<N>.json")
     ap.add_argument("--memory-budget", type=int, default=0,
                     help="dcir-recompute: the Engine's memory_budget in bytes per rank (0: none)")
+    ap.add_argument("--allocated", action="store_true",
+                    help="measure the first measured step's allocator peak (CPU: under torch's memory profiler, "
+                         "on from before the model is built; that run's step times are not representative)")
     ap.add_argument("--compile-budget", type=float, default=0.5,
                     help="fsdp2-compile-budget: torch._functorch.config.activation_memory_budget (default 0.5)")
     ns = ap.parse_args()
+    if ns.allocated and ns.device != "cpu":
+        ap.error("--allocated measures the CPU allocator; on a GPU, peak_cuda_mib is that figure")
     torch.set_num_threads(1)
     rss_trace(ns, "start")
+    allocations = Allocations() if ns.allocated else None
     runner = make(ns.system, ns)
     rss_trace(ns, "built", runner)
     start_rss = peak_rss_mib()  # the peak of starting: the model, sharding, initialization (DCIR: and capture)
@@ -453,8 +500,9 @@ def main() -> None:
             dist.barrier()
         synchronize(ns)
         begin = time.perf_counter()
-        for _ in range(ns.accumulate):
-            runner.micro_step(next(data))
+        with allocations.window() if allocations is not None and step == ns.warmup else contextlib.nullcontext():
+            for _ in range(ns.accumulate):
+                runner.micro_step(next(data))
         synchronize(ns)
         elapsed = time.perf_counter() - begin
         first_step = first_step if first_step is not None else process_age_s()
@@ -470,12 +518,13 @@ def main() -> None:
         for _ in range(ns.accumulate):
             runner.micro_step(next(data))
     predicted = runner.predicted_s() if hasattr(runner, "predicted_s") else None
+    allocated = allocations.peak_mib() if allocations is not None else None
     rss = peak_rss_mib()  # before the accounting below, whose planning is not part of the step
     steps_rss = hwm_rss_mib() if ns.steps and reset else None
     accounted = runner.accounting() if hasattr(runner, "accounting") else None
     per_rank = {"times": times, "waits": waits, "sent": sent, "peak_rss_mib": rss, "predicted_s": predicted,
                 "accounted": accounted, "steps_rss_mib": steps_rss,
-                "first_step_s": first_step, "start_rss_mib": start_rss,
+                "first_step_s": first_step, "start_rss_mib": start_rss, "allocated": allocated,
                 "peak_cuda_mib": torch.cuda.max_memory_allocated() / 2**20 if ns.device == "cuda" else None}
     everyone = [per_rank]
     if distributed:
@@ -495,6 +544,7 @@ def main() -> None:
                        "peak_rss_mib": [r["peak_rss_mib"] for r in everyone],
                        "start_rss_mib": [r["start_rss_mib"] for r in everyone],
                        "peak_cuda_mib": [r["peak_cuda_mib"] for r in everyone],
+                       "allocated": [r["allocated"] for r in everyone],
                        "first_step_s": max(r["first_step_s"] for r in everyone),
                        "init": getattr(runner, "init", "real"),
                        "predicted_s": everyone[0]["predicted_s"],

@@ -7,11 +7,15 @@ most of a step's memory. This pass drops chosen activations from the hand-off an
 runs the op that made each again in every function that takes the saved values,
 just before its first use there, marked ``act.recompute`` (``dcir.activations``).
 
-An activation can be rebuilt when the ops that make it (its *cone*, at most
-``MAX_CONE``) are compute that draws no random numbers and start from values at hand in
-the backward: activations that stay saved, parameters and buffers it reads again, and
-sharded parameters it gathers again (``param.get``, ``comm.all_gather``, ``comm.wait``
-before the rebuilt ops, which ``prefetch`` may then move). Those are the candidates.
+An activation can be rebuilt when the ops that make it (its *cone*: at most 16 ops,
+64 under a budget, what checkpointing a decoder layer's attention runs again) are
+compute that draws no random numbers and start from values at hand in the backward:
+activations that stay saved, parameters and buffers it reads again, and sharded
+parameters it gathers again (``param.get``, ``comm.all_gather``, ``comm.wait`` before
+the rebuilt ops, which ``prefetch`` may then move). A tensor handed over with views of
+it (attention's softmax, detached for its own gradient and viewed for the product with
+the values) is one candidate: dropping one of them would free nothing, so all go, and
+their united cone runs once. Those are the candidates.
 
 Which ones: cheap cones first (elementwise ops, norms, views: no library kernel, no
 matmul or convolution, whose recompute costs a kernel of its own), the largest
