@@ -46,6 +46,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch._C._profiler import _ExtraFields_Allocation
 
 from dcir_runtime.config import TRANSPORTS
 
@@ -198,7 +199,7 @@ class Allocations:
         while todo:
             e = todo.pop()
             todo.extend(e.children)
-            if type(e.extra_fields).__name__ == "_ExtraFields_Allocation" and str(e.extra_fields.device) == "cpu":
+            if isinstance(e.extra_fields, _ExtraFields_Allocation) and e.extra_fields.device.type == "cpu":
                 events.append((e.start_time_ns, e.extra_fields.total_allocated))
             elif e.name == "bench: measured step":
                 span = (e.start_time_ns, e.end_time_ns)

@@ -178,7 +178,7 @@ def _rebuild(fw: Function, bws: list[Function], rets: list[Value], ops: list[Op]
             if users:
                 rewriter.replace_all_uses(arg, env[ret])
             rewriter.remove_arg(arg)
-    dropped = {k for k in signature.result_indices(fw, signature.SAVED) if fw.returns[k] in handed}
+    dropped = {k for k in signature.result_indices(fw, signature.SAVED) if fw.returns[k] in set(rets)}
     keep = [k for k in range(len(fw.returns)) if k not in dropped]
     rewriters[fw.name].set_returns([fw.returns[k] for k in keep], [fw.result_types[k] for k in keep],
                                    [fw.result_attrs[k] for k in keep])
