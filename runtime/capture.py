@@ -6,12 +6,16 @@ and the configured passes, and hands the text (and the structure of the model's
 output) to the other ranks through the rendezvous store; every rank parses and
 verifies it, so every rank runs the same verified program. If rank 0 cannot compile,
 every rank raises its diagnostic. A shape only one rank runs is compiled on that rank
-(``local``); the Engine checks that its collectives are the other ranks'.
+(``local``); the Engine checks that its collectives are the other ranks'. With a program
+cache (``dcir_runtime.program_cache``), the rank that would compile reads the program,
+and the plan the optimization cycle took for it, from the cache when its key matches,
+and keeps what it compiles there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import torch
@@ -26,6 +30,7 @@ from dcir_lowering.outputs import Outputs
 from dcir_runtime import precision
 from dcir_runtime.config import Config
 from dcir_runtime.group import ProcessGroup
+from dcir_runtime.program_cache import Entry, ProgramCache
 
 
 #: What rank 0 hands the other ranks for a step with graph breaks: run it as regions
@@ -36,8 +41,15 @@ REGIONS = "regions"
 @dataclass(frozen=True)
 class Captured:
     text: str             # the program as it was compiled (the schedule replanning starts from)
-    module: dcir.Module   # that text, parsed and verified on this rank
+    source: str           # what diagnostics call it
     outputs: Outputs      # the structure of the model's output
+    cached: str | None = None  # its entry's name in the program cache, if there is a cache
+    entry: Entry | None = None  # what rank 0 read from the cache or compiled (with the cycle's plan, if cached)
+
+    @cached_property
+    def module(self) -> dcir.Module:
+        """``text``, parsed and verified on this rank (not needed when a cached plan runs)."""
+        return dcir.parse(self.text, self.source)
 
 
 def source_name(model: torch.nn.Module, world: int) -> str:
@@ -88,23 +100,26 @@ def compile_step(model: torch.nn.Module, args: tuple, kwargs: dict, *, loss_fn: 
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, group: ProcessGroup, key: str,
-            local: bool = False, **options) -> Captured | None:
+            local: bool = False, cache: ProgramCache | None = None, call=None, **options) -> Captured | None:
     """The step of ``model`` on ``args``/``kwargs`` (``compile_step``'s ``options``),
     compiled on rank 0 and handed to every rank under the rendezvous ``key``; or, with
-    ``local``, compiled on this rank alone (a shape only this rank runs). None: the step
-    has graph breaks, and runs as regions."""
+    ``local``, compiled on this rank alone (a shape only this rank runs). With a
+    ``cache``, the entry of ``call`` (``programs.ProgramKey``) is read instead of
+    compiling when there is one, and written when not. None: the step has graph breaks,
+    and runs as regions."""
     name = source_name(model, group.world)
-    if local:
-        text, outputs = compile_step(model, args, kwargs, world=group.world, **options)
-        return None if text == REGIONS else Captured(text, dcir.parse(text, name), outputs)
-    made: list = []
+    cached = cache.name(model, options["loss_fn"], call, options["config"]) if cache is not None else None
 
     def make() -> str:
-        made.extend(compile_step(model, args, kwargs, world=group.world, **options))
-        return made[0]
+        entry = cache.load(cached) if cache is not None else None
+        if entry is None:
+            text, outputs = compile_step(model, args, kwargs, world=group.world, **options)
+            entry = Entry(text, outputs.pack() if outputs is not None else "")
+            if cache is not None and text != REGIONS:
+                cache.save(cached, entry)
+        return entry.dumps()
 
-    text = group.from_rank0(key, make)
-    if text == REGIONS:
+    entry = Entry.loads(make() if local else group.from_rank0(key, make))
+    if entry.program == REGIONS:
         return None
-    packed = group.from_rank0(f"{key}/outputs", lambda: made[1].pack())
-    return Captured(text, dcir.parse(text, name), made[1] if made else Outputs.unpack(packed))
+    return Captured(entry.program, name, Outputs.unpack(entry.outputs), cached, entry)

@@ -68,6 +68,10 @@ class Config:
     #: first parameter it shows in; ``"skip"`` skips the step as fp16's loss scaling does.
     #: None: ``"error"``, and under ``fp16`` the loss scaler's skipping (``"skip"`` is the same)
     nonfinite: str | None = None
+    #: a directory where rank 0 keeps every program it compiles, and the plan the
+    #: optimization cycle took, so a restarted job with the same model, code, config and
+    #: world skips capture and planning (``dcir_runtime.program_cache``); None: off
+    program_cache: str | None = None
 
     def __post_init__(self):
         given = [k for k in ("mixed_precision", "bf16", "fp16") if getattr(self, k) is not None]
@@ -207,6 +211,12 @@ def _nonfinite(v):
     return v
 
 
+def _directory(v):
+    if v is not None and (not isinstance(v, (str, Path)) or not str(v)):
+        raise ValueError(f"{v!r}; a directory path, or null")
+    return None if v is None else str(v)
+
+
 def _bool(v):
     if not isinstance(v, bool):
         raise ValueError(f"{v!r}; true or false")
@@ -218,7 +228,7 @@ _CHECKS = {"zero_stage": _stage, "passes": _passes, "gradient_accumulation_steps
            "optimize": _optimize, "offload": _offload, "gradient_clipping": _max_norm,
            "mixed_precision": _precision("check_policy"), "bf16": _precision("check_bf16"),
            "fp16": _precision("check_fp16"), "max_programs": _positive_int,
-           "transport": _transport, "nonfinite": _nonfinite}
+           "transport": _transport, "nonfinite": _nonfinite, "program_cache": _directory}
 
 
 def _error(message: str) -> DcirError:

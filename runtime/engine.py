@@ -223,13 +223,13 @@ class Engine:
         return self.planner.pass_budget(lambda: self._fixed_bytes(self.memory()))
 
     def _after_step(self) -> None:
-        """The optimization cycle's turn after an optimizer step (each region's, for a step
-        with graph breaks: ``RegionStep.after_step``), then the budget."""
+        """The optimization cycle's turn after an optimizer step (each region's, for a step with graph
+        breaks: ``RegionStep.after_step``; it counts this engine's steps, not a checkpoint's), then the budget."""
         fixed, regions = lambda: self._fixed_bytes(self.memory()), self.programs.regions
         if regions is not None:
-            regions.after_step(self.steps, fixed)
-        elif self.planner.after_step(self.steps, self.module):
-            module = self.planner.replan(self.module, self.steps, fixed,
+            regions.after_step(self.execution.steps_run, fixed)
+        elif self.planner.after_step(self.execution.steps_run, self.module):
+            module = self.planner.replan(self.module, self.execution.steps_run, fixed,
                                          transport.outbox_bytes if self.transport_bytes else None)
             if module is not None:
                 self._install(module)

@@ -78,6 +78,7 @@ class Execution:
         self.module: dcir.Module | None = None
         self.micro_steps = 0
         self.steps = 0
+        self.steps_run = 0  # optimizer steps this engine ran: unlike ``steps``, a checkpoint load leaves it
         self.last_grad_norm: torch.Tensor | None = None  # what the last clipping measured
         self._pending = None  # the autograd node of the last training forward, until its backward runs
         self._backward_done = False  # this micro-step has had its backward
@@ -275,6 +276,7 @@ class Execution:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.steps += 1
+        self.steps_run += 1
         if self.tracer is not None and self.tracer.recorded:
             self.tracer.write()
             self.tracer = None

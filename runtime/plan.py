@@ -32,6 +32,7 @@ from dcir.passes.recompute import Recompute, footprint
 from dcir_runtime.config import Config
 from dcir_runtime.group import ProcessGroup
 from dcir_runtime.profiler import Profile, ProfileHistory
+from dcir_runtime.program_cache import ProgramCache
 
 #: the module attribute that names the pipeline a plan came from (``dcir.search.best_pipeline``)
 PLANNED_BY = "plan.pipeline"
@@ -58,6 +59,9 @@ class Planner:
         # its overshoot off the budget, for a plan that went over too
         self._replanned_captured = self._replanned_plan = False
         self._forced = False                 # the next plan is taken even if slower: memory asked for it
+        self.cache = ProgramCache(config.program_cache, group.world) if config.program_cache else None
+        self.cached: str | None = None       # the captured program's entry in the cache
+        self.planned_through = 0             # the steps whose profiles a plan read from the cache had seen
 
     def passes(self, specs: list[str], budget: int | None = None) -> list:
         """The passes of ``specs``, with what the engine knows filled in where the spec
@@ -71,10 +75,25 @@ class Planner:
             out.append(p)
         return out
 
-    def start(self, text: str, module: dcir.Module) -> None:
-        """The captured program: what every plan starts from."""
+    def start(self, text: str, module: dcir.Module | None) -> None:
+        """The captured program: what every plan starts from (``module``: that text parsed,
+        if it was; else it is parsed when the cycle first plans)."""
         self.base_text = text
-        self.captured_peak = memory_peaks(module)
+        self.captured_peak = memory_peaks(module) if module is not None else {}
+
+    def resume(self, captured) -> dcir.Module | None:
+        """The captured program (``capture.Captured``) is what every plan starts from; returns
+        the plan the cycle took for it in an earlier job, when the program cache kept one:
+        the job runs it from its first step, with that cycle's records (marked ``cached``)
+        in ``log``, and profiles only at the ``profile_at`` steps that cycle had not reached."""
+        self.cached, entry = captured.cached, captured.entry
+        cached = entry is not None and entry.plan is not None
+        self.start(captured.text, None if cached else captured.module)
+        if not cached:
+            return None
+        self.log = [{**record, "cached": True} for record in entry.log]
+        self.planned_through = entry.planned_through
+        return dcir.parse(entry.plan, self.source)
 
     def pass_budget(self, fixed_bytes: Callable[[], int]) -> int | None:
         """The memory budget left to a schedule: the configured budget less what this
@@ -91,14 +110,17 @@ class Planner:
         return self.config.memory_budget - fixed - self._budget_cut
 
     def after_step(self, steps: int, running: dcir.Module) -> bool:
-        """After optimizer step ``steps``: start profiling the next step when the cycle
-        says so. Returns whether a finished profile is waiting to be planned from."""
+        """After ``steps`` optimizer steps of this engine (counted from its start, not from a
+        loaded checkpoint's step: a resumed job plans again): start profiling the next
+        step when the cycle says so. Returns whether a finished profile is waiting to be
+        planned from."""
         if self.profile is not None:
             return True
         if self.warming is not None:  # its compiled stretches ran this step: they have their times
             self.profile, self.warming = Profile(self.warming), None
             return False
-        if self.config.optimize is not None and steps in self.config.optimize["profile_at"]:
+        if self.config.optimize is not None and steps in self.config.optimize["profile_at"] \
+                and steps > self.planned_through:
             self.profile = Profile(running)  # the next step runs under the profiler
         return False
 
@@ -116,12 +138,13 @@ class Planner:
         # the passes plan the step's own memory: the outbox comes off their budget (sized
         # for the running program here; each candidate is then held to its own outbox)
         schedule_budget = budget - outbox(running) if budget is not None and outbox is not None else budget
-        record: dict = {"step": steps, "measured_peak": peaks, "captured_peak": self.captured_peak,
-                        "predicted_peak_profiled": memory_peaks(running)}
         # the captured schedule carries every profile so far, combined: per op the median
         # of the profiles that ran it (a collective the plan had merged keeps the figures
         # of the runs before), so one noisy profile does not flip the plan
         base = dcir.parse(self.base_text, self.source)
+        self.captured_peak = self.captured_peak or memory_peaks(base)
+        record: dict = {"step": steps, "measured_peak": peaks, "captured_peak": self.captured_peak,
+                        "predicted_peak_profiled": memory_peaks(running)}
         self.history.add(profiled)
         self.history.write(base)
         self.base_text = dcir.print(base)
@@ -150,6 +173,8 @@ class Planner:
                       reason="same" if same else "memory" if forced else "faster" if take else "kept",
                       predicted_peak=memory_peaks(module if take else running))
         self.log.append(record)
+        if take and self.cache is not None and self.cached is not None and self.group.rank == 0:
+            self.cache.save_plan(self.cached, dcir.print(without_profiles(module)), self.log, steps)
         if steps in self.config.optimize["profile_at"]:  # this step is listed too: profile the next one
             if take and self._compiles(module):
                 self.warming = module
@@ -210,11 +235,20 @@ def schedule_text(module: dcir.Module) -> str:
     """``module``'s text without what profiles and plans wrote beside the program
     (``prof.*``, the pipeline's name): two modules with the same text lower to the
     same program."""
+    m = without_profiles(module)
+    m.attrs.pop(PLANNED_BY, None)
+    return dcir.print(m)
+
+
+def without_profiles(module: dcir.Module) -> dcir.Module:
+    """A copy of ``module`` without the ``prof.*`` attributes profiles wrote: the program
+    alone (what the program cache keeps of a plan: every op's own figures would make
+    each op line a shape of its own to the parser, ``dcir.fast_parse``)."""
     m = module.clone()
     for f in m.functions.values():
         for owner in (f, *f.ops):
             for key in [key for key in owner.attrs if key.startswith("prof.")]:
                 del owner.attrs[key]
-    for key in [key for key in m.attrs if key.startswith("prof.") or key == PLANNED_BY]:
+    for key in [key for key in m.attrs if key.startswith("prof.")]:
         del m.attrs[key]
-    return dcir.print(m)
+    return m

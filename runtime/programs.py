@@ -182,24 +182,26 @@ def capture_program(engine, args: tuple, kwargs: dict, k: ProgramKey, training: 
     captured = capture(engine.model, args, kwargs, loss_fn=engine.loss_fn, config=engine.config,
                        group=engine.process_group, key=f"{engine.store_prefix}program/{mode.training:d}{mode.grad:d}",
                        local=base is not None, training=training, passes=engine.planner.passes,
-                       state_keys=engine.optimizer_state_keys)
+                       state_keys=engine.optimizer_state_keys, cache=engine.planner.cache, call=k)
     if captured is None:  # graph breaks: the step runs as regions, on every rank
         engine.programs.regions = RegionStep(engine)
         engine.programs.add(k, engine.programs.regions)
         return engine.programs.regions
-    installed = Installed(captured.module, engine.lower(captured.module), captured.outputs)
+    first = training and base is None and engine.program is None  # the training program the cycle plans
+    plan = engine.planner.resume(captured) if first else None  # the plan a cached cycle took for it
+    running = plan or captured.module
+    installed = Installed(running, engine.lower(running), captured.outputs)
     matches = fits(installed.module, args, kwargs)
     if base is not None:
         check_collectives(base.module, installed.module)
         engine.programs.add(k, installed)
         return installed
     engine.programs.add(k if matches else k._replace(spec=RANK0_SPEC, inputs=()), installed, base=True)
-    if training and engine.program is None:
-        engine.planner.start(captured.text, captured.module)
-        engine.execution.install(captured.module, installed.program)
+    if first:
+        engine.execution.install(running, installed.program)
         # every rank installs it here: the shared-memory outbox is resized for it, together
         engine.transport_bytes = transport.fit(engine.process_group, engine.config.transport, engine.transport_bytes,
-                                               captured.module)
+                                               running)
     if not matches:  # rank 0's shapes; this rank's own are compiled here, against them
         return capture_program(engine, args, kwargs, k, training)
     return installed

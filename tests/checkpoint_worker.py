@@ -17,7 +17,9 @@ generator's state travels in the checkpoint's ``client_state``. At the end each 
 process group and writes ``out`` ``.rank<r>.pt``: the full parameters, this rank's optimizer
 state, the counters, the loss of every micro-step after the load (every micro-step's when
 nothing is loaded), where it resumed from, and its native threads (not Python's) before the
-engine and after the destroy: gloo's, if anything still held the group.
+engine and after the destroy: gloo's, if anything still held the group; also the engine's
+``optimize_log`` and how many times this rank captured a step (``compiles``: none when the
+program cache had it).
 
 ``python checkpoint_worker.py errors SPEC.json``: each bad load is a DcirError on every
 rank, and the engine's state is unchanged afterwards.
@@ -36,7 +38,7 @@ from pathlib import Path
 import torch
 
 import dcir
-from dcir_runtime import checkpoint
+from dcir_runtime import capture, checkpoint
 from models import mlp, squared, tiny_llama
 
 GLOBAL = 6  # rows per micro-step, split evenly over 1, 2 or 3 ranks
@@ -111,6 +113,8 @@ def _native_threads(at_most: int | None = None) -> int:
 def train(spec: dict) -> None:
     rank = int(os.environ["RANK"])
     threads_before = _native_threads()
+    compiles, compile_step = [], capture.compile_step
+    capture.compile_step = lambda *args, **kwargs: compiles.append(1) or compile_step(*args, **kwargs)
     engine = _engine(spec)
     torch.manual_seed(rank)  # each rank its own dropout masks
     world = engine.world
@@ -142,7 +146,8 @@ def train(spec: dict) -> None:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     threads = (threads_before, _native_threads(at_most=threads_before))
-    torch.save({**snapshot, "losses": losses, "resumed": resumed, "native_threads": threads},
+    torch.save({**snapshot, "losses": losses, "resumed": resumed, "native_threads": threads,
+                "optimize_log": engine.optimize_log, "compiles": len(compiles)},
                f"{spec['out']}.rank{rank}.pt")
 
 

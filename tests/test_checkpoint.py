@@ -122,6 +122,32 @@ def test_exact_resume_after_kill(case, tmp_path, capfd):
         assert [a["memory"][k] for k in placement] == [b["memory"][k] for k in placement], case
 
 
+def test_a_restarted_job_runs_the_cached_program_and_plan(tmp_path, capfd):
+    """A fault with a program cache: the first job captures, plans after its first step
+    (``prefetch``, ``unshard``), saves at step 3 and every process is killed. The
+    restarted job reads its program and that plan from the cache: it captures nothing
+    and profiles nothing, and ends bit for bit where a run without faults or cache does."""
+    cycle = {"optimize": {"passes": ["prefetch", "unshard"], "profile_at": [1]}}
+    spec = {"model": "llama", "micro": 6, "config": {**cycle, "program_cache": str(tmp_path / "cache")}}
+    straight, resumed, ckpt = tmp_path / "straight", tmp_path / "resumed", tmp_path / "ckpt"
+    code, out = _run(capfd, tmp_path, 2, {**spec, "config": cycle, "out": str(straight)})
+    assert code == 0, out
+    code, out = _run(capfd, tmp_path, 2, {**spec, "out": str(tmp_path / "never"), "save": str(ckpt), "save_at": [3],
+                                          "die": True})
+    assert code == -signal.SIGKILL, out
+    code, out = _run(capfd, tmp_path, 2, {**spec, "out": str(resumed), "load": str(ckpt)})
+    assert code == 0, out
+    [entry] = [json.loads(p.read_text()) for p in (tmp_path / "cache").glob("*.json")]  # the killed job's plan
+    for rank in range(2):
+        a, b = _result(straight, rank), _result(resumed, rank)
+        assert (a["compiles"], b["compiles"]) == (int(rank == 0), 0), rank  # rank 0 captures for every rank
+        assert [(r["pipeline"], r["cached"]) for r in b["optimize_log"]] == [(entry["log"][0]["pipeline"], True)]
+        assert a["optimize_log"][0]["switched"] and entry["log"][0]["switched"]
+        assert b["losses"] == a["losses"][3:] and b["steps"] == a["steps"] == 6
+        for name in a["full"]:
+            assert torch.equal(a["full"][name], b["full"][name]), name
+
+
 RESHARD = {  # name -> (model, config saved with, world after, config after)
     "2to3": ("mlp", {}, 3, {}),
     "2to1": ("mlp", {}, 1, {}),
