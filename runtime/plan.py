@@ -173,8 +173,9 @@ class Planner:
                       reason="same" if same else "memory" if forced else "faster" if take else "kept",
                       predicted_peak=memory_peaks(module if take else running))
         self.log.append(record)
-        if take and self.cache is not None and self.cached is not None and self.group.rank == 0:
-            self.cache.save_plan(self.cached, dcir.print(without_profiles(module)), self.log, steps)
+        if self.cache is not None and self.cached is not None and self.group.rank == 0:  # what runs from here
+            self.cache.save_plan(self.cached, dcir.print(without_profiles(module if take else running)), self.log,
+                                 steps)
         if steps in self.config.optimize["profile_at"]:  # this step is listed too: profile the next one
             if take and self._compiles(module):
                 self.warming = module

@@ -59,9 +59,10 @@ SOURCE_DIRS, SOURCE_SUFFIXES = ("dcir", "dcir_lowering", "runtime"), (".py", ".l
 @dataclasses.dataclass
 class Entry:
     """What a job keeps of one program: its text as compiled, the structure of the
-    model's output (``Outputs.pack``), and the plan the optimization cycle took for it,
-    with the cycle's records and the number of steps (of the job that planned it) whose
-    profiles it had seen."""
+    model's output (``Outputs.pack``), and, once the optimization cycle has run, the
+    program it left running (the plan it took, or the captured one it kept), with the
+    cycle's records and the number of steps (of the job that planned it) whose profiles
+    it had seen."""
 
     program: str
     outputs: str
@@ -142,7 +143,7 @@ class ProgramCache:
                           stacklevel=2)
 
     def save_plan(self, name: str, plan: str, log: list, planned_through: int) -> None:
-        """Add the plan the cycle took (its records, and the steps it has seen) to entry ``name``."""
+        """Add the program the cycle left running (its records, and the steps it has seen) to entry ``name``."""
         entry = self.load(name)
         if entry is not None:
             self.save(name, dataclasses.replace(entry, plan=plan, log=log, planned_through=planned_through))
