@@ -42,6 +42,8 @@ Every system trains the same HF Llama (from a config, fp32) on the same batches
 * ``fsdp2-ckpt``: the same with every decoder layer checkpointed
   (``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})``
   before ``fully_shard``): FSDP2's full activation checkpointing;
+* ``fsdp2-compile``: the same with every decoder layer ``torch.compile``'d before
+  ``fully_shard``: torchtitan's recipe, the baseline its users run;
 * ``fsdp2-compile-budget``: the same with every decoder layer ``torch.compile``'d before
   ``fully_shard`` (torchtitan's order) under ``torch._functorch.config.activation_memory_budget
   = --compile-budget``: the min-cut partitioner keeps that fraction of the activations;
@@ -135,7 +137,7 @@ MALLOC = {"system": {},
           "release": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
 SYSTEMS = ["floor", "eager", "dcir", "dcir-prefetch", "dcir-unshard", "dcir-optimized", "dcir-inductor",
            "dcir-fused", "dcir-zero1", "dcir-zero2", "dcir-offload", "dcir-bf16", "dcir-recompute", "fsdp2", "fsdp2-offload",
-           "fsdp2-bf16", "fsdp2-ckpt", "fsdp2-compile-budget", "deepspeed-zero1", "deepspeed-zero2",
+           "fsdp2-bf16", "fsdp2-ckpt", "fsdp2-compile", "fsdp2-compile-budget", "deepspeed-zero1", "deepspeed-zero2",
            "deepspeed", "deepspeed-offload", "dcir-break", "fsdp2-break"]
 WORKLOAD = [("layers", 6), ("hidden", 256), ("seq", 128), ("batch", 4), ("vocab", 32000), ("accumulate", 1),
             ("intermediate", 0)]  # intermediate 0: 4 x hidden
@@ -193,10 +195,12 @@ def _code_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def _run(system: str, ns, out: Path) -> dict | None:
+def _run(system: str, ns, out: Path, extra: tuple[str, ...] = (), env: dict | None = None) -> dict | None:
+    """One launch of ``system`` (``extra``: more worker arguments; ``env``: more environment)."""
     from dcir_runtime.launch import launch
 
-    args = [str(HERE / "train_worker.py"), system, str(out), "--steps", str(ns.steps), "--warmup", str(ns.warmup)]
+    args = [str(HERE / "train_worker.py"), system, str(out), "--steps", str(ns.steps), "--warmup", str(ns.warmup),
+            *extra]
     for name, _ in WORKLOAD:
         args += [f"--{name}", str(getattr(ns, name))]
     args += ["--device", ns.device, "--init", ns.init, "--transport", ns.transport]
@@ -209,7 +213,7 @@ def _run(system: str, ns, out: Path) -> dict | None:
     if ns.trace and system.startswith("dcir"):
         args += ["--trace", str(out.with_name(out.stem + "-trace"))]
     world = 1 if system in ("floor", "eager") else ns.world
-    env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"} | MALLOC[ns.malloc]
+    env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"} | MALLOC[ns.malloc] | (env or {})
     with open(out.with_suffix(".log"), "w") as log:
         code = _launch_quiet(launch, args, world, env, log, ns.timeout)
     if code != 0 or not out.exists():

@@ -16,7 +16,11 @@ which runs on the DTensor shards: same distributions, not the single-device valu
 and DeepSpeed ZeRO-3 builds it under ``deepspeed.zero.Init``. ``floor`` and ``eager``
 (one process, nothing to shard) and DeepSpeed ZeRO-1/2 build it with its values as with
 ``--init real``. Every rank also reports its process's age at the end of the first
-step (``first_step_s``: start-up, model, capture and the first step). ``--rss-trace``
+step (``first_step_s``: start-up, model, capture and the first step) and that step's own
+time (``first_step_time_s``: capture or compiling, and the step). DCIR systems take
+``--program-cache DIR`` (the Engine's ``program_cache``), ``--save-checkpoint DIR`` (after
+the last step) and ``--load-checkpoint DIR`` (before the first, timed: ``load_s``), what
+``bench_restart.py`` runs a restart with. ``--rss-trace``
 prints each rank's resident and peak memory at each stage to stderr. ``--trace DIR``
 (DCIR systems): after the measured steps, one more optimizer step runs traced
 (``Engine.trace``), each rank writing ``DIR/rank<N>.json``; it is not among the measured.
@@ -239,6 +243,8 @@ class Dcir:
                   "transport": ns.transport,
                   "optimize": {"passes": list(passes), "profile_at": PROFILE_AT}}
         config.update(extra or {})
+        if ns.program_cache:
+            config["program_cache"] = ns.program_cache
         if offload_half:
             world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
             config["offload"] = {"budget": optimizer_state_bytes(model, world) // 2}
@@ -270,7 +276,13 @@ class Dcir:
         and the profiled step's measured peak per function beside the memory model's for it."""
         keys = ("step", "pipeline", "reason", "switched", "budget", "predicted_s", "planned_s", "predicted_peak",
                 "measured_peak", "predicted_peak_profiled")
-        return [{k: r.get(k) for k in keys} for r in self.engine.optimize_log]
+        return [{**{k: r.get(k) for k in keys}, "cached": r.get("cached", False)} for r in self.engine.optimize_log]
+
+    def save(self, path: str) -> None:
+        self.engine.save_checkpoint(path, tag="bench")
+
+    def load(self, path: str) -> None:
+        self.engine.load_checkpoint(path, tag="bench")
 
     def micro_step(self, batch):
         loss = self.engine(**batch)
@@ -391,6 +403,12 @@ class DeepSpeed:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
 
+    def save(self, path: str) -> None:
+        self.engine.save_checkpoint(path, tag="bench")
+
+    def load(self, path: str) -> None:
+        self.engine.load_checkpoint(path, tag="bench")
+
     def micro_step(self, batch):
         loss = self.engine(**batch).loss
         self.engine.backward(loss)
@@ -446,6 +464,8 @@ def make(system: str, ns):
         return Fsdp2(ns, checkpoint=True)
     if system == "fsdp2-compile-budget":
         return Fsdp2(ns, compile_budget=ns.compile_budget)
+    if system == "fsdp2-compile":  # torchtitan's recipe: the partitioner's default budget keeps what it likes
+        return Fsdp2(ns, compile_budget=1.0)
     if system == "dcir-bf16":  # plain zero3, as dcir, in FSDP2's bf16 policy (DeepSpeed's bf16 section)
         return Dcir(ns, inductor=False, extra={"bf16": {"enabled": True}})
     if system in DEEPSPEED:
@@ -479,9 +499,15 @@ def main() -> None:
                          "on from before the model is built; that run's step times are not representative)")
     ap.add_argument("--compile-budget", type=float, default=0.5,
                     help="fsdp2-compile-budget: torch._functorch.config.activation_memory_budget (default 0.5)")
+    ap.add_argument("--program-cache", default=None, help="DCIR systems: the Engine's program_cache directory")
+    ap.add_argument("--save-checkpoint", default=None, help="DCIR systems: save a checkpoint after the last step")
+    ap.add_argument("--load-checkpoint", default=None,
+                    help="DCIR systems: load the checkpoint --save-checkpoint saved before the first step (timed)")
     ns = ap.parse_args()
     if ns.allocated and ns.device != "cpu":
         ap.error("--allocated measures the CPU allocator; on a GPU, peak_cuda_mib is that figure")
+    if (ns.program_cache or ns.save_checkpoint or ns.load_checkpoint) and not ns.system.startswith("dcir"):
+        ap.error("--program-cache, --save-checkpoint and --load-checkpoint are for DCIR systems")
     torch.set_num_threads(1)
     rss_trace(ns, "start")
     allocations = Allocations() if ns.allocated else None
@@ -491,7 +517,12 @@ def main() -> None:
     distributed = dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     data = batches(ns, rank, world)
-    times, waits, sent, first_step = [], [], [], None
+    load_s = None
+    if ns.load_checkpoint:
+        begin = time.perf_counter()
+        runner.load(ns.load_checkpoint)
+        load_s = time.perf_counter() - begin
+    times, waits, sent, first_step, first_step_time = [], [], [], None, None
     for step in range(ns.warmup + ns.steps):
         wait0 = runner.wait_s() if hasattr(runner, "wait_s") else 0.0
         sent0 = runner.sent_bytes() if hasattr(runner, "sent_bytes") else None
@@ -507,6 +538,7 @@ def main() -> None:
         synchronize(ns)
         elapsed = time.perf_counter() - begin
         first_step = first_step if first_step is not None else process_age_s()
+        first_step_time = first_step_time if first_step_time is not None else elapsed
         rss_trace(ns, f"step {step}", runner)
         waited = (runner.wait_s() - wait0) if hasattr(runner, "wait_s") else None
         if step >= ns.warmup:
@@ -518,6 +550,8 @@ def main() -> None:
         runner.trace(os.path.join(ns.trace, f"rank{rank}.json"))
         for _ in range(ns.accumulate):
             runner.micro_step(next(data))
+    if ns.save_checkpoint:
+        runner.save(ns.save_checkpoint)
     predicted = runner.predicted_s() if hasattr(runner, "predicted_s") else None
     allocated = allocations.peak_mib() if allocations is not None else None
     rss = peak_rss_mib()  # before the accounting below, whose planning is not part of the step
@@ -525,7 +559,8 @@ def main() -> None:
     accounted = runner.accounting() if hasattr(runner, "accounting") else None
     per_rank = {"times": times, "waits": waits, "sent": sent, "peak_rss_mib": rss, "predicted_s": predicted,
                 "accounted": accounted, "steps_rss_mib": steps_rss,
-                "first_step_s": first_step, "start_rss_mib": start_rss, "allocated": allocated,
+                "first_step_s": first_step, "first_step_time_s": first_step_time, "load_s": load_s,
+                "start_rss_mib": start_rss, "allocated": allocated,
                 "peak_cuda_mib": torch.cuda.max_memory_allocated() / 2**20 if ns.device == "cuda" else None}
     everyone = [per_rank]
     if distributed:
@@ -547,6 +582,8 @@ def main() -> None:
                        "peak_cuda_mib": [r["peak_cuda_mib"] for r in everyone],
                        "allocated": [r["allocated"] for r in everyone],
                        "first_step_s": max(r["first_step_s"] for r in everyone),
+                       "first_step_time_s": max(r["first_step_time_s"] for r in everyone),
+                       "load_s": max(r["load_s"] for r in everyone) if load_s is not None else None,
                        "init": getattr(runner, "init", "real"),
                        "predicted_s": everyone[0]["predicted_s"],
                        "accounted": [r["accounted"] for r in everyone],

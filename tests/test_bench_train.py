@@ -156,3 +156,46 @@ def test_the_activation_benchmark_reports_each_points_allocator_peak(tmp_path, c
     assert all(r["allocated_mib"] > 0 for r in rows.values()), rows
     assert rows["dcir-0.9"]["allocated_mib"] <= rows["dcir-0.9"]["budget_mib"], rows["dcir-0.9"]
     assert "at fsdp2-ckpt's allocator peak" in text and "alloc MiB" in text
+
+
+def test_the_restart_report_holds_the_first_step_against_a_steady_one_and_the_load():
+    """``bench_restart.py``'s figures from runs written here: medians over rounds, the
+    first step against 1.5 x a steady step plus the load, the cold starts compared."""
+    import bench_restart
+
+    def run(first, steps, load=None, age=5.0):
+        return {"first_step_time_s": first, "step_s": steps, "load_s": load, "first_step_s": age}
+
+    rows = {"dcir-cold": bench_restart.summary([run(4.0, [0.6, 0.7, 0.8]), run(5.0, [0.7])]),
+            "dcir-restart": bench_restart.summary([run(1.0, [0.7], 0.2), run(1.2, [0.7], 0.4)]),
+            "fsdp2-compile-cold": bench_restart.summary([run(18.0, [1.0])])}
+    assert rows["dcir-cold"]["first_step_s"] == 4.5 and rows["dcir-cold"]["steady_s"] == 0.7
+    assert rows["dcir-restart"]["load_s"] == pytest.approx(0.3) and rows["dcir-cold"]["load_s"] is None
+    text = bench_restart.table(rows)
+    assert "dcir-restart: first step 1.10 s against 1.5 x steady + load = 1.35 s: met" in text
+    assert "cold first step: dcir 4.50 s, fsdp2-compile 18.00 s (0.25x)" in text
+    rows["dcir-restart"] = bench_restart.summary([run(2.0, [0.7], 0.2)])
+    assert "= 1.25 s: NOT met" in bench_restart.table(rows)
+
+
+@pytest.mark.slow
+def test_the_restart_benchmark_restarts_from_the_cache(tmp_path, capfd):
+    """``bench_restart.py`` on the tiny workload: the restart loads the cold run's
+    checkpoint, reads its program and plan (its cycle's records are the cached ones)."""
+    import bench_restart
+
+    tiny = ["--layers", "1", "--hidden", "64", "--seq", "8", "--batch", "1", "--vocab", "64", "--steps", "1",
+            "--warmup", "4", "--rounds", "1"]
+    out = tmp_path / "restart.json"
+    code = bench_restart.main([*tiny, "--runs", "dcir-cold,dcir-restart,fsdp2-compile-cold", "--dir",
+                               str(tmp_path / "runs"), "--json", str(out)])
+    text = capfd.readouterr().out
+    assert code == 0, text
+    report = json.loads(out.read_text())
+    assert set(report["rows"]) == {"dcir-cold", "dcir-restart", "fsdp2-compile-cold"}, text
+    [restart] = report["runs"]["dcir-restart"]
+    assert restart["load_s"] > 0 and restart["optimize_log"], restart
+    [cold] = report["runs"]["dcir-cold"]
+    assert [r["step"] for r in restart["optimize_log"]] == [r["step"] for r in cold["optimize_log"]]
+    assert all(r["cached"] for r in restart["optimize_log"]) and not any(r["cached"] for r in cold["optimize_log"])
+    assert "dcir-restart: first step" in text and "cold first step: dcir" in text

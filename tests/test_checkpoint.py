@@ -92,7 +92,13 @@ EXACT = {  # name -> (model, Engine config, micro-steps, save after micro-step)
 }
 
 
-@pytest.mark.parametrize("case", sorted(EXACT))
+#: cases the slow tier runs (their kinds are in the default tier: offload with ZeRO-3, a
+#: llama with offload loaded after an evaluation)
+SLOW_EXACT = {"zero1_offload", "llama_zero3_offload"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_EXACT else c
+                                  for c in sorted(EXACT)])
 def test_exact_resume_after_kill(case, tmp_path, capfd):
     """8 optimizer steps straight against 4, save, SIGKILL, fresh processes (which may have
     trained on other data), load, 4 more: the losses after the load, the parameters and
