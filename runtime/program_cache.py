@@ -4,10 +4,11 @@ Capture (Dynamo, AOTAutograd, the passes) takes seconds to minutes, and the opti
 cycle spends steps profiling; a job restarted after a fault (``torchrun
 --max-restarts``) would pay both again for the program it already had. With a cache
 directory, rank 0 keeps each program it compiles there, as text, with the structure of
-the model's output, and, once the cycle has taken a plan, the plan; a later job whose
-key matches reads them instead of capturing and installs the plan from its first step.
+the model's output, and, after each cycle, the program the cycle left running; a later
+job whose key matches reads them instead of capturing and runs that program from its
+first step.
 
-The key (``Key``) is everything the program is a function of:
+The key (``ProgramCache.name``) is everything the program is a function of:
 
 * DCIR's own sources, torch's and Python's versions;
 * the world size and the config (less ``timeout_s`` and ``program_cache``);
@@ -31,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import importlib
 import importlib.metadata
 import inspect
 import json
@@ -50,10 +52,8 @@ from dcir.diagnostics import DcirError, Diagnostic
 FORMAT = 1
 #: the most objects the code walk visits: a bound on models that reach a whole library
 WALK_LIMIT = 20_000
-#: the top of DCIR's sources, whose digest is part of every key
-SOURCES = Path(__file__).resolve().parent.parent
-#: the directories (and file kinds) of DCIR's own sources
-SOURCE_DIRS, SOURCE_SUFFIXES = ("dcir", "dcir_lowering", "runtime"), (".py", ".lark")
+#: DCIR's own packages (and the kinds of their source files), whose digest is part of every key
+SOURCE_PACKAGES, SOURCE_SUFFIXES = ("dcir", "dcir_lowering", "dcir_runtime"), (".py", ".lark")
 
 
 @dataclasses.dataclass
@@ -85,14 +85,16 @@ class Entry:
 def sources_digest() -> str:
     """A digest of DCIR's own sources: a program is a function of the compiler that made it."""
     h = hashlib.sha256()
-    for path in sorted(p for d in SOURCE_DIRS for p in (SOURCES / d).rglob("*") if p.suffix in SOURCE_SUFFIXES):
-        h.update(path.relative_to(SOURCES).as_posix().encode())
-        h.update(path.read_bytes())
+    for package in SOURCE_PACKAGES:  # wherever they are installed (the repository's folders, site-packages)
+        top = Path(importlib.import_module(package).__file__).resolve().parent
+        for path in sorted(p for p in top.rglob("*") if p.suffix in SOURCE_SUFFIXES):
+            h.update(f"{package}/{path.relative_to(top).as_posix()}".encode())
+            h.update(path.read_bytes())
     return h.hexdigest()
 
 
 class ProgramCache:
-    """The cache in ``root`` for one engine (its world and config)."""
+    """The cache in ``root`` for the engines of a world of ``world`` ranks."""
 
     def __init__(self, root, world: int):
         self.root, self.world = Path(root).expanduser(), world
