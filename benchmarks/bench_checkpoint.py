@@ -35,7 +35,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SYSTEMS = ("dcir", "fsdp2")
-MODEL = [("layers", 6), ("hidden", 256), ("seq", 128), ("batch", 4), ("vocab", 32000)]
+MODEL = [("layers", 6), ("hidden", 256), ("seq", 128), ("batch", 4), ("vocab", 32000), ("intermediate", 0)]
 
 
 def _dir_bytes(path: Path) -> int:
@@ -48,10 +48,11 @@ def rank_main(system: str, out: str, ckpt: str, ns) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from train_worker import Fsdp2, batches, llama
+    from train_worker import Fsdp2, batches, llama, parser
 
     torch.set_num_threads(1)
-    ns.accumulate = 1
+    # train_worker's defaults for every option this benchmark does not set (accumulation 1, CPU, real init)
+    ns = parser().parse_args([system, out, *(f"--{n}={getattr(ns, n)}" for n, _ in MODEL)])
     if system == "dcir":
         import dcir
 

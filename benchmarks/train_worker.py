@@ -479,7 +479,8 @@ def make(system: str, ns):
     raise SystemExit(f"unknown system {system!r}")
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The worker's options (``bench_checkpoint.py`` builds its ranks' options from it too)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("system")
     ap.add_argument("out")
@@ -503,6 +504,11 @@ def main() -> None:
     ap.add_argument("--save-checkpoint", default=None, help="DCIR systems: save a checkpoint after the last step")
     ap.add_argument("--load-checkpoint", default=None,
                     help="DCIR systems: load the checkpoint --save-checkpoint saved before the first step (timed)")
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     ns = ap.parse_args()
     if ns.allocated and ns.device != "cpu":
         ap.error("--allocated measures the CPU allocator; on a GPU, peak_cuda_mib is that figure")

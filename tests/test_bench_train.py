@@ -199,3 +199,19 @@ def test_the_restart_benchmark_restarts_from_the_cache(tmp_path, capfd):
     assert [r["step"] for r in restart["optimize_log"]] == [r["step"] for r in cold["optimize_log"]]
     assert all(r["cached"] for r in restart["optimize_log"]) and not any(r["cached"] for r in cold["optimize_log"])
     assert "dcir-restart: first step" in text and "cold first step: dcir" in text
+
+
+@pytest.mark.slow
+def test_the_checkpoint_benchmark_times_both_systems(tmp_path, capfd):
+    """``bench_checkpoint.py`` on the smallest Llama: a save and a load of each system
+    (it had stopped running when the worker's model took an option it did not pass)."""
+    import bench_checkpoint
+
+    out = tmp_path / "ckpt.json"
+    code = bench_checkpoint.main(["--layers", "1", "--hidden", "64", "--vocab", "64", "--rounds", "1",
+                                  "--dir", str(tmp_path / "runs"), "--json", str(out)])
+    text = capfd.readouterr()
+    assert code == 0, text
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"dcir", "fsdp2"} and all(r["save_s"] > 0 and r["load_s"] > 0 for r in rows.values())
+    assert rows["dcir"]["checkpoint_mb"] > 0 and "load vs fsdp2" in text.out
