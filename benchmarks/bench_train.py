@@ -171,9 +171,11 @@ def probe(ns, logs: Path) -> dict:
     """One step of plain ``dcir`` on the workload, for what ``memory_budget`` needs (cached
     in ``logs``: the memory model's figures do not depend on timing, only on the workload
     and on the compiler's code, whose hash is part of the key)."""
+    from dcir_runtime.program_cache import sources_digest
+
     out = logs / "dcir-probe.json"
     key = {n: getattr(ns, n) for n, _ in WORKLOAD} | {"world": ns.world, "init": ns.init, "transport": ns.transport,
-                                                      "code": _code_hash()}
+                                                      "code": sources_digest()[:16]}
     if out.exists() and json.loads(out.read_text()).get("key") == key:
         return json.loads(out.read_text())
     out.unlink(missing_ok=True)
@@ -183,16 +185,6 @@ def probe(ns, logs: Path) -> dict:
     result["key"] = key
     out.write_text(json.dumps(result))
     return result
-
-
-def _code_hash() -> str:
-    """A hash of the compiler's and the runtime's Python sources."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for path in sorted(p for d in ("dcir", "dcir_lowering", "runtime") for p in (HERE.parent / d).rglob("*.py")):
-        h.update(path.read_bytes())
-    return h.hexdigest()[:16]
 
 
 def _run(system: str, ns, out: Path, extra: tuple[str, ...] = (), env: dict | None = None) -> dict | None:

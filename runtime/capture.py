@@ -43,7 +43,7 @@ class Captured:
     text: str             # the program as it was compiled (the schedule replanning starts from)
     source: str           # what diagnostics call it
     outputs: Outputs      # the structure of the model's output
-    cached: str | None = None  # its entry's name in the program cache, if there is a cache
+    cached: str | None = None  # its entry's name in the program cache, on the rank that compiled it
     entry: Entry | None = None  # what rank 0 read from the cache or compiled (with the cycle's plan, if cached)
 
     @cached_property
@@ -107,19 +107,22 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, group: Process
     ``cache``, the entry of ``call`` (``programs.ProgramKey``) is read instead of
     compiling when there is one, and written when not. None: the step has graph breaks,
     and runs as regions."""
-    name = source_name(model, group.world)
-    cached = cache.name(model, options["loss_fn"], call, options["config"]) if cache is not None else None
+    cached: list[str] = []  # the entry's name, on the rank that compiles (the others need none)
 
     def make() -> str:
-        entry = cache.load(cached) if cache is not None else None
+        entry = None
+        if cache is not None:
+            cached.append(cache.name(model, options["loss_fn"], call, options["config"]))
+            entry = cache.load(cached[0])
         if entry is None:
             text, outputs = compile_step(model, args, kwargs, world=group.world, **options)
             entry = Entry(text, outputs.pack() if outputs is not None else "")
             if cache is not None and text != REGIONS:
-                cache.save(cached, entry)
+                cache.save(cached[0], entry)
         return entry.dumps()
 
     entry = Entry.loads(make() if local else group.from_rank0(key, make))
     if entry.program == REGIONS:
         return None
-    return Captured(entry.program, name, Outputs.unpack(entry.outputs), cached, entry)
+    return Captured(entry.program, source_name(model, group.world), Outputs.unpack(entry.outputs),
+                    cached[0] if cached else None, entry)

@@ -60,7 +60,7 @@ class Planner:
         self._replanned_captured = self._replanned_plan = False
         self._forced = False                 # the next plan is taken even if slower: memory asked for it
         self.cache = ProgramCache(config.program_cache, group.world) if config.program_cache else None
-        self.cached: str | None = None       # the captured program's entry in the cache
+        self.cached: str | None = None       # the captured program's entry in the cache (rank 0's)
         self.planned_through = 0             # the steps whose profiles a plan read from the cache had seen
 
     def passes(self, specs: list[str], budget: int | None = None) -> list:
@@ -173,7 +173,7 @@ class Planner:
                       reason="same" if same else "memory" if forced else "faster" if take else "kept",
                       predicted_peak=memory_peaks(module if take else running))
         self.log.append(record)
-        if self.cache is not None and self.cached is not None and self.group.rank == 0:  # what runs from here
+        if self.cached is not None:  # rank 0, which compiled it: what runs from here on
             self.cache.save_plan(self.cached, dcir.print(without_profiles(module if take else running)), self.log,
                                  steps)
         if steps in self.config.optimize["profile_at"]:  # this step is listed too: profile the next one

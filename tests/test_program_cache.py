@@ -192,3 +192,15 @@ def test_the_key_follows_transformers_settings(tmp_path):
     model = tiny_llama()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     assert len({base, checkpointed, _name(model, root=tmp_path)}) == 3
+
+
+def test_a_cache_that_cannot_be_written_is_a_warning_and_the_job_goes_on(tmp_path, monkeypatch):
+    from dcir_runtime import program_cache
+
+    def full(src, dst):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(program_cache.os, "replace", full)
+    with pytest.warns(UserWarning, match=r"cannot write the program cache entry .*\.json \(No space left on device\); "
+                                         r"going on without it"):
+        _, losses = _train(tmp_path, steps=2, config={"optimize": None})
+    assert len(losses) == 2 and not list(tmp_path.iterdir())  # nothing half written is left
