@@ -51,7 +51,9 @@ class TensorType:
 
 @dataclass(frozen=True, slots=True)
 class ShardType:
-    """One rank's flat shard of a tensor split across ``parts`` ranks: ``shard<f32[8, 16], 2>``.
+    """One rank's flat shard of a tensor split across ``parts`` ranks: ``shard<f32[8, 16], 2>``,
+    or, in a module with a mesh, across the ranks of one of its dimensions, ``over``
+    (replicated over the others): ``shard<f32[8, 16], local=2>``.
 
     The full tensor is flattened and padded to a multiple of ``parts``; every rank
     holds ``ceil(numel / parts)`` elements, so collectives have the same size on
@@ -60,6 +62,8 @@ class ShardType:
 
     full: TensorType
     parts: int
+    #: the mesh dimension the shards are split over (None: every rank of the world)
+    over: str | None = None
 
     @property
     def dtype(self) -> str:
@@ -79,7 +83,7 @@ class ShardType:
         return self.numel * DTYPE_BYTES[self.full.dtype]
 
     def __str__(self) -> str:
-        return f"shard<{self.full}, {self.parts}>"
+        return f"shard<{self.full}, {self.over}={self.parts}>" if self.over else f"shard<{self.full}, {self.parts}>"
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,6 +364,16 @@ class Module:
     def world_size(self) -> int | None:
         ws = self.attrs.get("world_size")
         return ws if isinstance(ws, int) and not isinstance(ws, bool) and ws >= 1 else None
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        """The mesh the ranks form, its dimensions in order (row-major: the last varies
+        fastest across ranks), from ``mesh.<dim> = <size>`` attributes; {} without one."""
+        return {k[5:]: v for k, v in self.attrs.items() if k.startswith("mesh.") and isinstance(v, int)}
+
+    def group_size(self, over: str | None) -> int | None:
+        """How many ranks a collective over mesh dimension ``over`` (None: the world) spans."""
+        return self.world_size if over is None else self.mesh.get(over)
 
     def __str__(self) -> str:
         return print_module(self)

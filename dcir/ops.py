@@ -38,7 +38,7 @@ which ``bucket`` creates when it merges them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Callable
 
@@ -118,8 +118,19 @@ def _full_or_shard(t: Type, what: str, i: int = 0) -> Type:
     return t
 
 
+def _group(module, op: Op) -> str | None:
+    """The mesh dimension a collective runs over (its ``group``; None: every rank)."""
+    group = op.attrs.get("group")
+    if group is not None and group not in module.mesh:
+        dims = ", ".join(f'"{d}"' for d in module.mesh)
+        raise TypeRuleError(f"{op.name} runs over group \"{group}\", which is not a dimension of the module's mesh"
+                            + (f" ({dims})" if dims else " (it declares none: mesh.<dim> = <size> attributes)"))
+    return group
+
+
 def _world(module, op: Op) -> int:
-    parts = op.attrs.get("parts", module.world_size)
+    group = _group(module, op)
+    parts = op.attrs.get("parts", module.group_size(group))
     if not isinstance(parts, int) or parts < 1:
         raise TypeRuleError(f"{op.name} needs the number of shards: give the module a world_size "
                             "attribute or the op a 'parts' attribute")
@@ -139,33 +150,58 @@ def _rule_param_set(op, types, module):
 
 def _rule_grad_set(op, types, module):
     decl = module.decls[op.symbol]
-    allowed = {decl.type, decl.full_type, ShardType(decl.full_type, module.world_size or 1)}
+    over = decl.type.over if isinstance(decl.type, ShardType) else None
+    allowed = {decl.type, decl.full_type, ShardType(decl.full_type, module.group_size(over) or 1, over)}
     if types[0] not in allowed:
         raise TypeRuleError(f"gradient of @{op.symbol} must be {decl.type}"
                             + (" or its shard" if decl.type == decl.full_type else "") + f", got {types[0]}", 0)
     return []
 
 
+def _over(over: str | None) -> str:
+    return f'the mesh dimension "{over}"' if over else "every rank"
+
+
+def _rule_accumulate(op, types, module):
+    for i, t in enumerate(types):
+        _full_or_shard(t, f"operand #{i} of {op.name}", i)
+    if types[0] != types[1]:
+        raise TypeRuleError(f"{op.name} sums values of one type; the accumulator is {types[0]}, the gradient "
+                            f"{types[1]}", 1)
+    return [types[0]]
+
+
+def _rule_zero(op, types, module):
+    return [_full_or_shard(types[0], f"the operand of {op.name}")]
+
+
 def _rule_all_gather(op, types, module):
+    group = _group(module, op)
     out = []
     for i, t in enumerate(types):
         if not isinstance(t, ShardType):
             raise TypeRuleError(f"{op.name} gathers shards; operand #{i} is {t}", i)
+        if t.over != group:
+            raise TypeRuleError(f"{op.name} runs over {_over(group)}, but operand #{i} ({t}) is split over "
+                                f"{_over(t.over)}: gather it with group = \"{t.over}\"" if t.over else
+                                f"{op.name} runs over {_over(group)}, but operand #{i} ({t}) is split over every "
+                                "rank: gather it without a group", i)
         out.append(PendingType(t.full))
     return out
 
 
 def _rule_reduce_scatter(op, types, module):
-    parts = _world(module, op)
+    parts, group = _world(module, op), op.attrs.get("group")
     out = []
     for i, t in enumerate(types):
         if not isinstance(t, TensorType):
             raise TypeRuleError(f"{op.name} reduces full tensors; operand #{i} is {t}", i)
-        out.append(PendingType(ShardType(t, parts)))
+        out.append(PendingType(ShardType(t, parts, group)))
     return out
 
 
 def _rule_all_reduce(op, types, module):
+    _group(module, op)
     for i, t in enumerate(types):
         _full_or_shard(t, f"operand #{i} of {op.name}", i)
     return [PendingType(t) for t in types]
@@ -206,7 +242,7 @@ def _rule_cast(op, types, module):
     t = _full_or_shard(types[0], "the cast value")
     to = op.attrs.get("dtype")
     full = TensorType(to.name, t.full.shape if isinstance(t, ShardType) else t.shape)
-    return [ShardType(full, t.parts) if isinstance(t, ShardType) else full]
+    return [replace(t, full=full) if isinstance(t, ShardType) else full]
 
 
 def _rule_optim_step(op, types, module):
@@ -274,6 +310,12 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
     OpDef("grad.set", "Hand the (reduced) gradient of a trainable parameter to the optimizer.",
           (1, 1), (0, 0), frozenset({SIDE_EFFECT, GRADIENT}), _rule_grad_set, symbol=True,
           example="grad.set @fc1.weight(%grad_shard)"),
+    OpDef("grad.accumulate", "Sum a gradient into a copy of its accumulator (a tensor, or this rank's shard of one).",
+          (2, 2), (1, 1), frozenset({PURE, ALLOCATES}), _rule_accumulate,
+          example="%sum = grad.accumulate(%acc, %g_shard) : shard<f32[16, 8], local=2>"),
+    OpDef("grad.zero", "A zeroed value of an accumulator's type (a tensor, or this rank's shard of one).",
+          (1, 1), (1, 1), frozenset({PURE, ALLOCATES}), _rule_zero,
+          example="%acc_zero = grad.zero(%acc) : shard<f32[16, 8], local=2>"),
     OpDef("comm.all_gather", "Start gathering a shard from every rank into the full tensor.",
           (1, 1), (1, 1), frozenset({ASYNC, COLLECTIVE, GATHERS, ALLOCATES}), _rule_all_gather, _GROUP,
           example="%p = comm.all_gather(%w) : pending<f32[16, 8]>", coalesced="comm.all_gather_coalesced"),

@@ -84,12 +84,12 @@ class _ToRaw(Transformer):
         return tensor_type(str(c[0]))
 
     def shard_type(self, c):
-        inner, parts = c
+        inner, over, parts = c
         if not isinstance(inner, TensorType):
             raise _SemanticError(f"a shard is a shard of a tensor type, not of {inner}", parts)
         if int(parts) < 1:
             raise _SemanticError("a shard splits a tensor across at least 1 rank", parts)
-        return ShardType(inner, int(parts))
+        return ShardType(inner, int(parts), str(over) if over is not None else None)
 
     def pending_type(self, c):
         return PendingType(c[0])

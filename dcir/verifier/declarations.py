@@ -3,6 +3,8 @@ attributes, type and (for a buffer) value."""
 
 from __future__ import annotations
 
+import math
+
 from dcir.aten import is_complex_text
 from dcir.custom_ops import LIBRARIES, is_module_name
 from dcir.ir import UNIT, HostType, ShardType, TensorType
@@ -23,9 +25,24 @@ class Declarations(Checker):
                                   "dotted names)", self.report.loc(self.m), 6)
             elif not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 self.report.error("module attribute world_size must be a positive integer", self.report.loc(self.m), 6)
+        self._mesh()
         for decl in self.m.decls.values():
             self._attrs(decl)
             self._type(decl)
+
+    def _mesh(self) -> None:
+        """``mesh.<dim> = <size>``: positive sizes whose product is the world size."""
+        dims = {k: v for k, v in self.m.attrs.items() if k.startswith("mesh.")}
+        if not dims:
+            return
+        bad = [k for k, v in dims.items() if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1)]
+        if bad:
+            self.report.error(f"module attribute {bad[0]} must be a positive integer (a mesh dimension's size)",
+                              self.report.loc(self.m), 6)
+        elif math.prod(dims.values()) != self.m.world_size:
+            self.report.error(f"the mesh {' × '.join(f'{k[5:]}={v}' for k, v in dims.items())} has "
+                              f"{math.prod(dims.values())} ranks, but the module runs on world_size = "
+                              f"{self.m.world_size}", self.report.loc(self.m), 6)
 
     def _attrs(self, d) -> None:
         for key, value in d.attrs.items():

@@ -1,5 +1,7 @@
 """Gradients: only a trainable parameter has a gradient; it is reduced across ranks
-exactly once (when the module runs on more than one rank) before the ``gradient`` op
+exactly once (when the module runs on more than one rank; with a mesh, over each of its
+dimensions exactly once, for example reduce-scattered over "local" and all-reduced over
+"nodes") before the ``gradient`` op
 hands it to the optimizer; and each optimizer step gets it exactly once, from the
 final backward (see ``roles``)."""
 
@@ -17,44 +19,54 @@ class Gradients(Checker):
 
     def function(self, f) -> None:
         self.func = f.name
-        self.reductions = {}  # how many cross-rank reductions a value went through
+        self.reductions = {}  # value -> the mesh dimensions it was reduced over ("" : the world), in order
 
     def effects(self, op, d, ok: bool) -> None:
         if d is not None and registry.GRADIENT in d.traits and op.symbol in self.m.decls:
             self.handed.setdefault(self.func, {}).setdefault(op.symbol, []).append(op)
         if not ok:
             return
-        # a reduce collective adds one; everything else keeps the most of its inputs
+        # a reduce collective adds its dimensions; everything else keeps the most of its inputs
         if self.reductions or registry.REDUCES in d.traits:
             self._count(op, d)
         if registry.GRADIENT in d.traits:
-            self._reduced_once(op, self.reductions.get(op.operands[0], 0))
+            self._reduced_once(op, self.reductions.get(op.operands[0], ()))
 
     def _count(self, op, d) -> None:
         if registry.WAITS in d.traits:
             for v, r in zip(op.operands, op.results):
-                self.reductions[r] = self.reductions.get(v, 0)
+                self.reductions[r] = self.reductions.get(v, ())
             return
-        count = max((self.reductions.get(v, 0) for v in op.operands), default=0)
-        count += registry.REDUCES in d.traits
-        if count:
+        dims = max((self.reductions.get(v, ()) for v in op.operands), key=len, default=())
+        if registry.REDUCES in d.traits:
+            group = op.attrs.get("group")
+            dims = dims + ((group,) if group is not None else tuple(self.m.mesh) or ("",))
+        if dims:
             for r in op.results:
-                self.reductions[r] = count
+                self.reductions[r] = dims
 
-    def _reduced_once(self, op, reduced: int) -> None:
+    def _reduced_once(self, op, dims: tuple) -> None:
         decl = self.m.decls[op.symbol]
         if not decl.trainable:
             what = "a buffer" if decl.kind == "buffer" else "a frozen parameter (no 'trainable')"
             self.report.op_error(op, f"grad.set of @{decl.name}, which is {what}; only trainable parameters have "
                                      "gradients")
             return
-        ws = self.m.world_size or 1
-        if reduced > 1:
-            self.report.op_error(op, f"the gradient of @{decl.name} is reduced across ranks {reduced} times; it must "
-                                     "be reduced exactly once")
-        elif reduced == 0 and ws > 1:
+        ws, mesh = self.m.world_size or 1, self.m.mesh
+        twice = next((dim for k, dim in enumerate(dims) if dim in dims[:k]), None)
+        if twice is not None and not mesh:
+            self.report.op_error(op, f"the gradient of @{decl.name} is reduced across ranks {len(dims)} times; it "
+                                     "must be reduced exactly once")
+        elif twice is not None:
+            self.report.op_error(op, f"the gradient of @{decl.name} is reduced over \"{twice}\" twice; it must be "
+                                     "reduced over each mesh dimension exactly once")
+        elif not dims and ws > 1:
             self.report.op_error(op, f"the gradient of @{decl.name} is not reduced across ranks (world_size = {ws}); "
                                      "reduce_scatter or all_reduce it before grad.set")
+        elif mesh and set(dims) != set(mesh):
+            left = [dim for dim in mesh if dim not in dims]
+            self.report.op_error(op, f"the gradient of @{decl.name} is not reduced over \"{left[0]}\"; reduce it "
+                                     "over each mesh dimension before grad.set")
 
     def end_module(self) -> None:
         """Each trainable parameter gets one gradient per optimizer step: the final
