@@ -52,12 +52,15 @@ def ring_kind(op: Op) -> str:
     """Which ring collective ``op`` runs: "all_gather", "reduce_scatter" or "all_reduce"."""
     if not registry.has_trait(op, registry.REDUCES):
         return "all_gather"
-    inner = [r.type.inner if isinstance(r.type, PendingType) else r.type for r in op.results]
-    return "reduce_scatter" if any(isinstance(t, ShardType) for t in inner) else "all_reduce"
+    return "reduce_scatter" if registry.has_trait(op, registry.SCATTERS) else "all_reduce"
 
 
 def ranks(op: Op, machine: Machine) -> int:
-    """Ranks a collective spans: its shards' parts, else the machine's world size (else 2)."""
+    """Ranks a collective spans: its mesh dimension's size, else its shards' parts, else
+    the machine's world size (else 2)."""
+    group = op.attrs.get("group")
+    if group is not None and group in dict(machine.mesh):
+        return dict(machine.mesh)[group]
     for v in (*op.operands, *op.results):
         t = v.type.inner if isinstance(v.type, PendingType) else v.type
         if isinstance(t, ShardType):
@@ -66,14 +69,19 @@ def ranks(op: Op, machine: Machine) -> int:
 
 
 def payload(op: Op) -> int:
-    """Bytes a collective moves, counted as the full tensors gathered or reduced."""
+    """Bytes a collective moves, counted as the tensors gathered or reduced (an
+    all-reduce of a shard: the shard's)."""
     if registry.has_trait(op, registry.GATHERS):
         return sum(r.type.inner.nbytes for r in op.results)
-    total = 0
-    for v in op.operands:
-        t = v.type
-        total += t.full.nbytes if isinstance(t, ShardType) else t.nbytes
-    return total
+    return sum(v.type.nbytes for v in op.operands)
+
+
+def across_nodes(op: Op, machine: Machine) -> bool | None:
+    """Whether a collective's ranks are each on another node (over a mesh dimension but
+    the last), all on one (over the last), or, without a group, as ``ranks_per_node`` says (None)."""
+    group = op.attrs.get("group")
+    dims = [d for d, _ in machine.mesh]
+    return None if group is None or group not in dims else group != dims[-1]
 
 
 def is_transfer(op: Op) -> bool:
@@ -140,7 +148,7 @@ def analytic_s(op: Op, machine: Machine) -> float:
         return machine.dispatch_s + sum(device_bytes(r) or device_bytes(v)
                                         for v, r in zip(op.operands, op.results)) / machine.copy_bw
     if is_transfer(op):
-        return machine.collective_s(ring_kind(op), payload(op), ranks(op, machine))
+        return machine.collective_s(ring_kind(op), payload(op), ranks(op, machine), across_nodes(op, machine))
     if not registry.has_trait(op, registry.COMPUTE):
         return machine.dispatch_s
     return machine.dispatch_s + max(op_flops(op) / machine.flops, touched_bytes(op) / machine.mem_bw)
@@ -154,6 +162,8 @@ def calibrate(module: Module, machine: Machine | None = None) -> Machine:
     intercept over the mean number of steps). Every link is taken as alike (one node).
     Without ``machine``, the module's default (``_profiled_on``)."""
     machine = machine or _profiled_on(module)
+    if module.mesh:
+        machine = replace(machine, mesh=tuple(module.mesh.items()))
     if not machine.use_profile:
         return machine
     pts, steps = [], []

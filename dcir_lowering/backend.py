@@ -45,8 +45,8 @@ from dcir import aten, custom_ops, fusion, roles
 from dcir.analysis import view_bases
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Function, Module, Op, ShardType, Source
-from dcir.memory import OPTIM_KEY, OPTIM_STATE_OF
-from dcir.ops import GATHERS, SCATTERS, SCHEMA, has_trait
+from dcir.memory import GRAD_ACC_OF, OPTIM_KEY, OPTIM_STATE_OF
+from dcir.ops import GATHERS, REDUCES, SCATTERS, SCHEMA, WAITS, has_trait
 from dcir.printer import locate
 from dcir.shapes import call_arguments, torch_dtype
 from dcir.verifier import verify
@@ -58,7 +58,7 @@ from dcir_lowering.state_store import OPTIMIZER_STATE, OptimizerStateStore
 from dcir_lowering.stretches import compile_compute
 
 
-def lower_function(module: Module, name: str, group: str | None = None,
+def lower_function(module: Module, name: str, group: str | dict | None = None,
                    shards_in_state: bool = False, store_prefix: str = "", boxed: bool | None = None) -> fx.GraphModule:
     """Function ``name`` of ``module`` as a GraphModule taking ``(state, grads, *args)``,
     or ``(state, grads, args)`` when ``boxed`` (``args`` a list the function empties:
@@ -128,9 +128,11 @@ def _lower_collective(module: Module, op: Op, g: fx.Graph, env: dict) -> None:
 class _Distributed:
     """``comm.*``, ``mem.free`` and sharded ``param.get`` as calls into the C++ runtime."""
 
-    def __init__(self, module: Module, func: Function, group: str, shards_in_state: bool = False,
+    def __init__(self, module: Module, func: Function, group: str | dict, shards_in_state: bool = False,
                  store_prefix: str = ""):
-        self.module, self.group, self.shards_in_state = module, group, shards_in_state
+        self.module, self.shards_in_state = module, shards_in_state
+        #: mesh dimension (None: every rank) -> the c10d name of the group a collective over it runs in
+        self.groups = group if isinstance(group, dict) else {None: group}
         self.store_prefix = store_prefix
         self.ops = torch.ops.dcir
         bases = view_bases(func)  # a view -> the value whose storage it shares
@@ -138,16 +140,26 @@ class _Distributed:
         # is released when the IR frees it: a gathered parameter @forward hands to @backward)
         self.borrowed = {v for v in func.values() if isinstance(v.owner, Op) and v.owner.name == "param.get"}
         self.storage_base = lambda v: bases.get(v, v)
+        # the results of a coalesced reduction are parts of one buffer: freeing one would free
+        # them all, so their memory goes with the last of them (as Python drops it)
+        pending = {r for op in func.ops if has_trait(op, REDUCES) and len(op.results) > 1 for r in op.results}
+        self.parts = {r for op in func.ops if has_trait(op, WAITS) for v, r in zip(op.operands, op.results)
+                      if v in pending}
 
     def handles(self, op: Op) -> bool:
-        if op.name == "param.get":  # from the shard store, unless the state has it
-            return isinstance(self.module.decls[op.symbol].type, ShardType) and not self.shards_in_state
+        if op.name == "param.get":  # from the shard store, unless the state has it (an accumulator: always)
+            decl = self.module.decls[op.symbol]
+            return isinstance(decl.type, ShardType) and not self.shards_in_state and GRAD_ACC_OF not in decl.attrs
         return op.family == "comm" or op.name == "mem.free"
 
     def lower(self, op: Op, g: fx.Graph, env: dict) -> None:
         if "ranks" in op.attrs:
             raise _unsupported(self.module, op,
                                f"{op.name} over a subgroup of ranks is not supported by the runtime yet")
+        if op.family == "comm" and op.attrs.get("group") not in self.groups:
+            raise _unsupported(self.module, op, f"{op.name} runs over the mesh dimension \"{op.attrs['group']}\", and "
+                                                "the process group it is lowered for has no such mesh")
+        group = self.groups[op.attrs.get("group")]
         d = self.ops
         tag = ", ".join("%" + v.name for v in op.operands) + (f" (line {op.loc[0]})" if op.loc else "")
         args = [env[v] for v in op.operands]
@@ -156,7 +168,7 @@ class _Distributed:
             return
         if op.name == "mem.free":
             for v in op.operands:
-                if self.storage_base(v) not in self.borrowed:
+                if self.storage_base(v) not in self.borrowed and self.storage_base(v) not in self.parts:
                     g.call_function(d.free, (env[v],))
             return
         if op.name == "comm.wait":
@@ -165,21 +177,21 @@ class _Distributed:
             return
         reduction = op.attrs.get("op", "sum")
         if op.name == "comm.all_gather":
-            outs = [g.call_function(d.all_gather, (args[0], list(op.results[0].type.inner.shape), self.group, tag))]
+            outs = [g.call_function(d.all_gather, (args[0], list(op.results[0].type.inner.shape), group, tag))]
         elif op.name == "comm.all_gather_coalesced":
             shapes = [r.type.inner.shape for r in op.results]
             node = g.call_function(d.all_gather_coalesced,
-                                   (args, [n for s in shapes for n in s], [len(s) for s in shapes], self.group, tag))
+                                   (args, [n for s in shapes for n in s], [len(s) for s in shapes], group, tag))
             outs = [g.call_function(_item, (node, i)) for i in range(len(op.results))]
         elif op.name == "comm.reduce_scatter":
-            outs = [g.call_function(d.reduce_scatter, (args[0], reduction, self.group, tag))]
+            outs = [g.call_function(d.reduce_scatter, (args[0], reduction, group, tag))]
         elif op.name == "comm.reduce_scatter_coalesced":
-            node = g.call_function(d.reduce_scatter_coalesced, (args, reduction, self.group, tag))
+            node = g.call_function(d.reduce_scatter_coalesced, (args, reduction, group, tag))
             outs = [g.call_function(_item, (node, i)) for i in range(len(op.results))]
         elif op.name == "comm.all_reduce":
-            outs = [g.call_function(d.all_reduce, (args[0], reduction, self.group, tag))]
+            outs = [g.call_function(d.all_reduce, (args[0], reduction, group, tag))]
         elif op.name == "comm.all_reduce_coalesced":
-            node = g.call_function(d.all_reduce_coalesced, (args, reduction, self.group, tag))
+            node = g.call_function(d.all_reduce_coalesced, (args, reduction, group, tag))
             outs = [g.call_function(_item, (node, i)) for i in range(len(op.results))]
         else:
             raise _unsupported(self.module, op, f"{op.name} is not supported by the runtime yet")
@@ -276,6 +288,10 @@ def _lower_op(module: Module, func: Function, op: Op, g: fx.Graph, env: dict, st
         env[op.results[0]] = g.call_function(_rng_get, (env[op.operands[0]],))
     elif op.name == "rng.set":
         g.call_function(_rng_set, tuple(env[v] for v in op.operands))
+    elif op.name == "grad.accumulate":
+        env[op.results[0]] = g.call_function(torch.ops.aten.add.Tensor, (env[op.operands[0]], env[op.operands[1]]))
+    elif op.name == "grad.zero":
+        env[op.results[0]] = g.call_function(torch.ops.aten.zeros_like.default, (env[op.operands[0]],))
     elif op.name == "mem.cast":
         env[op.results[0]] = g.call_function(torch.ops.aten._to_copy.default, (env[op.operands[0]],),
                                              {"dtype": torch_dtype(op.attrs["dtype"].name)})
@@ -306,12 +322,13 @@ def _unsupported(module: Module, op: Op, message: str) -> DcirError:
     return DcirError(Diagnostic(message, module.source, op.loc, len(op.name)))
 
 
-def lower(module: Module, state: dict, *, inductor: bool = False, group: str | None = None,
+def lower(module: Module, state: dict, *, inductor: bool = False, group: str | dict | None = None,
           store_prefix: str = "", optimizer_state: OptimizerStateStore | None = None,
           device: torch.device | str | None = None) -> Program:
     """Lower ``module`` (verified first) to a ``Program`` over ``state`` (FQN -> tensor).
     Buffers with a ``value`` attribute that ``state`` lacks are made from it. With
-    ``group`` (a process group's name), collectives run over it through the C++
+    ``group`` (a process group's name, or a dict from each mesh dimension, None for every
+    rank, to the name of this rank's group over it), collectives run over it through the C++
     runtime, and sharded parameters are read from the runtime's shard store, under
     ``store_prefix + FQN`` (from ``state`` when it has them). ``inductor`` compiles the compute (between the
     collectives, see ``compile_compute``); without it, the stretches whose ops the ``fuse``
@@ -337,7 +354,8 @@ def lower(module: Module, state: dict, *, inductor: bool = False, group: str | N
                and not (group is not None and isinstance(d.type, ShardType))]
     if missing:
         raise DcirError(Diagnostic(f"no tensor for {', '.join('@' + m for m in missing)} in the program's state"))
-    in_state = any(isinstance(d.type, ShardType) and name in state for name, d in module.decls.items())
+    in_state = any(isinstance(d.type, ShardType) and name in state and GRAD_ACC_OF not in d.attrs
+                   for name, d in module.decls.items())
     graphs = {f.role: lower_function(module, f.name, group, in_state, store_prefix)
               for f in module.functions.values() if f.role is not None}
 

@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from dcir import signature
-from dcir.ir import Function, Module
+from dcir.ir import Function, Module, ShardType
 from dcir.memory import GRAD_ACC_OF, UNSHARD_OF
 from dcir.roles import BACKWARD, BACKWARD_LAST, EVAL, FORWARD, STEP, UNSHARD
 from dcir.shapes import torch_dtype
@@ -155,11 +155,13 @@ def constants(module: Module, device: torch.device | str) -> dict:
 
 def gathered_copies(module: Module, device: torch.device | str) -> dict:
     """Storage for the buffers the schedule keeps: gathered copies of parameters (filled
-    by ``@unshard``) and gradient accumulators (``zero1``, zero at the start)."""
+    by ``@unshard``) and gradient accumulators (``zero1``'s full ones, HSDP's shards; zero
+    at the start)."""
     out = {}
     for name, d in module.decls.items():
         if UNSHARD_OF in d.attrs or GRAD_ACC_OF in d.attrs:
-            out[name] = torch.zeros(d.type.shape, dtype=torch_dtype(d.type.dtype), device=device)
+            shape = d.type.numel if isinstance(d.type, ShardType) else d.type.shape  # a shard is flat
+            out[name] = torch.zeros(shape, dtype=torch_dtype(d.type.dtype), device=device)
     return out
 
 

@@ -37,6 +37,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -44,6 +45,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -75,6 +77,8 @@ struct Stats {
 
 std::mutex mu;
 Stats stats;
+// group name -> [collectives started, payload bytes handed to it]: what each group of a mesh carried
+std::map<std::string, std::array<int64_t, 2>> per_group;
 // storage -> bytes, for gathered buffers (weak: a buffer dropped without free leaves no trace)
 std::unordered_map<c10::StorageImpl*, std::pair<c10::weak_intrusive_ptr<c10::StorageImpl>, int64_t>> gathered;
 std::chrono::milliseconds timeout{300000};
@@ -221,7 +225,12 @@ void start(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>&
   }
   std::lock_guard<std::mutex> g(mu);
   stats.collectives += 1;
-  for (const auto& t : inputs) stats.sent_bytes += nbytes(t);
+  auto& mine = per_group[group_name];
+  mine[0] += 1;
+  for (const auto& t : inputs) {
+    stats.sent_bytes += nbytes(t);
+    mine[1] += nbytes(t);
+  }
   for (const auto& r : results) pending[r.unsafeGetTensorImpl()] = {r, p};
 }
 
@@ -928,6 +937,14 @@ std::vector<int64_t> memory_stats() {
           stats.wait_ns,      static_cast<int64_t>(pending.size()), stats.shm_fallbacks};
 }
 
+// [collectives, sent bytes] the runtime started over the group named `group_name`
+std::vector<int64_t> group_stats(const std::string& group_name) {
+  std::lock_guard<std::mutex> g(mu);
+  auto it = per_group.find(group_name);
+  if (it == per_group.end()) return {0, 0};
+  return {it->second[0], it->second[1]};
+}
+
 void reset_peak() {
   std::lock_guard<std::mutex> g(mu);
   prune_locked();
@@ -969,6 +986,7 @@ TORCH_LIBRARY(dcir, m) {
   m.def("drop_shards(str prefix) -> ()", &drop_shards);
   m.def("memory_stats() -> int[]", &memory_stats);
   m.def("reset_peak() -> ()", &reset_peak);
+  m.def("group_stats(str group) -> int[]", &group_stats);
   m.def("set_timeout(int ms) -> ()", &set_timeout);
   m.def("has_cuda() -> bool", &has_cuda);
   m.def("shm_create(str group, str name, int rank, int world, int capacity) -> bool", &shm_create);

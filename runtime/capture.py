@@ -61,7 +61,16 @@ def stage_pass(config: Config, world: int):
     """The pass of the configured ZeRO stage."""
     if config.zero_stage == 1:
         return Zero1(world_size=world, micro_steps=config.gradient_accumulation_steps)
-    return (Zero2 if config.zero_stage == 2 else Zero3)(world_size=world)
+    return Zero2(world_size=world) if config.zero_stage == 2 else zero3(config, world)
+
+
+def zero3(config: Config, world: int) -> Zero3:
+    """``zero3`` over every rank or, with the config's ``mesh``, HSDP: sharded within each
+    node, averaged across nodes once per optimizer step."""
+    if config.mesh is None:
+        return Zero3(world_size=world)
+    return Zero3(world_size=world, nodes=config.mesh["replicate"], shard="local",
+                 micro_steps=config.gradient_accumulation_steps)
 
 
 def offload_pass(config: Config, state_keys: Callable[[], list[str]]) -> list:
@@ -79,7 +88,7 @@ def pipeline(config: Config, world: int, training: bool, state_keys: Callable[[]
     without a backward (``@eval``), ``zero3``'s gathers and frees and the casts."""
     policy = precision.policy_of(config)
     if not training:
-        return [Zero3(world_size=world), *precision.passes(policy)]
+        return [zero3(config, world), *precision.passes(policy)]
     return [stage_pass(config, world), *precision.passes(policy), *offload_pass(config, state_keys),
             *passes(config.passes)]
 

@@ -49,7 +49,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.layout import ShardLayout
@@ -68,13 +68,15 @@ def _error(message: str) -> DcirError:
     return DcirError(Diagnostic(message))
 
 
-def _mesh(world: int):
-    """The 1-D mesh over the default group, made for one save or load and not kept: a
-    mesh holds its process group, and one kept past ``destroy_process_group`` keeps
-    gloo's worker threads alive into interpreter shutdown, where a worker releasing a
-    finished collective's tensors needs the GIL and aborts the process ("terminate
-    called without an active exception")."""
-    return init_device_mesh("cpu", (world,))
+def _mesh(engine):
+    """The mesh DCP sees the shards on: 1-D over the default group, or under HSDP the
+    engine's (nodes, local), whose shards are replicated over nodes (DCP writes each chunk
+    once). Made for one save or load and not kept: a mesh holds its process group, and
+    one kept past ``destroy_process_group`` keeps gloo's worker threads alive into
+    interpreter shutdown, where a worker releasing a finished collective's tensors needs
+    the GIL and aborts the process ("terminate called without an active exception")."""
+    group = engine.process_group
+    return init_device_mesh("cpu", tuple(group.mesh.values()) if group.mesh else (group.world,))
 
 
 def _check_tag(tag: str) -> str:
@@ -91,17 +93,18 @@ def _numel(engine, name: str) -> int:
 
 
 def _layout(engine, name: str) -> ShardLayout:
-    return ShardLayout(_numel(engine, name), engine.world)
+    return ShardLayout(_numel(engine, name), engine.process_group.shard_world)
 
 
 def _local(engine, name: str, padded: torch.Tensor) -> torch.Tensor:
     """The unpadded part of this rank's flat shard (torch.chunk's split of ``numel``)."""
-    return padded.reshape(-1)[:_layout(engine, name).local_numel(engine.rank)]
+    return padded.reshape(-1)[:_layout(engine, name).local_numel(engine.process_group.shard_rank)]
 
 
 def _dtensor(engine, name: str, padded: torch.Tensor, mesh):
     n = _numel(engine, name)
-    return DTensor.from_local(_local(engine, name, padded.detach()).cpu(), mesh, [Shard(0)],
+    placements = [Replicate(), Shard(0)] if engine.process_group.mesh else [Shard(0)]
+    return DTensor.from_local(_local(engine, name, padded.detach()).cpu(), mesh, placements,
                               run_check=False, shape=torch.Size([n]), stride=(1,))
 
 
@@ -125,7 +128,7 @@ def _accumulating(engine) -> bool:
 
 def _state_dict(engine, client_state) -> dict:
     sd: dict = {}
-    mesh = _mesh(engine.world)
+    mesh = _mesh(engine)
     for name, shard in engine.shards.items():
         sd[name] = _dtensor(engine, name, shard, mesh)
         if _accumulating(engine) and shard.grad is not None:
@@ -316,7 +319,8 @@ def _check_savable(engine) -> None:
                                                                         if engine.module is not None else ())):
         raise _error(f"save_checkpoint inside gradient accumulation (micro-step {engine.micro_steps} of "
                      f"{engine.config.gradient_accumulation_steps}) under a program with per-rank gradient "
-                     "accumulators (zero1): those are not resharded; save at an optimizer-step boundary")
+                     "accumulators (zero1; HSDP's across nodes): those are not resharded; save at an optimizer-step "
+                     "boundary")
 
 
 def _check_keep(keep_last) -> int | None:
@@ -470,7 +474,7 @@ def _load_dict(engine, meta: dict, marker: dict) -> dict:
             return None
         return torch.empty(m.size, dtype=m.properties.dtype)
 
-    mesh = _mesh(engine.world)
+    mesh = _mesh(engine)
     for name, shard in engine.shards.items():
         sd[name] = _empty_dtensor(engine, name, shard.dtype, mesh)
         prefix = f"optim.{name}."

@@ -72,6 +72,12 @@ class Config:
     #: optimization cycle took, so a restarted job with the same model, code, config and
     #: world skips capture and planning (``dcir_runtime.program_cache``); None: off
     program_cache: str | None = None
+    #: hybrid sharding (FSDP2's HSDP): ``{"replicate": R, "shard": S}``, R × S = the world
+    #: size; parameters sharded over the S ranks of a node (consecutive ranks, as torchrun
+    #: numbers them), replicated across the R nodes, gradients reduce-scattered in the node and
+    #: averaged across nodes once per optimizer step; ``initialize(mesh=DeviceMesh)`` sets
+    #: it from a 2-D mesh. None: every parameter sharded over every rank
+    mesh: dict | None = None
 
     def __post_init__(self):
         given = [k for k in ("mixed_precision", "bf16", "fp16") if getattr(self, k) is not None]
@@ -80,6 +86,9 @@ class Config:
         if self.inductor and any(_names_fuse(spec) for spec in [*self.passes, *(self.optimize or {}).get("passes", [])]):
             raise _error("the config sets inductor, which compiles every stretch of compute, and runs the fuse "
                          "pass, which chooses the stretches to compile: give one of them")
+        if self.mesh is not None and self.zero_stage != 3:
+            raise _error(f"the config's mesh shards parameters within a node (HSDP), which is ZeRO-3's: give zero_stage "
+                         f"3, not {self.zero_stage}")
         if self.fp16 is not None and self.nonfinite == "error":
             raise _error("fp16's loss scaler skips the steps that overflow: give nonfinite 'skip' or leave it out, "
                          "not 'error'")
@@ -217,6 +226,16 @@ def _directory(v):
     return None if v is None else str(v)
 
 
+def _mesh(v):
+    if v is None:
+        return None
+    if not (isinstance(v, dict) and set(v) == {"replicate", "shard"}
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in v.values())):
+        raise ValueError(f"{v!r}; {{\"replicate\": R, \"shard\": S}} with positive integers R × S = the world size "
+                         "(or null: shard over every rank)")
+    return {"replicate": v["replicate"], "shard": v["shard"]}
+
+
 def _bool(v):
     if not isinstance(v, bool):
         raise ValueError(f"{v!r}; true or false")
@@ -228,7 +247,8 @@ _CHECKS = {"zero_stage": _stage, "passes": _passes, "gradient_accumulation_steps
            "optimize": _optimize, "offload": _offload, "gradient_clipping": _max_norm,
            "mixed_precision": _precision("check_policy"), "bf16": _precision("check_bf16"),
            "fp16": _precision("check_fp16"), "max_programs": _positive_int,
-           "transport": _transport, "nonfinite": _nonfinite, "program_cache": _directory}
+           "transport": _transport, "nonfinite": _nonfinite, "program_cache": _directory,
+           "mesh": _mesh}
 
 
 def _error(message: str) -> DcirError:

@@ -28,6 +28,7 @@ Engine hands to the next.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import Callable
 
@@ -52,7 +53,7 @@ __all__ = ["Engine", "RankFailure", "initialize"]
 
 def initialize(model: torch.nn.Module, optimizer=None, config=None, *, loss_fn: Callable | None = None,
                lr_scheduler: Callable | None = None, param_init_fn: Callable | None = None,
-               stream_init: bool = False, pretrained=None) -> "Engine":
+               stream_init: bool = False, pretrained=None, mesh=None) -> "Engine":
     """An Engine that trains ``model`` sharded across the ranks of this job.
 
     ``optimizer`` is a ``torch.optim`` class (built with its defaults), a callable taking
@@ -76,11 +77,35 @@ def initialize(model: torch.nn.Module, optimizer=None, config=None, *, loss_fn: 
     on rank 0 alone and scatters each parameter's shards. ``pretrained`` (a
     ``.safetensors`` file, a ``.safetensors.index.json`` or a directory ``save_pretrained``
     wrote) gives the parameters' values instead: each rank reads only its slices. After
-    this call the model's parameters are on the meta device: the engine holds them."""
-    config = Config.load(config)
+    this call the model's parameters are on the meta device: the engine holds them.
+
+    ``mesh``: a 2-D ``DeviceMesh`` of dimensions (replicate, shard), as FSDP2's
+    ``fully_shard(mesh=...)`` takes for HSDP: parameters sharded over ``shard`` (the ranks of
+    a node), replicated over ``replicate`` (the config's ``mesh`` says the same without one)."""
+    config = _mesh_config(Config.load(config), mesh)
     check_scheduler_factory(lr_scheduler)  # before anything joins a group or holds a shard
     return Engine(model, optimizer, config, loss_fn, lr_scheduler,
-                  start=dict(param_init_fn=param_init_fn, stream_init=stream_init, pretrained=pretrained))
+                  start=dict(param_init_fn=param_init_fn, stream_init=stream_init, pretrained=pretrained),
+                  device_mesh=mesh)
+
+
+def _mesh_config(config: Config, mesh) -> Config:
+    """``config`` with the split of ``initialize(mesh=...)``'s DeviceMesh, checked."""
+    if mesh is None:
+        return config
+    grid = getattr(mesh, "mesh", None)  # a DeviceMesh's ranks, as a tensor
+    if not isinstance(grid, torch.Tensor) or grid.dim() != 2:
+        got = f"one of shape {list(grid.shape)}" if isinstance(grid, torch.Tensor) else f"a {type(mesh).__name__}"
+        raise DcirError(Diagnostic(f"initialize(mesh=...) takes a 2-D DeviceMesh of dimensions (replicate, shard), as "
+                                   f"FSDP2's HSDP does; got {got}"))
+    shape = tuple(grid.shape)
+    if grid.flatten().tolist() != list(range(shape[0] * shape[1])):
+        raise DcirError(Diagnostic(f"initialize(mesh=...): the mesh {mesh.mesh.tolist()} does not number the ranks in "
+                                   "order, a node's ranks consecutive, as init_device_mesh does"))
+    split = {"replicate": shape[0], "shard": shape[1]}
+    if config.mesh not in (None, split):
+        raise DcirError(Diagnostic(f"the config's mesh {config.mesh} differs from initialize(mesh=...)'s {split}"))
+    return dataclasses.replace(config, mesh=split)
 
 
 def _part(path: str, doc: str) -> property:
@@ -94,10 +119,10 @@ def _part(path: str, doc: str) -> property:
 
 class Engine:
     def __init__(self, model: torch.nn.Module, optimizer, config: Config, loss_fn: Callable | None = None,
-                 lr_scheduler: Callable | None = None, start: dict | None = None):
+                 lr_scheduler: Callable | None = None, start: dict | None = None, device_mesh=None):
         self.model, self.loss_fn = model, loss_fn
         self.device = materialize.device_of(model)
-        self.process_group = ProcessGroup.join(config.timeout_s, self.device)
+        self.process_group = ProcessGroup.join(config.timeout_s, self.device, config.mesh, device_mesh)
         try:
             self._set_up(model, optimizer, config, lr_scheduler, start or {})
         except BaseException as e:  # a half-built engine keeps no shards, and leaves a group it made
@@ -113,7 +138,7 @@ class Engine:
         native.load()
         self.ops = torch.ops.dcir
         self.ops.set_timeout(int(config.timeout_s * 1000))
-        self.sharded = ShardedParameters(model, group.rank, group.world,
+        self.sharded = ShardedParameters(model, group.shard_rank, group.shard_world,
                                          materialize.take_shards(model, group, self.device, **start))
         self.transport_bytes = transport.set_up(group, config.transport, self.device)
         self._optim = ShardOptimizer.build(optimizer, model, self.sharded.trainable(), lr_scheduler,
@@ -206,7 +231,7 @@ class Engine:
         if self.state_store is not None and module.role("step") is not None:
             self.state_store.bind(module)  # places the state a checkpoint load left, if one did
         state = dict(self.model.named_buffers())
-        return backend.lower(module, state, inductor=self.config.inductor, group=self.group,
+        return backend.lower(module, state, inductor=self.config.inductor, group=self.process_group.names,
                              store_prefix=self.store_prefix, optimizer_state=self.state_store, device=self.device)
 
     def optimizer_state_keys(self) -> list[str]:
@@ -320,7 +345,8 @@ class Engine:
         a collective, so every rank must call it."""
         out = {}
         for name, shard in self.shards.items():
-            full = self.ops.wait(self.ops.all_gather(shard.detach(), list(self.shapes[name]), self.group, name))
+            over = self.process_group.shard_name  # the ranks holding distinct shards
+            full = self.ops.wait(self.ops.all_gather(shard.detach(), list(self.shapes[name]), over, name))
             full = full.clone()
             for alias in self.aliases[name]:
                 out[alias] = full

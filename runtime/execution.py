@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 import dcir
 from dcir.diagnostics import DcirError, Diagnostic
+from dcir.passes.zero3 import LOCAL
 from dcir.roles import EVAL, FORWARD
 from dcir_lowering.outputs import Outputs
 from dcir_lowering.program import Program
@@ -285,21 +286,22 @@ class Execution:
     @torch.no_grad()
     def clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
         """The global norm of the shards' gradients (padding is zero and adds nothing),
-        summed across ranks in float64; the gradients scaled by ``max_norm / (norm +
-        1e-6)`` when that is below 1, as torch's ``clip_grad_norm_`` does."""
+        summed across the ranks that hold different shards (under HSDP, a node's) in
+        float64; the gradients scaled by ``max_norm / (norm + 1e-6)`` when that is below 1,
+        as torch's ``clip_grad_norm_`` does."""
         grads = [s.grad for s in self.shards.values() if s.grad is not None]
         device = self.group.collective_device()
-        world = self.group.world
+        over = self.group.subgroups.get(LOCAL)  # None: every rank
         if norm_type == float("inf"):
             local = max((g.abs().max().double() for g in grads), default=torch.zeros((), dtype=torch.float64))
             total = local.reshape(1).to(device)
-            if world > 1:
-                dist.all_reduce(total, op=dist.ReduceOp.MAX)
+            if self.group.shard_world > 1:
+                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=over)
         else:
             local = sum((g.double().abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64))
             total = local.reshape(1).to(device)
-            if world > 1:
-                dist.all_reduce(total)
+            if self.group.shard_world > 1:
+                dist.all_reduce(total, group=over)
             total = total.pow(1.0 / norm_type)
         norm = total[0].to(self.group.device, torch.float32)
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

@@ -5,19 +5,28 @@ Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) the group comes from its
 environment; without it the engine runs a world of one on an in-process store. A
 group that exists already (the user's own, or an earlier engine's) is used as it is,
 and never left by the engine.
+
+With a mesh (the config's ``mesh``, or ``initialize(mesh=DeviceMesh)``) the ranks form
+``nodes`` × ``local`` (the IR's names for FSDP2's replicate × shard dimensions), and the
+group holds the c10d subgroups a collective over each dimension runs in
+(``dcir/mesh.py``): over ``local``, the ranks of this rank's node; over ``nodes``, the
+ranks that hold the same shards on the other nodes.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
+from dcir import mesh as meshes
 from dcir.diagnostics import DcirError, Diagnostic
+from dcir.passes.zero3 import LOCAL, NODES
 
 
 class RankFailure(RuntimeError):
@@ -39,9 +48,16 @@ class ProcessGroup:
     device: torch.device
     #: whether this engine created the group, and so must leave it when it fails
     created: bool
+    #: the mesh the ranks form, as the IR names it ({"nodes": R, "local": S}); {}: none
+    mesh: dict = field(default_factory=dict)
+    #: mesh dimension -> this rank's c10d subgroup over it
+    subgroups: dict = field(default_factory=dict)
 
     @classmethod
-    def join(cls, timeout_s: float, device: torch.device) -> "ProcessGroup":
+    def join(cls, timeout_s: float, device: torch.device, mesh: dict | None = None,
+             device_mesh=None) -> "ProcessGroup":
+        """The job's group (made here unless it exists); with ``mesh`` (the config's
+        ``{"replicate": R, "shard": S}``), its subgroups, from ``device_mesh`` when given."""
         created = not dist.is_initialized()
         if created:
             timeout = datetime.timedelta(seconds=timeout_s)
@@ -50,7 +66,51 @@ class ProcessGroup:
                 dist.init_process_group(backend, timeout=timeout)
             else:  # not launched by torchrun: a world of one
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        return cls(dist.get_rank(), dist.get_world_size(), dist.group.WORLD.group_name, device, created)
+        group = cls(dist.get_rank(), dist.get_world_size(), dist.group.WORLD.group_name, device, created)
+        return group if mesh is None else group._with_mesh(mesh, device_mesh)
+
+    def _with_mesh(self, mesh: dict, device_mesh) -> "ProcessGroup":
+        nodes, local = mesh["replicate"], mesh["shard"]
+        if nodes * local != self.world:
+            self.leave_after_failure()
+            raise DcirError(Diagnostic(f"the mesh replicate={nodes} × shard={local} has {nodes * local} ranks, but this "
+                                       f"job runs {self.world}"))
+        if device_mesh is None:
+            device_mesh = init_device_mesh(self.device.type, (nodes, local), mesh_dim_names=("replicate", "shard"))
+        subgroups = {NODES: device_mesh.get_group(0), LOCAL: device_mesh.get_group(1)}
+        return ProcessGroup(self.rank, self.world, self.name, self.device, self.created, {NODES: nodes, LOCAL: local},
+                            subgroups)
+
+    @property
+    def names(self) -> dict:
+        """Mesh dimension (None: every rank) -> the c10d name of the group a collective over it runs in."""
+        return {None: self.name, **{dim: g.group_name for dim, g in self.subgroups.items()}}
+
+    def traffic(self) -> dict:
+        """What the C++ runtime's collectives carried over each group this rank is in, by
+        mesh dimension ("world": every rank): ``{"collectives": N, "bytes": B}``, B the
+        payload this rank handed to the group, since the process started."""
+        return {dim or "world": dict(zip(("collectives", "bytes"), torch.ops.dcir.group_stats(name)))
+                for dim, name in self.names.items()}
+
+    @property
+    def shard_name(self) -> str:
+        """The c10d name of the group each parameter is split over (under HSDP, this rank's node)."""
+        return self.names[LOCAL if self.mesh else None]
+
+    @property
+    def shard_rank(self) -> int:
+        """Which shard of each parameter this rank holds (its place within its node under HSDP)."""
+        return self.shard_of(self.rank)
+
+    @property
+    def shard_world(self) -> int:
+        """Into how many shards each parameter is split."""
+        return self.mesh[LOCAL] if self.mesh else self.world
+
+    def shard_of(self, rank: int) -> int:
+        """Which shard ``rank`` holds."""
+        return meshes.coordinate(self.mesh, LOCAL, rank) if self.mesh else rank
 
     def leave_after_failure(self) -> None:
         """Destroy the group this engine created, after ``initialize`` failed. Without

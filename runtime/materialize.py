@@ -315,12 +315,12 @@ def take_shards(model: torch.nn.Module, group, device: torch.device, *, param_in
             f"build it under torch.device('meta'), or drop {given}"))
     out: dict[str, torch.Tensor] = {}
     if pretrained is not None:
-        out.update(load_shards(model, pretrained, group.rank, group.world, device))
+        out.update(load_shards(model, pretrained, group.shard_rank, group.shard_world, device))
     for name, p in named.items():  # parameters with values: rank 0's, each let go once sharded
         if name not in out and not p.is_meta:
             if group.world > 1:
                 dist.broadcast(p.data, src=0)
-            out[name] = flat_shard(p.detach(), group.rank, group.world)
+            out[name] = flat_shard(p.detach(), group.shard_rank, group.shard_world)
         if not p.is_meta:
             to_meta(p)
     if any(p.is_meta for n, p in named.items() if n not in out) or any(b.is_meta for b in model.buffers()):
@@ -340,7 +340,7 @@ def _init_on_meta(model, group, device, out: dict, init: Callable, stream: bool,
 
     def local(name, full):
         if full is not None:
-            out[name] = flat_shard(full, group.rank, group.world)
+            out[name] = flat_shard(full, group.shard_rank, group.shard_world)
             sums[name] = _checksum(full)
 
     restore = sync_rng(group, device) if not stream else (lambda: None)
@@ -373,10 +373,11 @@ def _scatter(group, model: torch.nn.Module, out: dict) -> Callable:
         if not flag.item():
             return
         dtype, numel = dtypes[name]
-        mine = torch.empty(ShardLayout(numel, group.world).chunk, dtype=dtype, device=group.device)
+        mine = torch.empty(ShardLayout(numel, group.shard_world).chunk, dtype=dtype, device=group.device)
         parts = None
         if group.rank == 0:
-            parts = [flat_shard(full, r, group.world).to(group.device) for r in range(group.world)]
+            parts = [flat_shard(full, group.shard_of(r), group.shard_world).to(group.device)
+                     for r in range(group.world)]
         dist.scatter(mine, parts, src=0)
         out[name] = mine
     return release

@@ -40,6 +40,7 @@ import dcir
 from dcir import signature
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.memory import peaks
+from dcir.passes.zero3 import LOCAL, NODES
 from dcir.roles import BACKWARD, EVAL, FORWARD, UNSHARD
 from dcir_lowering.breaks import benign_breaks
 from dcir_lowering.dynamo import specialize, symbolic_inputs
@@ -353,7 +354,8 @@ class EagerParameters:
                 continue
             name = self.fqn[id(p)]
             shard = engine.shards[name].detach()
-            full = ops.wait(ops.all_gather(shard, list(p.shape), engine.group, f"{name} (eager)")).to(p.dtype)
+            over = engine.process_group.shard_name
+            full = ops.wait(ops.all_gather(shard, list(p.shape), over, f"{name} (eager)")).to(p.dtype)
             self.hollow[id(p)] = (p, p.data)
             p.data = full
 
@@ -370,7 +372,13 @@ class EagerParameters:
         grad = p.grad.to(engine.shards[name].dtype)
         p.grad = None
         self.release(p)
-        engine.execution.add_grads({name: ops.wait(ops.reduce_scatter(grad, "avg", engine.group, f"{name} (eager)"))})
+        names = engine.process_group.names
+        if not engine.process_group.mesh:
+            engine.execution.add_grads({name: ops.wait(ops.reduce_scatter(grad, "avg", names[None], f"{name} (eager)"))})
+            return
+        # HSDP: reduce-scattered in the node, the shard averaged across nodes
+        local = ops.wait(ops.reduce_scatter(grad, "avg", names[LOCAL], f"{name} (eager)"))
+        engine.execution.add_grads({name: ops.wait(ops.all_reduce(local, "avg", names[NODES], f"{name} (eager)"))})
 
 
 class _RegionCall(torch.autograd.Function):

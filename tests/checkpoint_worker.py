@@ -2,7 +2,7 @@
 
 ``python checkpoint_worker.py train SPEC.json``: trains a small model through the Engine
 for ``micro`` micro-steps on a fixed global batch per micro-step (``GLOBAL`` rows, each
-rank its slice, so any world of 1, 2, 3 sees the same data), optionally loading a
+rank its slice, so any world of 1 to 4 sees the same data), optionally loading a
 checkpoint first (``load``: a fresh engine, before its first call) and saving after
 each micro-step in ``save_at`` (into ``save``), then, after the last save, dying by
 SIGKILL (``die``: no clean shutdown) or, with ``kill_in_save``, in the middle of that
@@ -41,7 +41,7 @@ import dcir
 from dcir_runtime import capture, checkpoint
 from models import mlp, squared, tiny_llama
 
-GLOBAL = 6  # rows per micro-step, split evenly over 1, 2 or 3 ranks
+GLOBAL = 12  # rows per micro-step, split evenly over 1, 2, 3 or 4 ranks
 
 
 def tied_llama():

@@ -217,6 +217,26 @@ for _how, _stage in (("item", 3), ("call", 2), ("call", 1)):
     CASES[f"breaks_{_how}_zero{_stage}_optimize"] = (
         functools.partial(BreakingNet, _how), _mlp_batch, _squared,
         {"zero_stage": _stage, "optimize": {"passes": ["prefetch", "unshard", "bucket"], "profile_at": [1, 3]}})
+# hybrid sharding (HSDP) over 2 "nodes" × 2 (tests/test_mesh.py launches them as two torchrun
+# nodes): sharded in the node, averaged across nodes once per optimizer step
+_HSDP = {"mesh": {"replicate": 2, "shard": 2}}
+CASES.update({
+    "transformer_hsdp": (TinyTransformer, _transformer_batch, None, _HSDP),
+    "transformer_hsdp_accumulate4": (TinyTransformer, _transformer_batch, None,
+                                     {**_HSDP, "gradient_accumulation_steps": 4}),
+    "hf_llama_hsdp_accumulate4_schedule_clip": (tiny_llama, _llama_batch, lambda out: out.loss,
+                                                {**_HSDP, "gradient_accumulation_steps": 4, "passes": _SCHEDULE,
+                                                 "gradient_clipping": 0.1}),
+    "hf_llama_hsdp_optimize": (tiny_llama, _llama_batch, lambda out: out.loss,
+                               {**_HSDP, "gradient_accumulation_steps": 2,
+                                "optimize": {"passes": _SCHEDULE, "profile_at": [1]}}),
+    "breaks_item_hsdp": (BreakingNet, _mlp_batch, _squared, _HSDP),
+    # FSDP2's way to ask for it: initialize(mesh=init_device_mesh(..., (2, 2))), no mesh in the config
+    "transformer_hsdp_device_mesh": (TinyTransformer, _transformer_batch, None,
+                                     {**_HSDP, "gradient_accumulation_steps": 2}),
+})
+#: cases given their mesh as a DeviceMesh (replicate, shard) instead of in the config
+DEVICE_MESH = {"transformer_hsdp_device_mesh"}
 CASES.update({
     "transformer_groups_schedule": (TinyTransformer, _transformer_batch, None, {}),
     "transformer_zero1_groups_schedule": (TinyTransformer, _transformer_batch, None, {"zero_stage": 1}),
@@ -294,28 +314,40 @@ def _rank_grads(model, loss_fn, whole, world: int, accumulate: int) -> list[list
     return out
 
 
-def _add_average(model, per_rank: list[list[torch.Tensor]], world: int) -> None:
+def _average(per_rank: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     """The ranks' gradients summed in rank order, divided by the ranks (as the runtime's
-    average rounds), added to ``.grad``."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    for k, p in enumerate(params):
+    average rounds)."""
+    out = []
+    for k in range(len(per_rank[0])):
         t = per_rank[0][k]
-        for r in range(1, world):
+        for r in range(1, len(per_rank)):
             t = t + per_rank[r][k]
-        t = t / world
+        out.append(t / len(per_rank))
+    return out
+
+
+def _add_average(model, per_rank: list[list[torch.Tensor]]) -> None:
+    """The ranks' (or nodes') gradients averaged (``_average``), added to ``.grad``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p, t in zip(params, _average(per_rank)):
         p.grad = t if p.grad is None else p.grad + t
 
 
-def _eager_micro_step(model, loss_fn, whole, world: int, accumulate: int, local: list | None) -> None:
+def _eager_micro_step(model, loss_fn, whole, world: int, accumulate: int, local: list | None,
+                      shard: int | None = None) -> None:
     """One micro-step on one device. Gradients are averaged across ranks on every
     micro-step, or, with ``local`` (ZeRO-1 under accumulation, which reduces once per
     optimizer step), summed per rank into ``local`` and averaged at the boundary by the
-    caller. Both orders are the same sum; computing the reference in the order the
-    program adds keeps the comparison bit for bit (AdamW turns a last-bit difference in
-    a near-zero gradient into a visible one: 5e-5 of a weight's scale at world 3)."""
+    caller; under HSDP (``shard`` ranks a node) each node's ranks are averaged first (the
+    reduce-scatter in the node) and ``local`` sums per node. All orders are the same sum;
+    computing the reference in the order the program adds keeps the comparison bit for
+    bit (AdamW turns a last-bit difference in a near-zero gradient into a visible one:
+    5e-5 of a weight's scale at world 3)."""
     per_rank = _rank_grads(model, loss_fn, whole, world, accumulate)
+    if shard:
+        per_rank = [_average(per_rank[n:n + shard]) for n in range(0, world, shard)]
     if local is None:
-        _add_average(model, per_rank, world)
+        _add_average(model, per_rank)
     elif not local:
         local.extend(per_rank)
     else:
@@ -334,8 +366,13 @@ def run_case(name: str, rank: int, world: int) -> dict:
     model = copy.deepcopy(ref)
     make_opt = OPTIMIZERS.get(name, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
     optimizer = INSTANCES[name](model) if name in INSTANCES else make_opt
-    engine = dcir.initialize(model, optimizer=optimizer, config={**config, "timeout_s": 60}, loss_fn=loss_fn,
-                             lr_scheduler=SCHEDULERS.get(name))
+    mesh = None
+    if name in DEVICE_MESH:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", tuple(config["mesh"].values()), mesh_dim_names=("replicate", "shard"))
+    given = {k: v for k, v in config.items() if not (mesh is not None and k == "mesh")}
+    engine = dcir.initialize(model, optimizer=optimizer, config={**given, "timeout_s": 60}, loss_fn=loss_fn,
+                             lr_scheduler=SCHEDULERS.get(name), mesh=mesh)
     ENGINES.append(engine)
     fallbacks = runtime_stats().shm_fallbacks
     opt = INSTANCES[name](ref) if name in INSTANCES else make_opt(ref.named_parameters())
@@ -344,19 +381,25 @@ def run_case(name: str, rank: int, world: int) -> dict:
     norms, ref_norms, lrs = [], [], []
     g = torch.Generator().manual_seed(1)
     memory = None
-    reduce_once = config.get("zero_stage") == 1 and accumulate > 1
+    shard = config["mesh"]["shard"] if "mesh" in config else None
+    reduce_once = (config.get("zero_stage") == 1 and accumulate > 1) or shard
+    traffic = []  # under a mesh: each micro-step's collectives and bytes, by mesh dimension
     for _ in range(STEPS):
         opt.zero_grad()
         local = [] if reduce_once else None
         for micro in range(accumulate):
             whole = _on(batch_of(g, ROWS * world), where)
-            _eager_micro_step(ref, loss_fn, whole, world, accumulate, local)
+            _eager_micro_step(ref, loss_fn, whole, world, accumulate, local, shard)
+            before = engine.process_group.traffic()
             args, kwargs = _slice(whole, rank * ROWS, (rank + 1) * ROWS)
             loss = engine(*args, **kwargs)
             engine.backward(loss, scale_wrt_gas=True)  # DeepSpeed: divided by the accumulation
             if name in CALL_CLIP and micro == accumulate - 1:
                 norms.append(engine.clip_grad_norm_(CALL_CLIP[name]).item())
             engine.step()
+            if shard:
+                traffic.append({dim: {k: n - before[dim][k] for k, n in counts.items()}
+                                for dim, counts in engine.process_group.traffic().items()})
         if "gradient_clipping" in config:
             norms.append(engine.last_grad_norm.item())
         if name in SHRINK and engine.steps == SHRINK[name]:
@@ -365,7 +408,7 @@ def run_case(name: str, rank: int, world: int) -> dict:
             engine.config = dataclasses.replace(engine.config, memory_budget=held - 1)
         memory = memory or engine.memory()
         if local:
-            _add_average(ref, local, world)
+            _add_average(ref, local)
         if clip:
             ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item())
         opt.step()
@@ -390,7 +433,8 @@ def run_case(name: str, rank: int, world: int) -> dict:
             "full_optimizer_state": 2 * sum(p.numel() * 4 for p in ref.parameters() if p.requires_grad),
             "ir": ir_text if rank == 0 else "", "optimize": engine.optimize_log, "config": config,
             "profiled": str(engine.profiled_ir()) if rank == 0 and engine.profiled_ir() is not None else "",
-            "outbox": engine.transport_bytes, "shm_fallbacks": runtime_stats().shm_fallbacks - fallbacks}
+            "outbox": engine.transport_bytes, "shm_fallbacks": runtime_stats().shm_fallbacks - fallbacks,
+            "traffic": traffic, "accumulate": accumulate}
 
 
 def equivalence(out: str, cases: list[str]) -> None:

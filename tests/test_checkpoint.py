@@ -49,13 +49,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _straight_and_resumed(capfd, tmp_path, spec: dict, micro: int, save_at: int, world_after: int = 2,
-                          after: dict | None = None):
+                          after: dict | None = None, world: int = 2):
     """``micro`` micro-steps uninterrupted; and ``save_at``, save, SIGKILL every process,
-    fresh processes (``world_after`` of them, with ``after``'s changes) load and finish."""
+    fresh processes (``world_after`` of them, with ``after``'s changes) load and finish.
+    Both runs before the load have ``world`` ranks."""
     straight, resumed, ckpt = tmp_path / "straight", tmp_path / "resumed", tmp_path / "ckpt"
-    code, out = _run(capfd, tmp_path, 2, {**spec, "micro": micro, "out": str(straight)})
+    code, out = _run(capfd, tmp_path, world, {**spec, "micro": micro, "out": str(straight)})
     assert code == 0, out
-    code, out = _run(capfd, tmp_path, 2, {**spec, "micro": micro, "out": str(tmp_path / "never"),
+    code, out = _run(capfd, tmp_path, world, {**spec, "micro": micro, "out": str(tmp_path / "never"),
                                           "save": str(ckpt), "save_at": [save_at], "die": True})
     assert code == -signal.SIGKILL, out  # every rank died hard right after its save
     assert checkpoint.latest(ckpt) is not None
@@ -161,6 +162,19 @@ RESHARD = {  # name -> (model, config saved with, world after, config after)
     "2to1_offload_to_none": ("mlp", {"offload": {"budget": 520}}, 1, {}),
     "2to3_llama_zero1_to_zero3_offload": ("llama", {"zero_stage": 1}, 3, {"offload": {"budget": "200KiB"}}),
 }
+
+
+def test_hsdp_checkpoint_loads_into_a_flat_world(tmp_path, capfd):
+    """Saved by HSDP on 2 nodes × 2 ranks (each node's shards replicated: DCP writes each
+    chunk once) after 4 steps, resumed by 3 ranks sharding over all of them for 4 more:
+    within 1e-6 relative of 8 HSDP steps (the sums group otherwise, so not bit for bit)."""
+    hsdp = {"mesh": {"replicate": 2, "shard": 2}}
+    straight, resumed = _straight_and_resumed(capfd, tmp_path, {"model": "llama", "config": hsdp, "lr": 1e-3},
+                                              8, 4, world=4, world_after=3, after={"config": {}})
+    a, b = _result(straight), _result(resumed)
+    assert b["steps"] == 8
+    for name in a["full"]:
+        assert _rel(a["full"][name], b["full"][name]) <= 1e-6, (name, _rel(a["full"][name], b["full"][name]))
 
 
 @pytest.mark.parametrize("case", sorted(RESHARD))

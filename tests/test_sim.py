@@ -14,10 +14,11 @@ import pytest
 
 import dcir
 from dcir.cli import main as opt_main
-from dcir.cost import DEVICE, LAUNCH, OPTIMIZER, TIME, Machine, calibrate, outside_s
+from dcir.cost import DEVICE, LAUNCH, OPTIMIZER, TIME, Machine, analytic_s, calibrate, outside_s
 from dcir.hardware import HardwareError, dump, fit, load, shipped
 from dcir.memory import timeline
 from dcir.ops import WAITS, has_trait
+from dcir.passes.zero3 import Zero3
 from dcir.schedule import Sweep
 from dcir.sim import COLLECTIVE, COMPUTE, COPY, estimate, estimate_module, simulate, simulate_module
 from dcir.trace import MEASURED_ROWS, PREDICTED_ROWS
@@ -498,3 +499,44 @@ def test_trace_lateness_separates_the_transfer_from_the_late_peer(capsys):
         lateness({0: _trace([1.0], [1.0]), 1: _trace([1.0, 2.0], [1.0, 1.0])})
     assert main([str(ROOT / "no-such-dir")]) == 2
     assert "no rank<N>.json traces" in capsys.readouterr().err
+
+
+#: one linear layer's training step, as captured (unsharded)
+LINEAR = """module @linear {
+  param @fc.weight : f32[4, 8] {trainable}
+  func @forward(%x: f32[2, 8] {input}) -> (f32[] {output}, f32[2, 8] {saved}) role forward {
+    %w = param.get @fc.weight : f32[4, 8]
+    %t = aten.t.default(%w) : f32[8, 4]
+    %y = aten.mm.default(%x, %t) : f32[2, 4]
+    %loss = aten.sum.default(%y) : f32[]
+    return %loss, %x
+  }
+  func @backward(%x: f32[2, 8] {saved}, %tangent: f32[] {grad = 0}) role backward {
+    %ones = aten.expand.default(%tangent) {size = [2, 4]} : f32[2, 4]
+    %ot = aten.t.default(%ones) : f32[4, 2]
+    %g = aten.mm.default(%ot, %x) : f32[4, 8]
+    grad.set @fc.weight(%g)
+    return
+  }
+}"""
+
+
+def test_a_mesh_prices_each_collective_on_its_own_links():
+    """Under HSDP (2 nodes × 2) a gather over the node runs on the node's links and the
+    average across nodes on the NIC, at its shard's size; flat over 4 ranks, 2 to a node,
+    the same gather would cross nodes."""
+    hsdp, flat = dcir.parse(LINEAR), dcir.parse(LINEAR)
+    dcir.run_passes(hsdp, [Zero3(world_size=4, nodes=2, shard="local")])
+    dcir.run_passes(flat, [Zero3(world_size=4)])
+    slow_nic = Machine(link_bw=1e11, inter_bw=1e9, link_latency_s=0.0, inter_latency_s=0.0, ranks_per_node=2,
+                       use_profile=False)
+
+    def collectives(module):
+        machine = calibrate(module, slow_nic)
+        return {op.name: analytic_s(op, machine) for _, op in module.ops()
+                if op.family == "comm" and op.name != "comm.wait"}
+    h, f = collectives(hsdp), collectives(flat)
+    w = 4 * 8 * 4  # the weight's bytes: f32[4, 8]
+    assert h["comm.all_gather"] == pytest.approx(w * 1 / 2 / 1e11)  # 1 ring step of 2 in the node
+    assert h["comm.all_reduce"] == pytest.approx((w / 2) * 2 * 1 / 2 / 1e9)  # the shard, 2 passes, across
+    assert f["comm.all_gather"] == pytest.approx(w * 3 / 4 / 1e9)  # 3 steps of 4, over the NIC

@@ -49,7 +49,7 @@ Before -> after (``zero3`` on 2 ranks, then ``mixed_precision{param_dtype=bf16}`
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dcir import analysis
 from dcir import ops as registry
@@ -71,7 +71,7 @@ def retyped(t: Type, dtype: str) -> Type:
     if isinstance(t, TensorType):
         return TensorType(dtype, t.shape)
     if isinstance(t, ShardType):
-        return ShardType(TensorType(dtype, t.full.shape), t.parts)
+        return replace(t, full=TensorType(dtype, t.full.shape))
     if isinstance(t, PendingType):
         return PendingType(retyped(t.inner, dtype))
     return t

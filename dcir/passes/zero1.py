@@ -51,48 +51,13 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from dcir import analysis, roles
 from dcir import ops as registry
 from dcir.context import PlanContext
-from dcir.ir import Decl, Function, Module, Op, SymbolRef, Value
-from dcir.memory import GRAD_ACC_OF
+from dcir.ir import Module
 from dcir.passes import Pass
+from dcir.accumulate import once_per_step
 from dcir.passes.zero2 import replicate_parameters
 from dcir.passes.zero3 import Zero3
-from dcir.rewrite import Rewriter
-
-def _reductions(func: Function) -> list[tuple[Op, Op, Op]]:
-    """(reduce_scatter, wait, grad.set) of every gradient, as ``zero3`` wrote them."""
-    waits = analysis.waits(func)
-    hands = {op.operands[0]: op for op in func.ops if registry.has_trait(op, registry.GRADIENT)}
-    out = []
-    for op in func.ops:
-        if registry.has_trait(op, registry.SCATTERS) and not registry.is_coalesced(op):
-            wait = waits[op.results[0]]
-            out.append((op, wait, hands[wait.results[0]]))
-    return out
-
-
-def _accumulate(func: Function, accumulators: dict[str, str], last: bool) -> None:
-    """Each gradient is added to its accumulator; in the last micro-step the sum is
-    reduced (and the accumulator zeroed), in the others nothing is communicated."""
-    rewriter = Rewriter(func)
-    fresh = func.name_maker()
-    for start, wait, hand in _reductions(func):
-        grad, acc_name = start.operands[0], accumulators[hand.symbol]
-        acc = Value(fresh(grad.name + "_acc"), grad.type)
-        total = Value(fresh(grad.name + "_sum"), grad.type)
-        add = [Op("param.get", [], [acc], symbol=acc_name), Op("aten.add.Tensor", [acc, grad], [total])]
-        if last:
-            rewriter.insert_before(start, add)
-            rewriter.set_operands(start, [total])
-            zero = Value(fresh(grad.name + "_zero"), grad.type)
-            rewriter.insert_after(wait, [Op("mem.free", [total]), Op("aten.zero.default", [acc], [zero]),
-                                         Op("param.set", [zero], symbol=acc_name), Op("mem.free", [zero])])
-        else:
-            rewriter.insert_before(start, [*add, Op("param.set", [total], symbol=acc_name), Op("mem.free", [total])])
-            for op in (hand, wait, start):  # readers first
-                rewriter.erase(op)
 
 
 @dataclass(frozen=True)
@@ -111,19 +76,6 @@ class Zero1(Pass):
     def run(self, module: Module, stats: Counter, ctx: PlanContext) -> None:
         Zero3(world_size=self.world_size).run(module, stats, ctx)
         replicate_parameters(module, stats, self.name)
-        bw = module.role(roles.BACKWARD)
-        if self.micro_steps == 1 or bw is None:
-            return
-        accumulators = {}
-        for start, wait, hand in _reductions(bw):
-            decl = module.decls[hand.symbol]
-            acc = hand.symbol + ".grad_acc"
-            while acc in module.decls:
-                acc += "_"
-            module.decls[acc] = Decl("buffer", acc, decl.full_type, {GRAD_ACC_OF: SymbolRef(hand.symbol)})
-            accumulators[hand.symbol] = acc
-            stats["zero1: gradients reduced once per optimizer step"] += 1
-        last = bw.clone(roles.BACKWARD_LAST, roles.BACKWARD_LAST)
-        _accumulate(bw, accumulators, last=False)
-        _accumulate(last, accumulators, last=True)
-        module.functions[roles.BACKWARD_LAST] = last
+        if self.micro_steps > 1:
+            once_per_step(module, stats, registry.SCATTERS, lambda decl, grad: decl.full_type,
+                          "zero1: gradients reduced once per optimizer step")

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 from dcir import ops as registry
 from dcir import roles, signature
+from dcir.accumulate import once_per_step
 from dcir.context import PlanContext
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Function, Module, Op, PendingType, ShardType, TensorType, Value
@@ -117,15 +118,15 @@ def _recompute(bw: Function, recompute: list) -> None:
 # ---- the rewrites ----------------------------------------------------------------------
 
 
-def _facts(func: Function) -> dict:
+def _facts(func: Function, over: str | None) -> dict:
     """What the rewrites read, computed once per function before any of them runs: the
     first reader of every value, the placer of the frees (liveness as the function
-    came), and a name maker."""
+    came), a name maker, and the mesh dimension parameters are sharded over (None: all)."""
     first: dict[Value, Op] = {}
     for op in func.ops:
         for v in op.operands:
             first.setdefault(v, op)
-    return {"first": first, "frees": FreePlacer(func), "fresh": func.name_maker()}
+    return {"first": first, "frees": FreePlacer(func), "fresh": func.name_maker(), "over": over}
 
 
 def gather_before_first_use(m: Match):
@@ -133,13 +134,13 @@ def gather_before_first_use(m: Match):
     before the first use of %w: %w_pending = comm.all_gather(%w_shard), %w = comm.wait;
     after the last use of %w or of a view of it: mem.free(%w)."""
     root, rewriter, fresh = m.root, m.rewriter, m["fresh"]
-    full = root.results[0]
-    shard = Value(fresh(f"{full.name}_shard"), ShardType(full.type, m.module.world_size))
+    full, over = root.results[0], m["over"]
+    shard = Value(fresh(f"{full.name}_shard"), ShardType(full.type, m.module.group_size(over), over))
     rewriter.insert_before(root, [Op(root.name, [], [shard], dict(root.attrs), root.symbol, root.loc, root.parens)])
     if full.uses:
         pending = Value(fresh(f"{full.name}_pending"), PendingType(full.type))
         gathered = Value(full.name, full.type)
-        start = Op("comm.all_gather", [shard], [pending])
+        start = Op("comm.all_gather", [shard], [pending], _group(over))
         rewriter.insert_before(m["first"][full], [start, Op(registry.wait_for(start), [pending], [gathered])])
         rewriter.replace_all_uses(full, gathered)
         m["frees"].release(rewriter, full, gathered)
@@ -150,17 +151,37 @@ def gather_before_first_use(m: Match):
 def reduce_then_hand_over(m: Match):
     """grad.set @p(%g)  ->  %g_pending = comm.reduce_scatter(%g) {op = "avg"};
     %g_shard = comm.wait(%g_pending); grad.set @p(%g_shard); mem.free(%g) when the
-    full gradient has no other use."""
-    root, rewriter, fresh = m.root, m.rewriter, m["fresh"]
+    full gradient has no other use (under HSDP, over the node: ``{group = "local"}``)."""
+    root, rewriter, fresh, over = m.root, m.rewriter, m["fresh"], m["over"]
     grad = root.operands[0]
-    shard_type = ShardType(grad.type, m.module.world_size)
+    shard_type = ShardType(grad.type, m.module.group_size(over), over)
     pending = Value(fresh(f"{grad.name}_pending"), PendingType(shard_type))
     shard = Value(fresh(f"{grad.name}_shard"), shard_type)
-    start = Op("comm.reduce_scatter", [grad], [pending], {"op": "avg"})
+    start = Op("comm.reduce_scatter", [grad], [pending], {"op": "avg", **_group(over)})
     rewriter.insert_before(root, [start, Op(registry.wait_for(start), [pending], [shard])])
     rewriter.set_operands(root, [shard])
     m["frees"].release(rewriter, grad)
     return EDITED
+
+
+def average_across_nodes(func: Function) -> None:
+    """HSDP: each node-local gradient shard handed over is first averaged across the nodes
+    (``%g_avg = comm.wait(comm.all_reduce(%g_shard) {group = "nodes"})``, the node-local
+    shard freed once it is)."""
+    rewriter, fresh = Rewriter(func), func.name_maker()
+    for hand in [op for op in func.ops if registry.has_trait(op, registry.GRADIENT)]:
+        shard = hand.operands[0]
+        if not (isinstance(shard.type, ShardType) and shard.type.over == LOCAL):
+            continue
+        pending = Value(fresh(f"{shard.name}_across"), PendingType(shard.type))
+        avg = Value(fresh(f"{shard.name}_avg"), shard.type)
+        across = Op("comm.all_reduce", [shard], [pending], {"op": "avg", "group": NODES})
+        rewriter.insert_before(hand, [across, Op(registry.wait_for(across), [pending], [avg]), Op("mem.free", [shard])])
+        rewriter.set_operands(hand, [avg])
+
+
+def _group(over: str | None) -> dict:
+    return {"group": over} if over is not None else {}
 
 
 def _full_param(m: Match) -> bool:
@@ -183,21 +204,47 @@ RULES = [
 ]
 
 
+#: the mesh ``zero3{nodes=N}`` declares: ``nodes`` × ``local`` ranks (row-major: a node's ranks are consecutive)
+NODES, LOCAL = "nodes", "local"
+
+
 @dataclass(frozen=True)
 class Zero3(Pass):
     name = "zero3"
     world_size: int = 2
+    #: nodes the ranks are on (above 1, the module declares the mesh nodes × local)
+    nodes: int = 1
+    #: what parameters are sharded over: "world" (every rank) or "local" (the ranks of a
+    #: node, replicated across nodes: HSDP)
+    shard: str = "world"
+    #: micro-steps per optimizer step; above 1, HSDP averages across nodes once per optimizer step
+    micro_steps: int = 1
 
     def __post_init__(self):
         if self.world_size < 1:
             raise ValueError("world_size must be at least 1")
+        if self.nodes < 1 or self.world_size % self.nodes:
+            raise ValueError(f"nodes must divide world_size ({self.world_size}); got {self.nodes}")
+        if self.shard not in ("world", LOCAL):
+            raise ValueError(f'shard must be "world" or "local"; got "{self.shard}"')
+        if self.micro_steps < 1:
+            raise ValueError("micro_steps must be at least 1")
 
     def run(self, module: Module, stats: Counter, ctx: PlanContext) -> None:
         if any(isinstance(d.type, ShardType) for d in module.decls.values()):
             raise DcirError(Diagnostic(f"zero3: @{module.name} is sharded already", module.source, module.loc, 6))
         rematerialize_param_views(module, stats)
         module.attrs["world_size"] = self.world_size
-        apply_rules(module, RULES, stats, max_iterations=1, context=_facts)
+        if self.nodes > 1 or self.shard == LOCAL:
+            module.attrs[f"mesh.{NODES}"], module.attrs[f"mesh.{LOCAL}"] = self.nodes, self.world_size // self.nodes
+        over = LOCAL if self.shard == LOCAL else None
+        apply_rules(module, RULES, stats, max_iterations=1, context=lambda f: _facts(f, over))
         for decl in module.decls.values():
             if decl.kind == "param" and isinstance(decl.type, TensorType):
-                decl.type = ShardType(decl.type, self.world_size)
+                decl.type = ShardType(decl.type, module.group_size(over), over)
+        if over is not None and self.nodes > 1:
+            for func in module.functions.values():
+                average_across_nodes(func)
+        if over is not None and self.nodes > 1 and self.micro_steps > 1:
+            once_per_step(module, stats, registry.REDUCES, lambda decl, grad: grad.type,
+                          "zero3: gradients averaged across nodes once per optimizer step")
