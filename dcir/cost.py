@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from dcir import mesh as meshes
 from dcir import ops as registry
 from dcir.ir import Module, Op, PendingType, ShardType, TensorType
 from dcir.machine import Machine, load
@@ -76,12 +77,14 @@ def payload(op: Op) -> int:
     return sum(v.type.nbytes for v in op.operands)
 
 
-def across_nodes(op: Op, machine: Machine) -> bool | None:
-    """Whether a collective's ranks are each on another node (over a mesh dimension but
-    the last), all on one (over the last), or, without a group, as ``ranks_per_node`` says (None)."""
-    group = op.attrs.get("group")
-    dims = [d for d, _ in machine.mesh]
-    return None if group is None or group not in dims else group != dims[-1]
+def nodes_spanned(op: Op, machine: Machine) -> int | None:
+    """The nodes a collective over a mesh dimension runs across (its group's ranks,
+    ``ranks_per_node`` consecutive ranks to a node); None without a group: the ranks are
+    consecutive, and ``collective_s`` counts the nodes."""
+    group, mesh = op.attrs.get("group"), dict(machine.mesh)
+    if group is None or group not in mesh:
+        return None
+    return len({r // machine.ranks_per_node for r in meshes.group_of(mesh, group, 0)})
 
 
 def is_transfer(op: Op) -> bool:
@@ -148,7 +151,7 @@ def analytic_s(op: Op, machine: Machine) -> float:
         return machine.dispatch_s + sum(device_bytes(r) or device_bytes(v)
                                         for v, r in zip(op.operands, op.results)) / machine.copy_bw
     if is_transfer(op):
-        return machine.collective_s(ring_kind(op), payload(op), ranks(op, machine), across_nodes(op, machine))
+        return machine.collective_s(ring_kind(op), payload(op), ranks(op, machine), nodes_spanned(op, machine))
     if not registry.has_trait(op, registry.COMPUTE):
         return machine.dispatch_s
     return machine.dispatch_s + max(op_flops(op) / machine.flops, touched_bytes(op) / machine.mem_bw)

@@ -64,23 +64,22 @@ class Machine:
     fused_share: float = 0.6
     world_size: int | None = None  # ranks, when the collective's types do not say
     #: the mesh the ranks form, ((dimension, size), ...) as the module declares it
-    #: (``dcir/mesh.py``): a collective over its last dimension stays in a node, over any
-    #: other it crosses nodes at every step; () without one
+    #: (``dcir/mesh.py``): a collective over one of its dimensions spans the nodes its
+    #: group's ranks are on (``ranks_per_node`` consecutive ranks to a node); () without one
     mesh: tuple = ()
     memory: int | None = None      # bytes of device memory (none: not described)
     name: str = "default"
     use_profile: bool = True       # profiled op times override the model (a description: no)
 
-    def collective_s(self, kind: str, full_bytes: int, n: int, across: bool | None = None) -> float:
+    def collective_s(self, kind: str, full_bytes: int, n: int, nodes: int | None = None) -> float:
         """Seconds of one ring collective of ``kind`` ("all_gather", "reduce_scatter",
-        "all_reduce") over ``n`` ranks, of a tensor of ``full_bytes`` (gathered or reduced);
-        ``across``: its ranks are each on another node (True) or on one (False); None:
-        ``n`` consecutive ranks, ``ranks_per_node`` to a node."""
+        "all_reduce") over ``n`` ranks on ``nodes`` nodes (None: ``n`` consecutive ranks,
+        ``ranks_per_node`` to a node), of a tensor of ``full_bytes`` (gathered or reduced)."""
         if n <= 1:
             return 0.0
         passes = 2 if kind == "all_reduce" else 1
         steps = passes * (n - 1)
-        nodes = -(-n // self.ranks_per_node) if across is None else (n if across else 1)
+        nodes = -(-n // self.ranks_per_node) if nodes is None else nodes
         inter_steps = passes * (nodes - 1)
         bw = self.link_bw if nodes == 1 else min(self.link_bw, self.inter_bw)
         latency = (steps - inter_steps) * self.link_latency_s + inter_steps * self.inter_latency_s
