@@ -122,7 +122,7 @@ class Engine:
                  lr_scheduler: Callable | None = None, start: dict | None = None, device_mesh=None):
         self.model, self.loss_fn = model, loss_fn
         self.device = materialize.device_of(model)
-        self.process_group = ProcessGroup.join(config.timeout_s, self.device, config.mesh, device_mesh)
+        self.process_group = ProcessGroup.join(config.timeout_s, self.device, config.topology, device_mesh)
         try:
             self._set_up(model, optimizer, config, lr_scheduler, start or {})
         except BaseException as e:  # a half-built engine keeps no shards, and leaves a group it made
@@ -346,8 +346,7 @@ class Engine:
         out = {}
         for name, shard in self.shards.items():
             over = self.process_group.shard_name  # the ranks holding distinct shards
-            full = self.ops.wait(self.ops.all_gather(shard.detach(), list(self.shapes[name]), over, name))
-            full = full.clone()
+            full = self.ops.wait(self.ops.all_gather(shard.detach(), list(self.shapes[name]), over, name)).clone()
             for alias in self.aliases[name]:
                 out[alias] = full
         return out

@@ -71,7 +71,7 @@ def train(engine, ref, batch_of, loss_fn, rank: int, world: int, steps: int) -> 
     for _ in range(steps):
         whole = batch_of(g, ROWS * world)
         opt.zero_grad()
-        _add_average(ref, _rank_grads(ref, loss_fn, whole, world, 1), world)
+        _add_average(ref, _rank_grads(ref, loss_fn, whole, world, 1))
         opt.step()
         args, kwargs = _slice(whole, rank * ROWS, (rank + 1) * ROWS)
         out = engine(*args, **kwargs)
@@ -111,7 +111,7 @@ def pretrained(path: str, rank: int, world: int) -> dict:
     engine.step()
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    _add_average(ref, _rank_grads(ref, out_loss, whole, world, 1), world)
+    _add_average(ref, _rank_grads(ref, out_loss, whole, world, 1))
     opt.step()
     full = engine.full_parameters()
     worst = max(((p.detach() - full[n]).abs().max() / p.detach().abs().max().clamp_min(1e-12)).item()

@@ -137,7 +137,7 @@ def test_zero1_does_not_save_inside_accumulation(tmp_path):
     _micro_step(engine)
     assert _error(lambda: engine.save_checkpoint(tmp_path)) == (
         "error: save_checkpoint inside gradient accumulation (micro-step 1 of 2"
-        ") under a program with per-rank gradient accumulators (zero1): those are not resharded; save at an optimizer-step boundary")  # noqa: E501
+        ") under a program with per-rank gradient accumulators (zero1; HSDP's across nodes): those are not resharded; save at an optimizer-step boundary")  # noqa: E501
     _micro_step(engine)
     assert engine.save_checkpoint(tmp_path) == tmp_path / "step1"
 
