@@ -171,6 +171,16 @@ def _rule_accumulate(op, types, module):
     return [types[0]]
 
 
+def _rule_take_shard(op, types, module):
+    if not isinstance(types[0], TensorType):
+        raise TypeRuleError(f"{op.name} splits a full tensor; its operand is {types[0]}", 0)
+    group = _group(module, op)
+    parts = module.group_size(group)
+    if parts is None:
+        raise TypeRuleError(f"{op.name} needs the number of shards: give the module a world_size attribute")
+    return [ShardType(types[0], parts, group)]
+
+
 def _rule_zero(op, types, module):
     return [_full_or_shard(types[0], f"the operand of {op.name}")]
 
@@ -347,6 +357,9 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
     OpDef("mem.offload", "Start copying a device value to host memory.",
           (1, 1), (1, 1), frozenset({ASYNC, HOST_COPY, ALLOCATES}), _rule_offload,
           example="%h = mem.offload(%exp_avg) : pending<host<shard<f32[16, 8], 2>>>"),
+    OpDef("mem.shard", "Copy this rank's shard of a full tensor split over the ranks of a group (no communication).",
+          (1, 1), (1, 1), frozenset({PURE, ALLOCATES}), _rule_take_shard, _GROUP,
+          example='%w_local = mem.shard(%w) {group = "local"} : shard<f32[16, 8], local=2>'),
     OpDef("mem.reload", "Start copying a host value back to the device.",
           (1, 1), (1, 1), frozenset({ASYNC, HOST_COPY, ALLOCATES}), _rule_reload,
           example="%d = mem.reload(%h) : pending<shard<f32[16, 8], 2>>"),

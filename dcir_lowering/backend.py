@@ -52,7 +52,7 @@ from dcir.shapes import call_arguments, torch_dtype
 from dcir.verifier import verify
 from dcir_lowering import state_store
 from dcir_lowering.calls import (OP_INDEX, _grad_set, _item, _rng_get, _rng_set, _state_get, _state_set,
-                                 _unbox)
+                                 _take_shard, _unbox)
 from dcir_lowering.program import Program, constants, device_of, gathered_copies
 from dcir_lowering.state_store import OPTIMIZER_STATE, OptimizerStateStore
 from dcir_lowering.stretches import compile_compute
@@ -125,6 +125,11 @@ def _lower_collective(module: Module, op: Op, g: fx.Graph, env: dict) -> None:
             env[r] = env[v]
 
 
+#: the ops that run over a group of ranks (a mesh dimension's, when they name one)
+GROUPED = frozenset({"comm.all_gather", "comm.all_gather_coalesced", "comm.reduce_scatter",
+                     "comm.reduce_scatter_coalesced", "comm.all_reduce", "comm.all_reduce_coalesced", "mem.shard"})
+
+
 class _Distributed:
     """``comm.*``, ``mem.free`` and sharded ``param.get`` as calls into the C++ runtime."""
 
@@ -150,13 +155,13 @@ class _Distributed:
         if op.name == "param.get":  # from the shard store, unless the state has it (an accumulator: always)
             decl = self.module.decls[op.symbol]
             return isinstance(decl.type, ShardType) and not self.shards_in_state and GRAD_ACC_OF not in decl.attrs
-        return op.family == "comm" or op.name == "mem.free"
+        return op.family == "comm" or op.name in ("mem.free", "mem.shard")
 
     def lower(self, op: Op, g: fx.Graph, env: dict) -> None:
         if "ranks" in op.attrs:
             raise _unsupported(self.module, op,
                                f"{op.name} over a subgroup of ranks is not supported by the runtime yet")
-        if op.family == "comm" and op.attrs.get("group") not in self.groups:
+        if op.name in GROUPED and op.attrs.get("group") not in self.groups:
             raise _unsupported(self.module, op, f"{op.name} runs over the mesh dimension \"{op.attrs['group']}\", and "
                                                 "the process group it is lowered for has no such mesh")
         group = self.groups[op.attrs.get("group")]
@@ -165,6 +170,9 @@ class _Distributed:
         args = [env[v] for v in op.operands]
         if op.name == "param.get":
             env[op.results[0]] = g.call_function(d.get_shard, (self.store_prefix + op.symbol,))
+            return
+        if op.name == "mem.shard":
+            env[op.results[0]] = g.call_function(_take_shard, (args[0], group))
             return
         if op.name == "mem.free":
             for v in op.operands:
@@ -290,6 +298,11 @@ def _lower_op(module: Module, func: Function, op: Op, g: fx.Graph, env: dict, st
         g.call_function(_rng_set, tuple(env[v] for v in op.operands))
     elif op.name == "grad.accumulate":
         env[op.results[0]] = g.call_function(torch.ops.aten.add.Tensor, (env[op.operands[0]], env[op.operands[1]]))
+    elif op.name == "mem.shard":  # one process: a world of one rank, whose shard is the whole tensor
+        if module.group_size(op.attrs.get("group")) != 1:
+            raise _unsupported(module, op, f"{op.name} over more than one rank needs a process group: lower with "
+                                           "group= (the Engine does)")
+        env[op.results[0]] = g.call_function(_take_shard, (env[op.operands[0]], None))
     elif op.name == "grad.zero":
         env[op.results[0]] = g.call_function(torch.ops.aten.zeros_like.default, (env[op.operands[0]],))
     elif op.name == "mem.cast":

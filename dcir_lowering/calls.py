@@ -12,8 +12,10 @@ for them.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
+from dcir.layout import ShardLayout
 from dcir_lowering import state_store
 
 
@@ -81,3 +83,16 @@ def reads_state(node: fx.Node) -> bool:
 
 #: what a lowered graph calls that is state access or the runtime's (``dcir_lowering.stretches``)
 RUNTIME_CALLS = (_state_get, _state_set, _grad_set, *state_store.CALLS, _rng_get, _rng_set, _unbox)
+
+
+def _take_shard(full: torch.Tensor, group: str | None) -> torch.Tensor:
+    """This rank's flat shard of ``full`` (``dcir.layout.ShardLayout``) over the process
+    group named ``group`` (None: a world of one rank, the whole tensor)."""
+    rank, parts = 0, 1
+    if group is not None:
+        pg = dist.distributed_c10d._resolve_process_group(group)
+        rank, parts = pg.rank(), pg.size()
+    layout = ShardLayout(full.numel(), parts)
+    flat = torch.nn.functional.pad(full.reshape(-1), (0, layout.chunk * parts - full.numel()))
+    return flat[rank * layout.chunk:(rank + 1) * layout.chunk].clone()
+

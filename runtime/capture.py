@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 import dcir
+from dcir.passes.hierarchical import Hierarchical
 from dcir.passes.offload import Offload
 from dcir.passes.zero1 import Zero1
 from dcir.passes.zero2 import Zero2
@@ -65,12 +66,15 @@ def stage_pass(config: Config, world: int):
 
 
 def zero3(config: Config, world: int) -> Zero3:
-    """``zero3`` over every rank or, with the config's ``mesh``, HSDP: sharded within each
-    node, averaged across nodes once per optimizer step."""
-    if config.mesh is None:
-        return Zero3(world_size=world)
-    return Zero3(world_size=world, nodes=config.mesh["replicate"], shard="local",
-                 micro_steps=config.gradient_accumulation_steps)
+    """``zero3`` over every rank; with the config's ``mesh``, HSDP (sharded within each
+    node, averaged across nodes once per optimizer step); with ``zero_hpz_partition_size``,
+    over every rank of a mesh of nodes (for ``hierarchical``)."""
+    if config.mesh is not None:
+        return Zero3(world_size=world, nodes=config.mesh["replicate"], shard="local",
+                     micro_steps=config.gradient_accumulation_steps)
+    if config.zero_hpz_partition_size is not None:
+        return Zero3(world_size=world, nodes=max(1, world // config.zero_hpz_partition_size))
+    return Zero3(world_size=world)
 
 
 def offload_pass(config: Config, state_keys: Callable[[], list[str]]) -> list:
@@ -89,7 +93,8 @@ def pipeline(config: Config, world: int, training: bool, state_keys: Callable[[]
     policy = precision.policy_of(config)
     if not training:
         return [zero3(config, world), *precision.passes(policy)]
-    return [stage_pass(config, world), *precision.passes(policy), *offload_pass(config, state_keys),
+    hierarchical = [Hierarchical()] if config.zero_hpz_partition_size is not None else []
+    return [stage_pass(config, world), *hierarchical, *precision.passes(policy), *offload_pass(config, state_keys),
             *passes(config.passes)]
 
 

@@ -76,7 +76,7 @@ def _mesh(engine):
     interpreter shutdown, where a worker releasing a finished collective's tensors needs
     the GIL and aborts the process ("terminate called without an active exception")."""
     group = engine.process_group
-    return init_device_mesh("cpu", tuple(group.mesh.values()) if group.mesh else (group.world,))
+    return init_device_mesh("cpu", tuple(group.mesh.values()) if group.shards_in_node else (group.world,))
 
 
 def _check_tag(tag: str) -> str:
@@ -103,7 +103,7 @@ def _local(engine, name: str, padded: torch.Tensor) -> torch.Tensor:
 
 def _dtensor(engine, name: str, padded: torch.Tensor, mesh):
     n = _numel(engine, name)
-    placements = [Replicate(), Shard(0)] if engine.process_group.mesh else [Shard(0)]
+    placements = [Replicate(), Shard(0)] if engine.process_group.shards_in_node else [Shard(0)]
     return DTensor.from_local(_local(engine, name, padded.detach()).cpu(), mesh, placements,
                               run_check=False, shape=torch.Size([n]), stride=(1,))
 

@@ -78,6 +78,11 @@ class Config:
     #: averaged across nodes once per optimizer step; ``initialize(mesh=DeviceMesh)`` sets
     #: it from a 2-D mesh. None: every parameter sharded over every rank
     mesh: dict | None = None
+    #: DeepSpeed ZeRO++'s hierarchical partitioning (hpZ): S ranks a node (consecutive, as
+    #: torchrun numbers them); parameters stay sharded over every rank, and each rank keeps
+    #: its shard of each parameter split over its node from the forward to the backward,
+    #: whose gathers then stay within the node (the ``hierarchical`` pass). None: off
+    zero_hpz_partition_size: int | None = None
 
     def __post_init__(self):
         given = [k for k in ("mixed_precision", "bf16", "fp16") if getattr(self, k) is not None]
@@ -86,12 +91,29 @@ class Config:
         if self.inductor and any(_names_fuse(spec) for spec in [*self.passes, *(self.optimize or {}).get("passes", [])]):
             raise _error("the config sets inductor, which compiles every stretch of compute, and runs the fuse "
                          "pass, which chooses the stretches to compile: give one of them")
+        if self.mesh is not None and self.zero_hpz_partition_size is not None:
+            raise _error("the config gives mesh (HSDP: parameters sharded within a node) and zero_hpz_partition_size "
+                         "(hpZ: sharded over every rank, gathered within the node in the backward): give one of them")
+        if self.zero_hpz_partition_size is not None and self.zero_stage != 3:
+            raise _error(f"zero_hpz_partition_size keeps node-local partitions of ZeRO-3's sharded parameters: give "
+                         f"zero_stage 3, not {self.zero_stage}")
         if self.mesh is not None and self.zero_stage != 3:
             raise _error(f"the config's mesh shards parameters within a node (HSDP), which is ZeRO-3's: give zero_stage "
                          f"3, not {self.zero_stage}")
         if self.fp16 is not None and self.nonfinite == "error":
             raise _error("fp16's loss scaler skips the steps that overflow: give nonfinite 'skip' or leave it out, "
                          "not 'error'")
+
+    @property
+    def topology(self) -> dict | None:
+        """The mesh the ranks form and what parameters are sharded over: ``{"replicate": R
+        (None: the world over S), "shard": S, "hsdp": True}`` (sharded over the node) or
+        ``"hsdp": False`` (over every rank, hpZ); None: one flat group."""
+        if self.mesh is not None:
+            return {**self.mesh, "hsdp": True}
+        if self.zero_hpz_partition_size is not None:
+            return {"replicate": None, "shard": self.zero_hpz_partition_size, "hsdp": False}
+        return None
 
     @classmethod
     def load(cls, config) -> "Config":
@@ -226,6 +248,12 @@ def _directory(v):
     return None if v is None else str(v)
 
 
+def _optional_positive_int(v):
+    if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+        raise ValueError(f"{v!r}; a positive integer, or null")
+    return v
+
+
 def _mesh(v):
     if v is None:
         return None
@@ -248,7 +276,7 @@ _CHECKS = {"zero_stage": _stage, "passes": _passes, "gradient_accumulation_steps
            "mixed_precision": _precision("check_policy"), "bf16": _precision("check_bf16"),
            "fp16": _precision("check_fp16"), "max_programs": _positive_int,
            "transport": _transport, "nonfinite": _nonfinite, "program_cache": _directory,
-           "mesh": _mesh}
+           "mesh": _mesh, "zero_hpz_partition_size": _optional_positive_int}
 
 
 def _error(message: str) -> DcirError:

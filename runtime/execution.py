@@ -291,7 +291,7 @@ class Execution:
         as torch's ``clip_grad_norm_`` does."""
         grads = [s.grad for s in self.shards.values() if s.grad is not None]
         device = self.group.collective_device()
-        over = self.group.subgroups.get(LOCAL)  # None: every rank
+        over = self.group.subgroups[LOCAL] if self.group.shards_in_node else None  # None: every rank
         if norm_type == float("inf"):
             local = max((g.abs().max().double() for g in grads), default=torch.zeros((), dtype=torch.float64))
             total = local.reshape(1).to(device)

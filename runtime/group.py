@@ -52,12 +52,15 @@ class ProcessGroup:
     mesh: dict = field(default_factory=dict)
     #: mesh dimension -> this rank's c10d subgroup over it
     subgroups: dict = field(default_factory=dict)
+    #: whether parameters are sharded over a node's ranks (HSDP), not over every rank
+    shards_in_node: bool = False
 
     @classmethod
     def join(cls, timeout_s: float, device: torch.device, mesh: dict | None = None,
              device_mesh=None) -> "ProcessGroup":
         """The job's group (made here unless it exists); with ``mesh`` (the config's
-        ``{"replicate": R, "shard": S}``), its subgroups, from ``device_mesh`` when given."""
+        ``topology``: ``{"replicate": R, "shard": S, "hsdp": ...}``), its subgroups, from
+        ``device_mesh`` when given."""
         created = not dist.is_initialized()
         if created:
             timeout = datetime.timedelta(seconds=timeout_s)
@@ -70,16 +73,18 @@ class ProcessGroup:
         return group if mesh is None else group._with_mesh(mesh, device_mesh)
 
     def _with_mesh(self, mesh: dict, device_mesh) -> "ProcessGroup":
-        nodes, local = mesh["replicate"], mesh["shard"]
+        local = mesh["shard"]
+        nodes = mesh["replicate"] or max(1, self.world // local)
         if nodes * local != self.world:
             self.leave_after_failure()
-            raise DcirError(Diagnostic(f"the mesh replicate={nodes} × shard={local} has {nodes * local} ranks, but this "
-                                       f"job runs {self.world}"))
+            what = (f"the mesh replicate={nodes} × shard={local} has {nodes * local} ranks" if mesh["replicate"] else
+                    f"zero_hpz_partition_size {local} does not divide the ranks into nodes")
+            raise DcirError(Diagnostic(f"{what}, but this job runs {self.world}"))
         if device_mesh is None:
             device_mesh = init_device_mesh(self.device.type, (nodes, local), mesh_dim_names=("replicate", "shard"))
         subgroups = {NODES: device_mesh.get_group(0), LOCAL: device_mesh.get_group(1)}
         return ProcessGroup(self.rank, self.world, self.name, self.device, self.created, {NODES: nodes, LOCAL: local},
-                            subgroups)
+                            subgroups, mesh["hsdp"])
 
     @property
     def names(self) -> dict:
@@ -96,7 +101,7 @@ class ProcessGroup:
     @property
     def shard_name(self) -> str:
         """The c10d name of the group each parameter is split over (under HSDP, this rank's node)."""
-        return self.names[LOCAL if self.mesh else None]
+        return self.names[LOCAL if self.shards_in_node else None]
 
     @property
     def shard_rank(self) -> int:
@@ -106,11 +111,11 @@ class ProcessGroup:
     @property
     def shard_world(self) -> int:
         """Into how many shards each parameter is split."""
-        return self.mesh[LOCAL] if self.mesh else self.world
+        return self.mesh[LOCAL] if self.shards_in_node else self.world
 
     def shard_of(self, rank: int) -> int:
         """Which shard ``rank`` holds."""
-        return meshes.coordinate(self.mesh, LOCAL, rank) if self.mesh else rank
+        return meshes.coordinate(self.mesh, LOCAL, rank) if self.shards_in_node else rank
 
     def leave_after_failure(self) -> None:
         """Destroy the group this engine created, after ``initialize`` failed. Without

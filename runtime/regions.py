@@ -373,7 +373,7 @@ class EagerParameters:
         p.grad = None
         self.release(p)
         names = engine.process_group.names
-        if not engine.process_group.mesh:
+        if not engine.process_group.shards_in_node:
             engine.execution.add_grads({name: ops.wait(ops.reduce_scatter(grad, "avg", names[None], f"{name} (eager)"))})
             return
         # HSDP: reduce-scattered in the node, the shard averaged across nodes

@@ -231,6 +231,11 @@ CASES.update({
                                {**_HSDP, "gradient_accumulation_steps": 2,
                                 "optimize": {"passes": _SCHEDULE, "profile_at": [1]}}),
     "breaks_item_hsdp": (BreakingNet, _mlp_batch, _squared, _HSDP),
+    # ZeRO++'s hierarchical partitions (hpZ): sharded over all 4, gathered within the node in the backward
+    "transformer_hpz_accumulate4": (TinyTransformer, _transformer_batch, None,
+                                    {"zero_hpz_partition_size": 2, "gradient_accumulation_steps": 4}),
+    "hf_llama_hpz_schedule": (tiny_llama, _llama_batch, lambda out: out.loss,
+                              {"zero_hpz_partition_size": 2, "passes": _SCHEDULE}),
     # FSDP2's way to ask for it: initialize(mesh=init_device_mesh(..., (2, 2))), no mesh in the config
     "transformer_hsdp_device_mesh": (TinyTransformer, _transformer_batch, None,
                                      {**_HSDP, "gradient_accumulation_steps": 2}),
@@ -397,7 +402,7 @@ def run_case(name: str, rank: int, world: int) -> dict:
             if name in CALL_CLIP and micro == accumulate - 1:
                 norms.append(engine.clip_grad_norm_(CALL_CLIP[name]).item())
             engine.step()
-            if shard:
+            if shard or "zero_hpz_partition_size" in config:
                 traffic.append({dim: {k: n - before[dim][k] for k, n in counts.items()}
                                 for dim, counts in engine.process_group.traffic().items()})
         if "gradient_clipping" in config:

@@ -1,12 +1,14 @@
-"""Hybrid sharding (HSDP) across "nodes": a mesh of 2 nodes × 2 ranks, launched as a cluster
-launches it, two ``torchrun --nnodes 2`` on this host (``jobs.run_nodes``).
+"""Training across "nodes": a mesh of 2 nodes × 2 ranks, launched as a cluster launches it,
+two ``torchrun --nnodes 2`` on this host (``jobs.run_nodes``).
 
-Parameters are sharded over a node's ranks and replicated across nodes; each gradient is
-reduce-scattered in the node and averaged across nodes, once per optimizer step under
-accumulation (``zero3{nodes=2, shard=local}``, ``dcir.accumulate``). Every case trains 5
-AdamW steps equal to one device (the reference adds in the program's order:
-``dist_worker._eager_micro_step``), and the runtime's counters show what each group carried
-in each micro-step."""
+Hybrid sharding (HSDP, the config's ``mesh``): parameters sharded over a node's ranks and
+replicated across nodes; each gradient reduce-scattered in the node and averaged across
+nodes, once per optimizer step under accumulation (``zero3{nodes=2, shard=local}``,
+``dcir.accumulate``). Hierarchical partitions (ZeRO++'s hpZ, ``zero_hpz_partition_size``):
+sharded over every rank, the backward gathering a node-local partition within the node
+(the ``hierarchical`` pass). Every case trains 5 AdamW steps equal to one device (the
+reference adds in the program's order: ``dist_worker._eager_micro_step``), and the
+runtime's counters show what each group carried in each micro-step."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from test_runtime import WORKER
 
 HSDP_CASES = ["transformer_hsdp", "transformer_hsdp_accumulate4", "hf_llama_hsdp_accumulate4_schedule_clip",
               "hf_llama_hsdp_optimize", "breaks_item_hsdp", "transformer_hsdp_device_mesh"]
+HPZ_CASES = ["transformer_hpz_accumulate4", "hf_llama_hpz_schedule"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -32,12 +35,14 @@ def built():
     native.load()  # build once here, before the ranks start and load it
 
 
-def test_hsdp_on_two_nodes_trains_like_one_device(tmp_path):
+def test_hsdp_and_hpz_on_two_nodes_train_like_one_device(tmp_path):
     """Equal to one device within 1e-6 (measured: bit for bit, and 8e-8 where clipping's
-    norm is summed in another order); in every micro-step but an optimizer step's last,
-    nothing crosses nodes; parameters are gathered only within the node."""
+    norm is summed in another order). HSDP: in every micro-step but an optimizer step's
+    last, nothing crosses nodes, and parameters are gathered only within the node. hpZ:
+    the backward's gathers run within the node, the rest over every rank."""
     out_file = tmp_path / "results.json"
-    launches = run_nodes([WORKER, "equivalence", str(out_file), *HSDP_CASES], nodes=2, per_node=2, timeout_s=420)
+    launches = run_nodes([WORKER, "equivalence", str(out_file), *HSDP_CASES, *HPZ_CASES], nodes=2, per_node=2,
+                         timeout_s=480)
     assert all(p.returncode == 0 for p in launches), "\n".join(p.stderr[-3000:] for p in launches)
     results = json.loads(out_file.read_text())
     for case in HSDP_CASES:
@@ -53,6 +58,12 @@ def test_hsdp_on_two_nodes_trains_like_one_device(tmp_path):
             assert t["local"]["bytes"] > 0 and t["world"]["collectives"] == 0, (case, k, t)
         if "clip" in case:  # the global norm over a node's shards (the other node's are the same)
             assert r["norms"][0] == pytest.approx(r["norms"][1], rel=1e-6), case
+    for case in HPZ_CASES:
+        r = results[case]
+        assert r["max_rel_err"] <= 1e-6, (case, r["worst_param"], r["max_rel_err"])
+        assert "mem.shard(" in r["ir"] and 'comm.all_gather' in r["ir"], case
+        for k, t in enumerate(r["traffic"]):
+            assert t["local"]["bytes"] > 0 and t["world"]["bytes"] > 0 and t["nodes"]["collectives"] == 0, (case, k, t)
 
 
 def test_a_mesh_the_config_or_job_cannot_have_is_a_clear_error():
@@ -74,6 +85,15 @@ def test_a_mesh_the_config_or_job_cannot_have_is_a_clear_error():
                         mesh=SimpleNamespace(mesh=torch.arange(4).reshape(2, 2)))
     assert ("the config's mesh {'replicate': 1, 'shard': 4} differs from initialize(mesh=...)'s "
             "{'replicate': 2, 'shard': 2}") in str(e.value)
+    with pytest.raises(DcirError) as e:
+        Config.load({"mesh": {"replicate": 2, "shard": 2}, "zero_hpz_partition_size": 2})
+    assert "the config gives mesh (HSDP: parameters sharded within a node) and zero_hpz_partition_size (hpZ: sharded over every rank, gathered within the node in the backward): give one of them" in str(e.value)  # noqa: E501
+    with pytest.raises(DcirError) as e:
+        Config.load({"zero_hpz_partition_size": 2, "zero_stage": 2})
+    assert "zero_hpz_partition_size keeps node-local partitions of ZeRO-3's sharded parameters: give zero_stage 3, not 2" in str(e.value)  # noqa: E501
+    with pytest.raises(DcirError, match="zero_hpz_partition_size 2 does not divide the ranks into nodes, but this job "
+                                        "runs 1"):
+        dcir.initialize(mlp(), config={"zero_hpz_partition_size": 2}, loss_fn=squared)
     # world 1 here: the mesh asks for 4 ranks
     with pytest.raises(DcirError, match="the mesh replicate=2 × shard=2 has 4 ranks, but this job runs 1"):
         dcir.initialize(mlp(), config={"mesh": {"replicate": 2, "shard": 2}}, loss_fn=squared)

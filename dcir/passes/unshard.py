@@ -67,7 +67,7 @@ from dcir.rewrite import Rewriter
 
 
 @dataclass
-class _Gather:
+class Gather:
     get: Op          # param.get of the shard
     start: Op        # comm.all_gather
     wait: Op         # comm.wait
@@ -75,7 +75,7 @@ class _Gather:
     free: Op | None  # the mem.free that releases it
 
 
-def _gathers(func: Function) -> dict[str, list[_Gather]]:
+def param_gathers(func: Function) -> dict[str, list[Gather]]:
     """Single-tensor gathers of a parameter, by parameter."""
     waits = analysis.waits(func)
     storage = storage_bases(func)
@@ -84,7 +84,7 @@ def _gathers(func: Function) -> dict[str, list[_Gather]]:
         if registry.has_trait(op, registry.FREES):
             for v in op.operands:
                 frees.setdefault(storage.get(v, v), op)
-    out: dict[str, list[_Gather]] = {}
+    out: dict[str, list[Gather]] = {}
     for op in func.ops:
         if not registry.has_trait(op, registry.GATHERS) or registry.is_coalesced(op):
             continue
@@ -94,7 +94,7 @@ def _gathers(func: Function) -> dict[str, list[_Gather]]:
                 or len(wait.operands) != 1:
             continue
         full = wait.results[0]
-        out.setdefault(src.symbol, []).append(_Gather(src, op, wait, full, frees.get(storage.get(full, full))))
+        out.setdefault(src.symbol, []).append(Gather(src, op, wait, full, frees.get(storage.get(full, full))))
     return out
 
 
@@ -141,7 +141,7 @@ def _drop_from_free(rewriter: Rewriter, free: Op, value: Value) -> None:
         rewriter.erase(free)
 
 
-def _drop_gather(rewriter: Rewriter, g: _Gather) -> None:
+def _drop_gather(rewriter: Rewriter, g: Gather) -> None:
     """Erase a gather whose result is no longer read, and its shard read if only it read it."""
     rewriter.erase(g.wait)
     rewriter.erase(g.start)
@@ -149,7 +149,7 @@ def _drop_gather(rewriter: Rewriter, g: _Gather) -> None:
         rewriter.erase(g.get)
 
 
-def _keep(module: Module, name: str, fw: _Gather, bw: _Gather) -> None:
+def _keep(module: Module, name: str, fw: Gather, bw: Gather) -> None:
     """Hand ``fw.full`` from @forward to @backward in place of @backward's gather."""
     f, b = module.role(roles.FORWARD), module.role(roles.BACKWARD)
     forward = Rewriter(f)
@@ -162,7 +162,7 @@ def _keep(module: Module, name: str, fw: _Gather, bw: _Gather) -> None:
     _drop_gather(backward, bw)
 
 
-def _resident(module: Module, name: str, gathers: list[_Gather]) -> str:
+def _resident(module: Module, name: str, gathers: list[Gather]) -> str:
     """Read the parameter from its gathered copy: declare ``buffer @<p>.unsharded``,
     filled by ``@unshard``; every gather of it becomes a read of the copy."""
     decl = module.decls[name]
@@ -227,10 +227,10 @@ class Unshard(Pass):
 
     def _choose(self, module: Module, f: Function, b: Function, stats: Counter, machine: Machine) -> None:
         note_source(module, stats, "unshard")
-        fws, bws = _gathers(f), _gathers(b)
+        fws, bws = param_gathers(f), param_gathers(b)
         last = module.role(roles.BACKWARD_LAST)
         if last is not None:  # the last micro-step's backward gathers the same parameters
-            for name, gs in _gathers(last).items():
+            for name, gs in param_gathers(last).items():
                 bws.setdefault(name, []).extend(gs)
             if self.micro_steps == 1:  # its saved values are @backward's: no hand-over to two
                 stats["unshard: left as it is (@backward_last: give micro_steps)"] += 1

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from dcir.context import PlanContext
 from dcir.ir import Module, ShardType
 from dcir.passes import Pass
-from dcir.passes.unshard import _gathers, _resident, _unshard_function
+from dcir.passes.unshard import _resident, _unshard_function, param_gathers
 from dcir.passes.zero3 import Zero3
 
 
@@ -63,7 +63,7 @@ def replicate_parameters(module: Module, stats: Counter, pass_name: str) -> None
     gathers once per optimizer step."""
     gathers: dict[str, list] = {}
     for func in module.functions.values():
-        for name, gs in _gathers(func).items():
+        for name, gs in param_gathers(func).items():
             gathers.setdefault(name, []).extend(gs)
     copies = []
     for name, decl in list(module.decls.items()):
