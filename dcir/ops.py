@@ -255,6 +255,42 @@ def _rule_cast(op, types, module):
     return [replace(t, full=full) if isinstance(t, ShardType) else full]
 
 
+def quantized_scales(shard: ShardType, block: int) -> TensorType:
+    """The full tensor of a quantized shard's scales: every rank's ``ceil(chunk / block)``
+    blocks, side by side (``mem.quantize``)."""
+    blocks = -(-shard.layout.chunk // block)
+    return TensorType("f32", (shard.parts * blocks,))
+
+
+def _block(op) -> int:
+    block = op.attrs.get("block")
+    if not isinstance(block, int) or block < 1:
+        raise TypeRuleError(f"{op.name} needs a positive block size ('block', elements per scale)")
+    return block
+
+
+def _rule_quantize(op, types, module):
+    t = types[0]
+    if not (isinstance(t, ShardType) and t.dtype in ("f32", "bf16", "f16")):
+        raise TypeRuleError(f"{op.name} quantizes a floating-point shard; its operand is {t}", 0)
+    scales = quantized_scales(t, _block(op))
+    return [replace(t, full=TensorType("i8", t.full.shape)), ShardType(scales, t.parts, t.over)]
+
+
+def _rule_dequantize(op, types, module):
+    q, scales = types
+    to, parts = op.attrs.get("dtype"), op.attrs.get("parts")
+    if not (isinstance(q, TensorType) and q.dtype == "i8"):
+        raise TypeRuleError(f"{op.name} dequantizes a gathered i8 tensor; operand #0 is {q}", 0)
+    if not isinstance(parts, int) or parts < 1:
+        raise TypeRuleError(f"{op.name} needs 'parts', the ranks the quantized shards came from")
+    expect = quantized_scales(ShardType(q, parts), _block(op))
+    if scales != expect:
+        raise TypeRuleError(f"{op.name} needs the gathered scales of {parts} shards in blocks of {op.attrs['block']}, "
+                            f"{expect}; operand #1 is {scales}", 1)
+    return [TensorType(to.name, q.shape)]
+
+
 def _rule_optim_step(op, types, module):
     decl = module.decls[op.symbol]
     if not decl.trainable:
@@ -367,6 +403,18 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
           "before its gather, a gradient before its reduction).",
           (1, 1), (1, 1), frozenset({PURE, ALLOCATES, CASTS}), _rule_cast, {"dtype": AttrSpec("dtype", required=True)},
           example="%w_bf16 = mem.cast(%w) {dtype = bf16} : shard<bf16[16, 8], 2>"),
+    OpDef("mem.quantize", "Quantize a shard to int8 in blocks, each with its f32 scale (absmax / 127): the shard "
+          "a quantized gather moves (ZeRO++'s qwZ); each element is off by at most half its block's scale.",
+          (1, 1), (2, 2), frozenset({PURE, ALLOCATES}), _rule_quantize, {"block": AttrSpec("int", required=True)},
+          example="%w_q, %w_scales = mem.quantize(%w_shard) {block = 256} : shard<i8[16, 8], 2>, "
+                  "shard<f32[2], 2>"),
+    OpDef("mem.dequantize", "The full tensor of gathered int8 shards and their gathered scales (mem.quantize's "
+          "inverse, up to its rounding).",
+          (2, 2), (1, 1), frozenset({PURE, ALLOCATES}), _rule_dequantize,
+          {"block": AttrSpec("int", required=True), "parts": AttrSpec("int", required=True),
+           "dtype": AttrSpec("dtype", required=True)},
+          example="%w = mem.dequantize(%w_q_full, %w_scales_full) {block = 256, parts = 2, dtype = f32} : "
+                  "f32[16, 8]"),
     OpDef("mem.wait", "Join the pending values of host copies (offloads, reloads); results are usable values.",
           (1, None), "per_operand", frozenset({WAITS}), _rule_wait,
           example="%d_dev = mem.wait(%d) : shard<f32[16, 8], 2>", joins=HOST_COPY),

@@ -85,6 +85,29 @@ def reads_state(node: fx.Node) -> bool:
 RUNTIME_CALLS = (_state_get, _state_set, _grad_set, *state_store.CALLS, _rng_get, _rng_set, _unbox)
 
 
+def _quantize(shard: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mem.quantize``: the flat shard in int8, in blocks of ``block`` elements each
+    scaled by its absolute maximum over 127 (a block of zeros: scale 1), and the scales."""
+    flat = shard.reshape(-1).float()
+    blocks = -(-flat.numel() // block)
+    padded = torch.nn.functional.pad(flat, (0, blocks * block - flat.numel())).view(blocks, block)
+    scales = padded.abs().amax(dim=1) / 127
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(padded / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(-1)[:flat.numel()], scales
+
+
+def _dequantize(q: torch.Tensor, scales: torch.Tensor, block: int, parts: int, dtype: torch.dtype) -> torch.Tensor:
+    """``mem.dequantize``: element ``i`` of the gathered tensor came from rank ``i //
+    chunk``'s shard, block ``(i % chunk) // block`` of it."""
+    numel = q.numel()
+    chunk = ShardLayout(numel, parts).chunk
+    blocks = -(-chunk // block)
+    i = torch.arange(numel, device=q.device)
+    scale = scales[(i // chunk) * blocks + (i % chunk) // block]
+    return (q.reshape(-1).float() * scale).to(dtype).view(q.shape)
+
+
 def _take_shard(full: torch.Tensor, group: str | None) -> torch.Tensor:
     """This rank's flat shard of ``full`` (``dcir.layout.ShardLayout``) over the process
     group named ``group`` (None: a world of one rank, the whole tensor)."""

@@ -23,6 +23,7 @@ import torch
 import dcir
 from dcir.passes.hierarchical import Hierarchical
 from dcir.passes.offload import Offload
+from dcir.passes.quantize import Quantize
 from dcir.passes.zero1 import Zero1
 from dcir.passes.zero2 import Zero2
 from dcir.passes.zero3 import Zero3
@@ -87,15 +88,18 @@ def offload_pass(config: Config, state_keys: Callable[[], list[str]]) -> list:
 
 def pipeline(config: Config, world: int, training: bool, state_keys: Callable[[], list[str]],
              passes: Callable[[list[str]], list]) -> list:
-    """The passes a captured program goes through: the stage's, the mixed-precision
-    casts, ``offload`` and the configured passes for a training step; for a forward
-    without a backward (``@eval``), ``zero3``'s gathers and frees and the casts."""
+    """The passes a captured program goes through: the stage's (with ZeRO++'s
+    ``hierarchical`` partitions), the mixed-precision casts, ``quantize`` (ZeRO++'s
+    int8 gathers), ``offload`` and the configured passes for a training step; for a
+    forward without a backward (``@eval``), ``zero3``'s gathers and frees, the casts
+    and ``quantize``."""
     policy = precision.policy_of(config)
+    quantized = [Quantize()] if config.zero_quantized_weights else []
     if not training:
-        return [zero3(config, world), *precision.passes(policy)]
+        return [zero3(config, world), *precision.passes(policy), *quantized]
     hierarchical = [Hierarchical()] if config.zero_hpz_partition_size is not None else []
-    return [stage_pass(config, world), *hierarchical, *precision.passes(policy), *offload_pass(config, state_keys),
-            *passes(config.passes)]
+    return [stage_pass(config, world), *hierarchical, *precision.passes(policy), *quantized,
+            *offload_pass(config, state_keys), *passes(config.passes)]
 
 
 def compile_step(model: torch.nn.Module, args: tuple, kwargs: dict, *, loss_fn: Callable | None, config: Config,

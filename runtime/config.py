@@ -83,6 +83,10 @@ class Config:
     #: its shard of each parameter split over its node from the forward to the backward,
     #: whose gathers then stay within the node (the ``hierarchical`` pass). None: off
     zero_hpz_partition_size: int | None = None
+    #: DeepSpeed ZeRO++'s quantized weights (qwZ): every parameter gather moves int8 in
+    #: blocks of 256 with f32 scales (the ``quantize`` pass); shards, optimizer and gradient
+    #: reductions stay exact
+    zero_quantized_weights: bool = False
 
     def __post_init__(self):
         given = [k for k in ("mixed_precision", "bf16", "fp16") if getattr(self, k) is not None]
@@ -97,6 +101,9 @@ class Config:
         if self.zero_hpz_partition_size is not None and self.zero_stage != 3:
             raise _error(f"zero_hpz_partition_size keeps node-local partitions of ZeRO-3's sharded parameters: give "
                          f"zero_stage 3, not {self.zero_stage}")
+        if self.zero_quantized_weights and self.zero_stage != 3:
+            raise _error(f"zero_quantized_weights quantizes ZeRO-3's parameter gathers: give zero_stage 3, not "
+                         f"{self.zero_stage}")
         if self.mesh is not None and self.zero_stage != 3:
             raise _error(f"the config's mesh shards parameters within a node (HSDP), which is ZeRO-3's: give zero_stage "
                          f"3, not {self.zero_stage}")
@@ -276,7 +283,8 @@ _CHECKS = {"zero_stage": _stage, "passes": _passes, "gradient_accumulation_steps
            "mixed_precision": _precision("check_policy"), "bf16": _precision("check_bf16"),
            "fp16": _precision("check_fp16"), "max_programs": _positive_int,
            "transport": _transport, "nonfinite": _nonfinite, "program_cache": _directory,
-           "mesh": _mesh, "zero_hpz_partition_size": _optional_positive_int}
+           "mesh": _mesh, "zero_hpz_partition_size": _optional_positive_int,
+           "zero_quantized_weights": _bool}
 
 
 def _error(message: str) -> DcirError:

@@ -468,6 +468,22 @@ def test_predict_at_scale_runs_quickly(capsys):
     assert 3.5 * zero3 < float(rows["4"][1]) < 4.5 * zero3
 
 
+def test_predict_at_scale_compares_the_ways_across_nodes(capsys):
+    """Per model, ranks and accumulation: flat ZeRO-3, HSDP, hpZ, qwZ and hpZ+qwZ, each
+    with its peak and the bytes a rank sends in and across nodes, and the fastest that fits
+    marked. HSDP carries least across nodes, hpZ moves the backward's gathers into the node,
+    qwZ halves the bf16 gathers."""
+    from predict_at_scale import main  # benchmarks/ (pytest's pythonpath)
+    assert main(["--mesh", "--layers", "2", "--accumulate", "4"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["Llama-3-8B"]]
+    assert len(rows) == 3 * 5  # 32, 128 and 1,024 ranks, five ways each
+    first = {r[3]: r for r in rows[:5]}  # 32 ranks
+    across = {name: float(r[8]) for name, r in first.items()}
+    assert across["HSDP"] < across["hpZ+qwZ"] < across["hpZ"] < across["ZeRO-3"] and across["qwZ"] < across["ZeRO-3"]
+    assert float(first["ZeRO-3"][7]) == 0 and float(first["hpZ"][7]) > 0  # in the node: only hpZ's and HSDP's
+    assert sum(len(r) == 10 for r in rows[:5]) == 1  # one choice ("<-") among the five
+
+
 def _trace(waits_us: list[float], compute_us: list[float], predicted_us: list[float] = ()) -> list[dict]:
     """One rank's trace events: before each wait, one compute slice; the predicted row's waits."""
     events, t = [], 0.0
