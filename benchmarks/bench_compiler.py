@@ -286,7 +286,7 @@ LAYER_PARAMS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self
 
 class _Llama:
     def __init__(self, layers, hidden, heads, kv_heads, intermediate, vocab, seq, batch, world_size,
-                 param_dtype, compute_dtype, free, micro_batches, offload):
+                 param_dtype, compute_dtype, free, micro_batches, offload, nodes=1):
         if hidden % heads or heads % kv_heads or (hidden // heads) % 2:
             raise ValueError("hidden must split into heads of even size, and heads into kv_heads groups")
         if free not in ("all", "params"):
@@ -296,6 +296,10 @@ class _Llama:
         self.hd = hidden // heads
         self.M = micro_batches
         self.offload = offload
+        if nodes < 1 or world_size % nodes:
+            raise ValueError("nodes must divide world_size")
+        #: HSDP over nodes × (world_size / nodes): sharded in a node, averaged across nodes (1: ZeRO-3)
+        self.nodes, self.local = nodes, world_size // nodes
         self.kvd = kv_heads * self.hd
         self.N = batch * seq
         self.ns = _Namespace()
@@ -323,12 +327,18 @@ class _Llama:
         return pname.replace(".", "_")
 
     def _shard_type(self, pname):
-        return shard_t(tensor_t(self.pd, self.shapes[pname]), self.ws)
+        full = tensor_t(self.pd, self.shapes[pname])
+        return shard_t(full, self.ws) if self.nodes == 1 else f"shard<{full}, local={self.local}>"
+
+    def _group(self) -> dict:
+        """The attributes of a gather or reduce-scatter: over the node under HSDP."""
+        return {} if self.nodes == 1 else {"group": "local"}
 
     def start_gather(self, f: _Func, pname: str) -> str:
         base = self._base(pname)
         shard = f.param_get(pname, self._shard_type(pname), base + "_shard")
-        return f.async_op("comm.all_gather", shard, pending_t(tensor_t(self.pd, self.shapes[pname])), base + "_pending")
+        return f.async_op("comm.all_gather", shard, pending_t(tensor_t(self.pd, self.shapes[pname])), base + "_pending",
+                          self._group())
 
     def finish_gather(self, f: _Func, pname: str, pending: str) -> str:
         full = f.wait(pending, self._base(pname), "param")
@@ -352,12 +362,16 @@ class _Llama:
         else:
             f.freeable[f.root[g]] = "grad"
         pend = f.async_op("comm.reduce_scatter", g, pending_t(self._shard_type(pname)),
-                          self._base(pname) + "_grad_pending", {"op": "avg"})
+                          self._base(pname) + "_grad_pending", {"op": "avg", **self._group()})
         self.pending_grads.append((pname, pend))
 
     def flush_grads(self, f: _Func) -> None:
         for pname, pend in self.pending_grads:
-            shard = f.wait(pend, self._base(pname) + "_grad", False)
+            shard = f.wait(pend, self._base(pname) + "_grad", False if self.nodes == 1 else "grad")
+            if self.nodes > 1:  # HSDP: the node's shard averaged across nodes
+                across = f.async_op("comm.all_reduce", shard, pending_t(self._shard_type(pname)),
+                                    self._base(pname) + "_grad_across", {"op": "avg", "group": "nodes"})
+                shard = f.wait(across, self._base(pname) + "_grad_avg", False)
             f.grad_set(pname, shard)
         self.pending_grads = []
 
@@ -760,9 +774,10 @@ class _Llama:
     def module_text(self) -> str:
         fwd, returns, saved = self.forward()
         bwd = self.backward(saved, fwd.types)
-        lines = [f"module @llama attributes {{world_size = {self.ws}}} {{"]
-        for pname, shape in self.shapes.items():
-            lines.append(f"  param @{pname} : {shard_t(tensor_t(self.pd, shape), self.ws)} {{trainable}}")
+        mesh = f", mesh.nodes = {self.nodes}, mesh.local = {self.local}" if self.nodes > 1 else ""
+        lines = [f"module @llama attributes {{world_size = {self.ws}{mesh}}} {{"]
+        for pname in self.shapes:
+            lines.append(f"  param @{pname} : {self._shard_type(pname)} {{trainable}}")
         lines.append(f"  buffer @{self.inv_freq} : {tensor_t('f32', (self.hd // 2,))}")
         lines.append("")
         kinds = ["output"] + ["saved"] * (len(returns) - 1)
@@ -776,15 +791,17 @@ class _Llama:
 def generate(layers: int = 80, hidden: int = 1024, heads: int = 16, seq: int = 128, batch: int = 1,
              world_size: int = 2, *, kv_heads: int = 4, intermediate: int = 2816, vocab: int = 32000,
              micro_batches: int = 2, offload: bool = True, param_dtype: str = "f32",
-             compute_dtype: str = "bf16", free: str = "all") -> str:
+             compute_dtype: str = "bf16", free: str = "all", nodes: int = 1) -> str:
     """DCIR text of a Llama-style decoder's ZeRO-3 training step (see the module docstring).
 
     Deterministic: the same arguments give the same text. ``free`` is ``"all"`` (free
     every tensor after its last use) or ``"params"`` (only gathered parameters and
-    reduced gradients).
+    reduced gradients). ``nodes`` > 1: HSDP instead, the program ``zero3{nodes=N,
+    shard=local}`` writes (parameters sharded over a node's ranks, gathered and
+    reduce-scattered there, each gradient shard averaged across nodes).
     """
     return _Llama(layers, hidden, heads, kv_heads, intermediate, vocab, seq, batch, world_size,
-                  param_dtype, compute_dtype, free, micro_batches, offload).module_text()
+                  param_dtype, compute_dtype, free, micro_batches, offload, nodes).module_text()
 
 
 def op_count(text_or_module) -> int:

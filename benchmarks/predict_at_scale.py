@@ -31,38 +31,72 @@ budget scales with the layers: what the schedule may hold beyond ZeRO-3's own pe
 the 80-layer headroom (device memory less held state and that peak) times L/80, so
 ``unshard`` keeps the same share of the layers gathered as it would at 80.
 
+``--mesh`` predicts instead where hybrid sharding (HSDP, ``zero3{nodes=N, shard=local}``:
+parameters sharded over a node's 8 ranks, gradients reduce-scattered there and averaged
+across nodes once per optimizer step) or hierarchical partitions (hpZ, ``zero3{nodes=N},
+hierarchical``: sharded over every rank, the backward gathering node-local partitions
+within the node) or int8 parameter gathers (qwZ, ``quantize``; alone and with hpZ) win
+over flat ZeRO-3: Llama-3-70B and Llama-3-8B on 32, 128 and 1,024 ranks (8 per node), each
+program as the stage writes it (no scheduling passes), with its peak memory per rank
+(whether it fits the device) and the bytes one rank sends per optimizer step within its
+node and across nodes (a ring that spans nodes counts as crossing them: the NIC bounds
+it). The choice is the fastest that fits. The simulator prices ``mem.quantize`` and
+``mem.dequantize`` as one dispatch each, so qwZ's rows are optimistic by their compute.
+
 Usage::
 
     python benchmarks/predict_at_scale.py              # 80 layers, accumulation 1 and 16
     python benchmarks/predict_at_scale.py --layers 2   # quick (tests)
+    python benchmarks/predict_at_scale.py --mesh       # flat ZeRO-3 against HSDP, by model and ranks
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 from dataclasses import replace
 
 import dcir
+from dcir import ops as registry
+from dcir.accumulate import once_per_step
 from dcir.context import PlanContext
+from dcir.cost import is_host_copy, is_transfer, nodes_spanned, payload, ranks, ring_kind
 from dcir.hardware import load
 from dcir.passes import PassManager, parse_pipeline
-from dcir.sim import held_bytes, simulate_module
+from dcir.passes.hierarchical import Hierarchical
+from dcir.passes.quantize import Quantize
+from dcir.sim import held_bytes, runs_per_step, simulate_module
 
 from bench_compiler import generate
 
 #: Llama-3-70B (transformers' LlamaConfig of meta-llama/Meta-Llama-3-70B)
 LLAMA3_70B = {"hidden": 8192, "heads": 64, "kv_heads": 8, "intermediate": 28672, "vocab": 128256, "layers": 80}
+#: Llama-3-8B (meta-llama/Meta-Llama-3-8B)
+LLAMA3_8B = {"hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336, "vocab": 128256, "layers": 32}
 #: DeepCompile over ZeRO-3, Llama-3-70B on 32 H100s, by gradient accumulation steps (the blog's figure)
 PUBLISHED = {1: 1.18, 16: 1.28}
 
 
-def program(layers: int, world: int, seq: int = 1024) -> dcir.Module:
-    cfg = {**LLAMA3_70B, "layers": layers}
+def program(layers: int, world: int, seq: int = 1024, model: dict = LLAMA3_70B, nodes: int = 1,
+            accumulate: int = 1, hpz: int = 0, quantized: bool = False) -> dcir.Module:
+    """The model's ZeRO-3 step (``nodes`` > 1: HSDP over ``nodes`` × ``world / nodes``,
+    averaging across nodes once per optimizer step of ``accumulate`` micro-steps; ``hpz``:
+    ZeRO-3 with hierarchical partitions over nodes of ``hpz`` ranks; ``quantized``: its
+    parameter gathers in int8, ``quantize``)."""
+    cfg = {**model, "layers": layers}
     text = generate(layers=cfg["layers"], hidden=cfg["hidden"], heads=cfg["heads"], seq=seq, batch=1,
                     world_size=world, kv_heads=cfg["kv_heads"], intermediate=cfg["intermediate"], vocab=cfg["vocab"],
-                    micro_batches=1, offload=False, param_dtype="bf16", compute_dtype="bf16")
-    return dcir.parse(text, "llama3-70b.dcir")
+                    micro_batches=1, offload=False, param_dtype="bf16", compute_dtype="bf16", nodes=nodes)
+    module = dcir.parse(text, "llama.dcir")
+    if hpz:
+        module.attrs.update({"mesh.nodes": world // hpz, "mesh.local": hpz})
+        PassManager([Hierarchical()], verify_each=False).run(module)
+    if quantized:
+        PassManager([Quantize()], verify_each=False).run(module)
+    if nodes > 1 and accumulate > 1:
+        once_per_step(module, Counter(), registry.REDUCES, lambda decl, grad: grad.type, "averaged once")
+    return module
 
 
 def plan(module: dcir.Module, machine, accumulate: int, budget: int | None) -> dcir.Module:
@@ -110,15 +144,81 @@ def predict(layers: int, machine, accumulate: int, fit_layers=(2, 3, 4)) -> dict
             "fit_error": zero3_fit / base.estimate.seconds - 1, "ops": sum(len(f.ops) for f in full.functions.values())}
 
 
+def link_bytes(module: dcir.Module, machine, accumulate: int) -> dict[str, float]:
+    """Bytes one rank sends per optimizer step over collectives within its node and across
+    nodes (a ring whose ranks span nodes counts as crossing them)."""
+    out = {"intra": 0.0, "cross": 0.0}
+    calls = runs_per_step(module, accumulate)
+    for name, func in module.functions.items():
+        for op in func.ops:
+            if not is_transfer(op) or is_host_copy(op):
+                continue
+            n = ranks(op, machine)
+            nodes = nodes_spanned(op, machine) or -(-n // machine.ranks_per_node)
+            passes = 2 if ring_kind(op) == "all_reduce" else 1
+            out["cross" if nodes > 1 else "intra"] += payload(op) * passes * (n - 1) / n * calls[name]
+    return out
+
+
+def schemes(nodes: int, per_node: int) -> list[tuple]:
+    """(name, HSDP's nodes, hpZ's ranks a node, int8 gathers) of each way across nodes."""
+    return [("ZeRO-3", 1, 0, False), ("HSDP", nodes, 0, False), ("hpZ", 1, per_node, False), ("qwZ", 1, 0, True),
+            ("hpZ+qwZ", 1, per_node, True)]
+
+
+def mesh_rows(layers: int | None, machine, worlds=(32, 128, 1024), accumulate=(1, 16)) -> list[dict]:
+    """Each way across nodes (``schemes``) for each model, world and accumulation."""
+    rows = []
+    for model_name, model in (("Llama-3-70B", LLAMA3_70B), ("Llama-3-8B", LLAMA3_8B)):
+        for world in worlds:
+            for n in accumulate:
+                per_node = machine.ranks_per_node
+                for scheme, nodes, hpz, quantized in schemes(world // per_node, per_node):
+                    module = program(layers or model["layers"], world, model=model, nodes=nodes, accumulate=n,
+                                     hpz=hpz, quantized=quantized)
+                    m = replace(machine, world_size=world, mesh=tuple(module.mesh.items()))
+                    p = simulate_module(module, m, n)
+                    rows.append({"model": model_name, "world": world, "accumulate": n, "scheme": scheme,
+                                 "seconds": p.estimate.seconds, "peak": p.peak_bytes,
+                                 "fits": machine.memory is None or p.peak_bytes <= machine.memory,
+                                 **link_bytes(module, m, n)})
+    return rows
+
+
+def print_mesh(rows: list[dict]) -> None:
+    print(f"{'model':>12} {'ranks':>6} {'accum':>6} {'scheme':>8} {'step s':>8} {'peak GiB':>9} {'fits':>5} "
+          f"{'in node GB':>11} {'across GB':>10} {'choice':>7}")
+    n = len(schemes(1, 1))
+    for k in range(0, len(rows), n):
+        pair = rows[k:k + n]
+        fitting = [r for r in pair if r["fits"]]
+        best = min(fitting, key=lambda r: r["seconds"])["scheme"] if fitting else "neither"
+        for r in pair:
+            print(f"{r['model']:>12} {r['world']:>6} {r['accumulate']:>6} {r['scheme']:>8} {r['seconds']:>8.3f} "
+                  f"{r['peak'] / 2**30:>9.1f} {'yes' if r['fits'] else 'no':>5} {r['intra'] / 1e9:>11.1f} "
+                  f"{r['cross'] / 1e9:>10.1f} {'<-' if r['scheme'] == best else '':>7}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=80, help="decoder layers (default 80, Llama-3-70B's)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers (default: the model's, 80 for Llama-3-70B and 32 for Llama-3-8B)")
     ap.add_argument("--hardware", default="h100-ib400", help="a dcir/machines name or a .toml (default h100-ib400)")
     ap.add_argument("--accumulate", default="1,16", help="gradient accumulation steps to predict (default 1,16)")
+    ap.add_argument("--mesh", action="store_true",
+                    help="flat ZeRO-3 against HSDP, hpZ and qwZ on 32, 128 and 1,024 ranks, for Llama-3-70B and -8B "
+                         "(--layers then overrides both models' layer counts)")
     ns = ap.parse_args(argv)
     begin = time.perf_counter()
     machine = load(ns.hardware)
     machine = replace(machine, world_size=machine.world_size or 32)
+    if ns.mesh:
+        print(f"micro-batch 1, seq 1024, activation checkpointing, {machine.ranks_per_node} ranks a node of "
+              f"{machine.name}; per rank and optimizer step")
+        print_mesh(mesh_rows(ns.layers, machine, accumulate=[int(x) for x in ns.accumulate.split(",")]))
+        print(f"({time.perf_counter() - begin:.1f} s)")
+        return 0
+    ns.layers = ns.layers or LLAMA3_70B["layers"]
     print(f"Llama-3-70B shapes ({ns.layers} layers), micro-batch 1, seq 1024, activation checkpointing, "
           f"{machine.world_size} ranks of {machine.name}")
     print(f"{'accumulation':>12} {'ZeRO-3 s':>9} {'exposed':>8} {'DCIR s':>8} {'exposed':>8} "
