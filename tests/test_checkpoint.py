@@ -94,8 +94,8 @@ EXACT = {  # name -> (model, Engine config, micro-steps, save after micro-step)
 
 
 #: cases the slow tier runs (their kinds are in the default tier: offload with ZeRO-3, a
-#: llama with offload loaded after an evaluation)
-SLOW_EXACT = {"zero1_offload", "llama_zero3_offload"}
+#: llama with offload loaded after an evaluation, ZeRO-3 with dropout, ZeRO-1 inside accumulation)
+SLOW_EXACT = {"zero1_offload", "llama_zero3_offload", "zero3", "zero1"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_EXACT else c
@@ -177,7 +177,12 @@ def test_hsdp_checkpoint_loads_into_a_flat_world(tmp_path, capfd):
         assert _rel(a["full"][name], b["full"][name]) <= 1e-6, (name, _rel(a["full"][name], b["full"][name]))
 
 
-@pytest.mark.parametrize("case", sorted(RESHARD))
+#: cases the slow tier runs (their kind stays in the default tier: a stage change with the Llama)
+SLOW_RESHARD = {"2to3_zero3_to_zero1"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_RESHARD else c
+                                  for c in sorted(RESHARD)])
 def test_reshard(case, tmp_path, capfd):
     """Saved at world 2 after 4 steps, resumed at world 3 or 1 (and under another stage
     or offload setting) for 4 more: within 1e-6 relative of 8 steps at world 2 (the
