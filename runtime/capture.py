@@ -97,7 +97,8 @@ def pipeline(config: Config, world: int, training: bool, state_keys: Callable[[]
     quantized = [Quantize()] if config.zero_quantized_weights else []
     if not training:
         return [zero3(config, world), *precision.passes(policy), *quantized]
-    hierarchical = [Hierarchical()] if config.zero_hpz_partition_size is not None else []
+    hpz = config.zero_hpz_partition_size
+    hierarchical = [Hierarchical()] if hpz is not None and world > hpz else []  # one node: nothing to keep
     return [stage_pass(config, world), *hierarchical, *precision.passes(policy), *quantized,
             *offload_pass(config, state_keys), *passes(config.passes)]
 

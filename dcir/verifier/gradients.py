@@ -63,8 +63,8 @@ class Gradients(Checker):
         elif not dims and ws > 1:
             self.report.op_error(op, f"the gradient of @{decl.name} is not reduced across ranks (world_size = {ws}); "
                                      "reduce_scatter or all_reduce it before grad.set")
-        elif mesh and set(dims) != set(mesh):
-            left = [dim for dim in mesh if dim not in dims]
+        elif mesh and any(dim not in dims and n > 1 for dim, n in mesh.items()):  # a dimension of 1: nothing to reduce
+            left = [dim for dim, n in mesh.items() if dim not in dims and n > 1]
             self.report.op_error(op, f"the gradient of @{decl.name} is not reduced over \"{left[0]}\"; reduce it "
                                      "over each mesh dimension before grad.set")
 
