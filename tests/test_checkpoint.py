@@ -94,8 +94,9 @@ EXACT = {  # name -> (model, Engine config, micro-steps, save after micro-step)
 
 
 #: cases the slow tier runs (their kinds are in the default tier: offload with ZeRO-3, a
-#: llama with offload loaded after an evaluation, ZeRO-3 with dropout, ZeRO-1 inside accumulation)
-SLOW_EXACT = {"zero1_offload", "llama_zero3_offload", "zero3", "zero1"}
+#: llama with offload loaded after an evaluation, ZeRO-3 with dropout, ZeRO-1 inside accumulation,
+#: ZeRO-3 saved inside accumulation)
+SLOW_EXACT = {"zero1_offload", "llama_zero3_offload", "zero3", "zero1", "zero2_accumulate2_mid"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_EXACT else c
@@ -177,8 +178,9 @@ def test_hsdp_checkpoint_loads_into_a_flat_world(tmp_path, capfd):
         assert _rel(a["full"][name], b["full"][name]) <= 1e-6, (name, _rel(a["full"][name], b["full"][name]))
 
 
-#: cases the slow tier runs (their kind stays in the default tier: a stage change with the Llama)
-SLOW_RESHARD = {"2to3_zero3_to_zero1"}
+#: cases the slow tier runs (their kinds stay in the default tier: a stage change with the Llama,
+#: offload to none with the Llama)
+SLOW_RESHARD = {"2to3_zero3_to_zero1", "2to1_offload_to_none"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_RESHARD else c

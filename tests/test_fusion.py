@@ -202,6 +202,7 @@ def test_bucketing_plans_for_the_stretches_fuse_will_compile():
     assert all(fusion.FUSE in op.attrs for op in m.role("forward").ops if fusion.is_compute(op))
 
 
+@pytest.mark.slow  # 18 s; the default tier runs fuse under the cycle in tests/test_runtime.py
 def test_a_compiled_plan_runs_a_step_before_it_is_profiled():
     """``profile_at: [1, 2, 3]`` with ``fuse``: the first plan compiles stretches, so
     it runs a step (compiling them) before its profile, which then prices them from

@@ -40,10 +40,12 @@ SCHEDULE_CASES = [f"transformer_{c}" for c in ("prefetch", "unshard", "bucket", 
     "mlp_prefetch_unshard_bucket", "tied_frozen_prefetch_unshard_bucket", "transformer_optimize_budget",
     "mlp_accumulate2_unshard", "transformer_optimize_shrink", "hf_llama_recompute",
     "hf_llama_recompute_all_schedule_accumulate2", "hf_llama_schedule_free"]
-# single schedule passes and the small models' schedules run at world 3 in the slow tier (every
-# pair, and all three on the transformer, the Llama and under the optimization cycle, at world 2)
+# single schedule passes, the small models' schedules and Inductor under a schedule run at world 3
+# in the slow tier (every pair, all three on the transformer, the Llama and under the optimization
+# cycle, and Inductor alone and choosing stretches with fuse, at world 2)
 SLOW_SCHEDULE = ["transformer_prefetch", "transformer_unshard", "transformer_bucket", "mlp_prefetch_unshard_bucket",
-                 "tied_frozen_prefetch_unshard_bucket"]
+                 "tied_frozen_prefetch_unshard_bucket", "transformer_inductor_schedule",
+                 "transformer_inductor_optimize"]
 # Inductor reassociates float sums inside its fused kernels, so gradients differ from
 # eager in the last bits and AdamW turns that into ~2e-5 of a weight's scale in 5 steps
 # (1.7e-5 measured); the eager lowering runs the captured ops as they are (bit for bit).
@@ -113,7 +115,7 @@ def test_sharded_training_matches_eager(world, tmp_path, capfd):
     (≤ 1e-5 relative; measured: bit for bit); each rank holds 1/N of the parameters
     and optimizer state; the engine's program is text dcir-opt takes unchanged."""
     out_file = tmp_path / "results.json"
-    default = list(INDUCTOR_CASES) + [c for c in SCHEDULE_CASES if c not in SLOW_SCHEDULE]
+    default = [c for c in [*INDUCTOR_CASES, *SCHEDULE_CASES] if c not in SLOW_SCHEDULE]
     extra = default if world == 2 else SLOW_SCHEDULE
     code, out = _run(capfd, world, "equivalence", str(out_file), *CASES, *extra, timeout_s=600)
     assert code == 0, out

@@ -307,6 +307,7 @@ def test_the_planner_tries_the_joint_alternatives_and_keeps_the_fastest(llama_ze
     assert tight.peak == min(c.peak for c in tried)
 
 
+@pytest.mark.slow  # 19 s; the default tier plans within budgets in tests/test_runtime.py
 def test_under_a_budget_the_planner_also_tries_the_step_without_passes_that_spend_memory(llama_zero3):
     """A budget at the floor of what ``recompute`` can reach leaves no room for earlier
     gathers, replicas or larger collectives (``bucket`` grows the outbox): the pipeline

@@ -76,6 +76,7 @@ def _grown(world: int, tmp_path) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # 40 s; the default tier trains meta-device models sharded (above) without the cap
 def test_a_model_whose_training_state_exceeds_the_cap_trains_sharded_under_it(tmp_path):
     """The Llama's fp32 parameters, gradients and Adam state (752 MiB) exceed the cap
     (85% of them) that every rank's growth in resident memory stays under at world 2 and
