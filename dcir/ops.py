@@ -262,6 +262,13 @@ def quantized_scales(shard: ShardType, block: int) -> TensorType:
     return TensorType("f32", (shard.parts * blocks,))
 
 
+def quantized_types(shard: ShardType, block: int) -> tuple[ShardType, ShardType]:
+    """What ``mem.quantize`` makes of ``shard``: the same shard in i8, and its scales'
+    shard, split over the same ranks."""
+    return (replace(shard, full=TensorType("i8", shard.full.shape)),
+            ShardType(quantized_scales(shard, block), shard.parts, shard.over))
+
+
 def _block(op) -> int:
     block = op.attrs.get("block")
     if not isinstance(block, int) or block < 1:
@@ -273,8 +280,7 @@ def _rule_quantize(op, types, module):
     t = types[0]
     if not (isinstance(t, ShardType) and t.dtype in ("f32", "bf16", "f16")):
         raise TypeRuleError(f"{op.name} quantizes a floating-point shard; its operand is {t}", 0)
-    scales = quantized_scales(t, _block(op))
-    return [replace(t, full=TensorType("i8", t.full.shape)), ShardType(scales, t.parts, t.over)]
+    return list(quantized_types(t, _block(op)))
 
 
 def _rule_dequantize(op, types, module):

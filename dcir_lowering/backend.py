@@ -46,7 +46,7 @@ from dcir.analysis import view_bases
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Function, Module, Op, ShardType, Source
 from dcir.memory import GRAD_ACC_OF, OPTIM_KEY, OPTIM_STATE_OF
-from dcir.ops import GATHERS, REDUCES, SCATTERS, SCHEMA, WAITS, has_trait
+from dcir.ops import GATHERS, OPS, REDUCES, SCATTERS, SCHEMA, WAITS, has_trait
 from dcir.printer import locate
 from dcir.shapes import call_arguments, torch_dtype
 from dcir.verifier import verify
@@ -125,11 +125,6 @@ def _lower_collective(module: Module, op: Op, g: fx.Graph, env: dict) -> None:
             env[r] = env[v]
 
 
-#: the ops that run over a group of ranks (a mesh dimension's, when they name one)
-GROUPED = frozenset({"comm.all_gather", "comm.all_gather_coalesced", "comm.reduce_scatter",
-                     "comm.reduce_scatter_coalesced", "comm.all_reduce", "comm.all_reduce_coalesced", "mem.shard"})
-
-
 class _Distributed:
     """``comm.*``, ``mem.free`` and sharded ``param.get`` as calls into the C++ runtime."""
 
@@ -161,7 +156,7 @@ class _Distributed:
         if "ranks" in op.attrs:
             raise _unsupported(self.module, op,
                                f"{op.name} over a subgroup of ranks is not supported by the runtime yet")
-        if op.name in GROUPED and op.attrs.get("group") not in self.groups:
+        if "group" in OPS[op.name].attrs and op.attrs.get("group") not in self.groups:  # runs over a group of ranks
             raise _unsupported(self.module, op, f"{op.name} runs over the mesh dimension \"{op.attrs['group']}\", and "
                                                 "the process group it is lowered for has no such mesh")
         group = self.groups[op.attrs.get("group")]

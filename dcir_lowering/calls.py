@@ -108,14 +108,21 @@ def _dequantize(q: torch.Tensor, scales: torch.Tensor, block: int, parts: int, d
     return (q.reshape(-1).float() * scale).to(dtype).view(q.shape)
 
 
+def flat_shard(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's flat shard of ``full`` in the ``ShardLayout``: ``full`` flattened,
+    zero-padded to a multiple of the world size, elements ``[rank * chunk, (rank + 1) * chunk)``."""
+    layout = ShardLayout(full.numel(), world)
+    lo, hi = layout.range_of(rank)
+    shard = torch.zeros(layout.chunk, dtype=full.dtype, device=full.device)  # only the shard is new memory
+    shard[:hi - lo] = full.reshape(-1)[lo:hi]
+    return shard
+
+
 def _take_shard(full: torch.Tensor, group: str | None) -> torch.Tensor:
-    """This rank's flat shard of ``full`` (``dcir.layout.ShardLayout``) over the process
-    group named ``group`` (None: a world of one rank, the whole tensor)."""
-    rank, parts = 0, 1
-    if group is not None:
-        pg = dist.distributed_c10d._resolve_process_group(group)
-        rank, parts = pg.rank(), pg.size()
-    layout = ShardLayout(full.numel(), parts)
-    flat = torch.nn.functional.pad(full.reshape(-1), (0, layout.chunk * parts - full.numel()))
-    return flat[rank * layout.chunk:(rank + 1) * layout.chunk].clone()
+    """``mem.shard``: this rank's ``flat_shard`` of ``full`` over the process group named
+    ``group`` (None: a world of one rank, the whole tensor)."""
+    if group is None:
+        return flat_shard(full, 0, 1)
+    pg = dist.distributed_c10d._resolve_process_group(group)
+    return flat_shard(full, pg.rank(), pg.size())
 

@@ -38,20 +38,11 @@ from torch.utils import swap_tensors
 
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.layout import ShardLayout
+from dcir_lowering.calls import flat_shard
 from dcir_runtime.pretrained import load_shards
 
 #: how many names an error lists before "and N more"
 _LISTED = 20
-
-
-def flat_shard(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """This rank's flat shard of ``full`` in the ``ShardLayout``: ``full`` flattened,
-    zero-padded to a multiple of the world size, elements ``[rank * chunk, (rank + 1) * chunk)``."""
-    layout = ShardLayout(full.numel(), world)
-    lo, hi = layout.range_of(rank)
-    shard = torch.zeros(layout.chunk, dtype=full.dtype, device=full.device)  # only the shard is new memory
-    shard[:hi - lo] = full.reshape(-1)[lo:hi]
-    return shard
 
 
 def listed(names: list[str]) -> str:

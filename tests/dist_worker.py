@@ -46,7 +46,7 @@ import dcir
 from dcir.layout import ShardLayout
 from dcir_runtime import RankFailure
 from dcir_runtime.accounting import scheduled_bytes
-from dcir_runtime.materialize import flat_shard
+from dcir_lowering.calls import flat_shard
 from dcir_runtime.native import runtime_stats
 from models import BreakingNet, EagerLayerNet, InPlaceNet, Tied  # graph breaks; tied, a frozen layer
 from models import mlp, tiny_llama  # mlp: 16*8+16 and 4*16+4 split unevenly over 3

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from dcir.diagnostics import DcirError
-from dcir_runtime.materialize import flat_shard
+from dcir_lowering.calls import flat_shard
 from dcir_runtime.pretrained import aliases_of
 from dcir_runtime.pretrained import Checkpoint
 

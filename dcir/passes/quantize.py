@@ -29,12 +29,12 @@ Before -> after (``block=256``, world size 2)::
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from dcir import analysis
 from dcir import ops as registry
 from dcir.context import PlanContext
-from dcir.ir import DType, Function, Module, Op, PendingType, ShardType, TensorType, Value
+from dcir.ir import DType, Function, Module, Op, PendingType, ShardType, Value
 from dcir.passes import Pass
 from dcir.rewrite import Rewriter
 
@@ -44,9 +44,7 @@ def _quantize_gather(func: Function, start: Op, wait: Op, block: int) -> None:
     rewriter, fresh = Rewriter(func), func.name_maker()
     shard, full = start.operands[0], wait.results[0]
     group = {k: v for k, v in start.attrs.items() if k == "group"}
-    t = shard.type
-    q_type = replace(t, full=TensorType("i8", t.full.shape))
-    s_type = ShardType(registry.quantized_scales(t, block), t.parts, t.over)
+    q_type, s_type = registry.quantized_types(shard.type, block)
     q, scales = Value(fresh(shard.name + "_q"), q_type), Value(fresh(shard.name + "_scales"), s_type)
     q_pending = Value(start.results[0].name, PendingType(q_type.full))
     s_pending = Value(fresh(full.name + "_scales_pending"), PendingType(s_type.full))
