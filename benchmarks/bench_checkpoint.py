@@ -9,7 +9,7 @@ exists, then save a checkpoint and load it back, timed between barriers (the slo
 rank's time):
 
 * ``dcir``: ``engine.save_checkpoint`` / ``engine.load_checkpoint`` (plain ``zero3``):
-  DCP with every parameter a DTensor over its flat elements, plus the commit (CRC-32 of
+  DCP with every parameter a DTensor over its flat elements, plus the commit (CRC-32C of
   every file, the ``COMPLETE`` marker, the rename) and, on load, the checks against the
   manifest before DCP reads;
 * ``fsdp2``: ``fully_shard`` per decoder layer and on the root (``train_worker.Fsdp2``),

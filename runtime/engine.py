@@ -335,8 +335,8 @@ class Engine:
 
     def load_checkpoint(self, load_dir, tag: str | None = None):
         """Loads ``load_dir/<tag>`` (default: the latest undamaged checkpoint), saved at any
-        world size, ZeRO stage or offload setting; a collective. Returns (its directory,
-        the ``client_state`` it was saved with). On any error the engine is unchanged."""
+        world size, ZeRO stage or offload setting; a collective. Returns (its directory, its
+        ``client_state``). Errors are found before the engine changes (docs/checkpoint.md)."""
         return checkpoint.load(self, load_dir, tag)
 
     @torch.no_grad()

@@ -80,6 +80,7 @@ class Execution:
         self.micro_steps = 0
         self.steps = 0
         self.steps_run = 0  # optimizer steps this engine ran: unlike ``steps``, a checkpoint load leaves it
+        self.half_loaded: str | None = None  # why a checkpoint load left the state partly overwritten
         self.last_grad_norm: torch.Tensor | None = None  # what the last clipping measured
         self._pending = None  # the autograd node of the last training forward, until its backward runs
         self._backward_done = False  # this micro-step has had its backward
@@ -110,6 +111,11 @@ class Execution:
         self._gather_next = True
         self.replicas += 1
 
+    def check_loaded(self) -> None:
+        """Refuses a state a failed checkpoint load left partly overwritten."""
+        if self.half_loaded is not None:
+            raise DcirError(Diagnostic(f"the engine's state is partly overwritten ({self.half_loaded}): load a checkpoint before training on, evaluating or saving"))  # noqa: E501
+
     def boundary_next(self) -> bool:
         """Whether the next ``step()`` ends an optimizer step (the accumulation boundary)."""
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
@@ -132,6 +138,7 @@ class Execution:
     def forward(self, installed, args: tuple, kwargs: dict):
         """The model's outputs, as the model returns them; their backward is the program's
         (or, for a step with graph breaks, its regions': ``dcir_runtime.regions``)."""
+        self.check_loaded()
         if self._pending is not None:
             raise DcirError(Diagnostic(
                 "engine(...) was called again before engine.backward(loss) of the previous forward: run each "
@@ -165,6 +172,7 @@ class Execution:
     @torch.no_grad()
     def evaluate(self, installed, args: tuple, kwargs: dict):
         """``@eval``: the outputs of a forward that saves nothing (``torch.no_grad()``)."""
+        self.check_loaded()
         if not isinstance(installed, Installed):  # graph-break regions
             return installed(args, kwargs)
         inputs = installed.program.inputs(EVAL, args, kwargs)

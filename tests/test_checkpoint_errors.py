@@ -12,6 +12,7 @@ import zlib
 from pathlib import Path
 from types import SimpleNamespace
 
+import crc32c
 import pytest
 import torch
 
@@ -83,7 +84,7 @@ def test_a_marker_that_is_unreadable_or_of_another_format(saved, tmp_path):
     marker = json.loads((path / "COMPLETE").read_text())
     (path / "COMPLETE").write_text(json.dumps({**marker, "format": 99}))
     assert _error(lambda: saved.engine.load_checkpoint(tmp_path, "step1")) == (
-        f"error: {path}: checkpoint format 99; this DCIR reads format 1")
+        f"error: {path}: checkpoint format 99; this DCIR reads formats 1, 2")
     (path / "COMPLETE").write_text("{")
     assert _error(lambda: saved.engine.load_checkpoint(tmp_path, "step1")) == (
         f"error: {path / 'COMPLETE'} is unreadable (Expecting property name enclosed in double quotes: line 1 "
@@ -104,16 +105,50 @@ def test_a_damaged_checkpoint_is_neither_loaded_nor_exported(saved, tmp_path):
 
 def test_a_file_the_manifest_vouches_for_that_does_not_read(saved, tmp_path):
     """Written over, manifest and all: the files check out, and the reader's own error
-    follows the checkpoint's name."""
+    follows the checkpoint's name. DCP reads into the engine in place, so the engine
+    then refuses to train, evaluate or save until a load succeeds."""
     path = _copy(saved, tmp_path)
     name, size = _largest_file(path)
     junk = bytes(size)
     (path / name).write_bytes(junk)
     marker = json.loads((path / "COMPLETE").read_text())
-    marker["files"][name] = [size, zlib.crc32(junk)]
+    marker["files"][name] = [size, crc32c.crc32c(junk)]
     (path / "COMPLETE").write_text(json.dumps(marker))
-    message = _error(lambda: saved.engine.load_checkpoint(tmp_path, "step1"))
+    engine = _engine()
+    message = _error(lambda: engine.load_checkpoint(tmp_path, "step1"))
     assert message.startswith(f"error: {path}: reading the checkpoint failed: "), message
+    overwritten = "the engine's parameters and optimizer state are partly overwritten: load a checkpoint before training on or saving"  # noqa: E501
+    assert message.endswith("\n" + overwritten), message
+    refused = (f"error: the engine's state is partly overwritten (reading {path} failed half-way"
+               "): load a checkpoint before training on, evaluating or saving")
+    assert _error(lambda: _micro_step(engine)) == refused
+    with torch.no_grad():
+        assert _error(lambda: engine(torch.randn(2, 8))) == refused
+    assert _error(lambda: engine.save_checkpoint(tmp_path / "other")) == refused
+    engine.load_checkpoint(saved.root, "step1")
+    _micro_step(engine)
+
+
+def test_a_checkpoint_of_format_1_loads(saved, tmp_path):
+    """Format 1 (zlib's CRC-32, no count of parameter groups in the marker) loads as
+    format 2 does, into fresh tensors first; its damage is named with its checksum."""
+    path = _copy(saved, tmp_path)
+    marker = json.loads((path / "COMPLETE").read_text())
+    del marker["param_groups"]
+    marker["format"] = 1
+    marker["files"] = {n: [size, zlib.crc32((path / n).read_bytes())] for n, (size, _) in marker["files"].items()}
+    (path / "COMPLETE").write_text(json.dumps(marker))
+    old, new = _engine(), _engine()
+    old.load_checkpoint(tmp_path, "step1")
+    new.load_checkpoint(saved.root, "step1")
+    for a, b in zip(old.shards.values(), new.shards.values()):
+        assert torch.equal(a, b) and torch.equal(old.optimizer.state[a]["exp_avg"], new.optimizer.state[b]["exp_avg"])
+    name, size = _largest_file(path)
+    with open(path / name, "r+b") as f:
+        f.seek(size // 2)
+        f.write(b"\xff")
+    assert _error(lambda: old.load_checkpoint(tmp_path, "step1")) == (
+        f"error: {path} is damaged; not loading it:\n  file {name} is corrupt: its CRC-32 differs from the manifest's")
 
 
 def test_a_checkpoint_that_does_not_fit_the_engine(saved):
@@ -207,7 +242,7 @@ def test_a_damaged_latest_falls_back_to_the_newest_good_one(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="dcir"):
         path, _ = engine.load_checkpoint(tmp_path)
     assert path == tmp_path / "step1" and engine.steps == 1
-    corrupt = f"file {name} is corrupt: its CRC-32 differs from the manifest's"
+    corrupt = f"file {name} is corrupt: its CRC-32C differs from the manifest's"
     truncated = f"file {name} is truncated or changed: 100 bytes, the manifest says {size}"
     assert caplog.messages == [f"dcir: {tmp_path / 'step3'} is damaged ({corrupt}); {tmp_path / 'step2'} is damaged "
                                f"({truncated}); loading {tmp_path / 'step1'}, the newest complete checkpoint that is "
