@@ -16,7 +16,10 @@ rank's time):
   ``get_state_dict`` + ``dcp.save``, and ``dcp.load`` + ``set_state_dict``.
 
 Runs are interleaved round by round (dcir fsdp2 dcir fsdp2 ...), ``--rounds`` of them,
-and the figures are medians. Throughput is MB (10^6 bytes) per second per rank: the
+and the figures are medians. Each timed phase starts after ``gc.collect()`` on every
+rank: a full collection falls where the process's history puts it (over a process
+holding a captured program, 0.4 s), and without it one landed inside DCIR's load in
+some rounds and not others. Throughput is MB (10^6 bytes) per second per rank: the
 checkpoint's bytes on disk divided by the world, over the time. Loads read files just
 written, so mostly from the page cache, for both systems alike.
 """
@@ -24,6 +27,7 @@ written, so mostly from the page cache, for both systems alike.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -87,6 +91,7 @@ def rank_main(system: str, out: str, ckpt: str, ns) -> None:
 
     times = {}
     for name, fn in (("save_s", save), ("load_s", load)):
+        gc.collect()  # a full collection the history of the process set off is not the save's or load's
         dist.barrier()
         begin = time.perf_counter()
         fn()

@@ -7,9 +7,10 @@ trajectory: the parameter shards, the optimizer state (host-resident offloaded s
 included), the partial gradients when saved inside gradient accumulation, the step
 counts, the RNG states, the LR scheduler and loss scaler when the engine has them, and
 the caller's ``client_state``. ``engine.load_checkpoint(dir, tag=None)`` reads it back
-at any world size, ZeRO stage or offload setting: each parameter is saved as a DTensor
-over its flat, unpadded elements (``Shard(0)`` on a 1-D mesh, the engine's layout less
-its padding), so DCP reshards on load.
+at any world size, ZeRO stage or offload setting: each parameter is saved as the shards
+of its flat, unpadded elements (each rank's range, the engine's layout less its
+padding: ``dcp_io.FlatChunk``, stored as DCP stores a DTensor ``Shard(0)``), so DCP
+reshards on load.
 
 A checkpoint becomes visible only when complete: the ranks write ``DIR/<tag>.tmp-<nonce>/``;
 after a barrier rank 0 writes ``COMPLETE`` (the step, the world, a manifest of every
@@ -51,12 +52,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.layout import ShardLayout
-from dcir_runtime.dcp_io import DirectReader, FlatChunk, FlatPlanner
+from dcir_runtime.dcp_io import DirectReader, FlatChunk, FlatLoadPlanner, FlatSavePlanner
 
 MARKER = "COMPLETE"
 LATEST = "latest"
@@ -74,17 +73,6 @@ _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 
 def _error(message: str) -> DcirError:
     return DcirError(Diagnostic(message))
-
-
-def _mesh(engine):
-    """The mesh DCP sees the shards on: 1-D over the default group, or under HSDP the
-    engine's (nodes, local), whose shards are replicated over nodes (DCP writes each chunk
-    once). Made for one save or load and not kept: a mesh holds its process group, and
-    one kept past ``destroy_process_group`` keeps gloo's worker threads alive into
-    interpreter shutdown, where a worker releasing a finished collective's tensors needs
-    the GIL and aborts the process ("terminate called without an active exception")."""
-    group = engine.process_group
-    return init_device_mesh("cpu", tuple(group.mesh.values()) if group.shards_in_node else (group.world,))
 
 
 def _check_tag(tag: str) -> str:
@@ -109,16 +97,9 @@ def _local(engine, name: str, padded: torch.Tensor) -> torch.Tensor:
     return padded.reshape(-1)[:_layout(engine, name).local_numel(engine.process_group.shard_rank)]
 
 
-def _dtensor(engine, name: str, padded: torch.Tensor, mesh):
-    n = _numel(engine, name)
-    placements = [Replicate(), Shard(0)] if engine.process_group.shards_in_node else [Shard(0)]
-    return DTensor.from_local(_local(engine, name, padded.detach()).cpu(), mesh, placements,
-                              run_check=False, shape=torch.Size([n]), stride=(1,))
-
-
 def _chunk(engine, name: str, padded: torch.Tensor) -> FlatChunk:
     """This rank's elements of parameter ``name``'s flat tensor, held in ``padded``: what
-    a load reads them into."""
+    a save writes and a load reads into."""
     start, _ = _layout(engine, name).range_of(engine.process_group.shard_rank)
     return FlatChunk(_local(engine, name, padded.detach()), start, _numel(engine, name))
 
@@ -142,14 +123,13 @@ def _accumulating(engine) -> bool:
 
 def _state_dict(engine, client_state) -> dict:
     sd: dict = {}
-    mesh = _mesh(engine)
     for name, shard in engine.shards.items():
-        sd[name] = _dtensor(engine, name, shard, mesh)
+        sd[name] = _chunk(engine, name, shard)
         if _accumulating(engine) and shard.grad is not None:
-            sd[f"grad.{name}"] = _dtensor(engine, name, shard.grad, mesh)
+            sd[f"grad.{name}"] = _chunk(engine, name, shard.grad)
         for key, value in engine.optimizer.state.get(shard, {}).items():
             if isinstance(value, torch.Tensor) and value.shape == shard.shape:
-                sd[f"optim.{name}.{key}"] = _dtensor(engine, name, value, mesh)
+                sd[f"optim.{name}.{key}"] = _chunk(engine, name, value)
             elif isinstance(value, torch.Tensor):
                 sd[f"optim.{name}.{key}"] = value.detach().cpu()
             else:
@@ -370,7 +350,7 @@ def save(engine, ckpt_dir, tag: str | None = None, client_state=None, keep_last:
         _agreed(world, f"saving checkpoint {tag!r} in {root}",
                 lambda: tmp.mkdir(parents=True) if rank == 0 else None)
         sd = _state_dict(engine, client_state)
-        elementwise = sorted(k for k, v in sd.items() if k.startswith("optim.") and _is_elementwise(v))
+        elementwise = sorted(k for k, v in sd.items() if k.startswith("optim.") and isinstance(v, FlatChunk))
         _agreed(world, f"saving checkpoint {tag!r} in {root}", lambda: _write(engine, sd, tmp))
         names = sorted(p.name for p in tmp.iterdir())  # every rank's files are written
         everyone = _agreed(world, f"checksumming checkpoint {tag!r} in {root}",
@@ -393,7 +373,7 @@ def save(engine, ckpt_dir, tag: str | None = None, client_state=None, keep_last:
 def _write(engine, sd: dict, tmp: Path) -> None:
     """This rank's files of the checkpoint: DCP's, and on rank 0 the model's config."""
     try:
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp))
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=FlatSavePlanner())
     except CheckpointException as e:
         if engine.rank in e.failures and (hint := _disk_hint(tmp)):  # the writer's own error rarely says why
             e = CheckpointException(str(e), {engine.rank: (OSError(f"{_reason(e)} ({hint})"), None)})
@@ -526,10 +506,6 @@ def _load_dict(engine, meta: dict, marker: dict) -> dict:
     return sd
 
 
-def _is_elementwise(value) -> bool:
-    return isinstance(value, DTensor)
-
-
 def _candidates(ckpt_dir, tag: str | None) -> list[str]:
     """Rank 0: the checkpoint ``tag`` names; with no tag the latest, then every older
     complete one, newest first (to fall back to when the newer are damaged)."""
@@ -597,7 +573,7 @@ def load(engine, ckpt_dir, tag: str | None = None):
     _check_groups(engine, path, marker.get("param_groups"))
     sd = _load_dict(engine, meta, marker)
     try:
-        dcp.load(sd, storage_reader=DirectReader(path), planner=FlatPlanner())
+        dcp.load(sd, storage_reader=DirectReader(path), planner=FlatLoadPlanner())
     except (Exception, CheckpointException) as e:  # DCP's, with every rank's failure, is a BaseException
         reason = str(e).strip()[:2000]
         if marker["format"] >= 2:

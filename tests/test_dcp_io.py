@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcir_runtime import dcp_io
-from dcir_runtime.dcp_io import DirectReader, FlatChunk, FlatPlanner
+from dcir_runtime.dcp_io import DirectReader, FlatChunk, FlatLoadPlanner, FlatSavePlanner
 
 
 def _state() -> dict:
@@ -41,7 +41,7 @@ def test_the_direct_reader_reads_what_dcp_reads(tmp_path, monkeypatch):
         return took
 
     monkeypatch.setattr(DirectReader, "_direct", counted)
-    dcp.load(ours, storage_reader=DirectReader(tmp_path), planner=FlatPlanner(), no_dist=True)
+    dcp.load(ours, storage_reader=DirectReader(tmp_path), planner=FlatLoadPlanner(), no_dist=True)
     assert sorted(direct) == ["bf16", "flat", "step"]  # 1-D and 0-D, of the dtype they are read into
     for key, value in state.items():
         if isinstance(value, torch.Tensor):
@@ -84,5 +84,21 @@ def test_flat_chunks_read_any_range_of_a_flat_tensor(tmp_path):
     for start, stop in ((0, 4), (4, 8), (8, 10), (10, 10)):
         padded = torch.full((4,), float("nan"))
         dcp.load({"w": FlatChunk(padded[:stop - start], start, 10)}, storage_reader=DirectReader(tmp_path),
-                 planner=FlatPlanner(), no_dist=True)
+                 planner=FlatLoadPlanner(), no_dist=True)
         assert torch.equal(padded[:stop - start], whole[start:stop]) and padded[stop - start:].isnan().all()
+
+
+def test_flat_chunks_save_as_dcp_saves_the_tensor(tmp_path):
+    """Saved as a FlatChunk (here one rank's: the whole tensor), a flat tensor's entry in
+    DCP's metadata is the one DCP makes for the tensor itself, and it reads back."""
+    whole = torch.randn(10, generator=torch.Generator().manual_seed(2))
+    padded = torch.cat([whole, torch.zeros(2)])
+    mine, plain = tmp_path / "flat", tmp_path / "plain"
+    dcp.save({"w": FlatChunk(padded[:10], 0, 10), "b": b"bytes"}, storage_writer=dcp.FileSystemWriter(mine),
+             planner=FlatSavePlanner(), no_dist=True)
+    dcp.save({"w": whole, "b": b"bytes"}, storage_writer=dcp.FileSystemWriter(plain), no_dist=True)
+    ours, theirs = (DirectReader(d).read_metadata().state_dict_metadata for d in (mine, plain))
+    assert ours == theirs
+    back = {"w": FlatChunk(torch.zeros(10), 0, 10), "b": None}
+    dcp.load(back, storage_reader=DirectReader(mine), planner=FlatLoadPlanner(), no_dist=True)
+    assert torch.equal(back["w"].local, whole) and back["b"] == b"bytes"
