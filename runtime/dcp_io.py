@@ -45,7 +45,8 @@ _RECORD = "data/0"
 @dataclasses.dataclass
 class FlatChunk:
     """Elements ``[offset, offset + local.numel())`` of a flat tensor of ``numel``
-    elements, held in ``local`` (1-D, contiguous): a load target DCP fills in place."""
+    elements, held in ``local`` (1-D, contiguous): what a save writes, and a load
+    fills in place."""
 
     local: torch.Tensor
     offset: int
@@ -174,17 +175,23 @@ class DirectReader(FileSystemReader):
         if not isinstance(md, TensorStorageMetadata) or md.properties.dtype != target.dtype \
                 or target.device.type != "cpu" or not target.is_contiguous() or target.numel() != count:
             return False
-        archive = torch._C.PyTorchFileReader(_Window(f, info.offset, info.length))
-        records = archive.get_all_records()
-        order = archive.get_record("byteorder") if "byteorder" in records else b"little"  # absent: torch's default
-        if [r for r in records if r.startswith("data/")] != [_RECORD] or order != sys.byteorder.encode():
+        try:  # torch's archive reader (a private binding): one it cannot parse goes to DCP's path and its error
+            archive = torch._C.PyTorchFileReader(_Window(f, info.offset, info.length))
+            records = archive.get_all_records()
+            order = archive.get_record("byteorder") if "byteorder" in records else b"little"  # absent: torch's default
+            record_size, record_offset = archive.get_record_size(_RECORD), archive.get_record_offset(_RECORD)
+        except (RuntimeError, AttributeError, TypeError):
             return False
         size = target.element_size()
         at = req.storage_index.offset or torch.Size([0] * len(md.size))
         stored = next((c.sizes.numel() for c in md.chunks if c.offsets == at), None)
-        if stored is None or archive.get_record_size(_RECORD) != stored * size or start + count > stored:
+        if [r for r in records if r.startswith("data/")] != [_RECORD] or order != sys.byteorder.encode() \
+                or stored is None or record_size != stored * size or start + count > stored:
             return False  # DCP writes a chunk's storage alone (no offset into a larger one): anything else is not ours
-        f.seek(info.offset + archive.get_record_offset(_RECORD) + start * size)
+        if count == 0:
+            planner.commit_tensor(req, target)
+            return True
+        f.seek(info.offset + record_offset + start * size)
         # the target's bytes by address: a numpy view would make its storage unresizable (offload frees by resizing)
         into = memoryview((ctypes.c_char * (count * size)).from_address(target.data_ptr())).cast("B")
         got = 0
