@@ -103,8 +103,9 @@ class FlatLoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         plan = super().create_local_plan()
+        known = self.metadata.state_dict_metadata
         mine = [item for fqn, c in self.chunks.items()
-                for item in create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [c.storage()])]
+                for item in create_read_items_for_chunk_list(fqn, known[fqn], [c.storage()])]
         return dataclasses.replace(plan, items=plan.items + mine)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:

@@ -41,10 +41,15 @@ def built():
 
 @pytest.mark.parametrize("default", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["default", "rest"])
 def test_hsdp_and_hpz_on_two_nodes_train_like_one_device(default, tmp_path):
-    """Equal to one device within 1e-6 (measured: bit for bit, and 8e-8 where clipping's
-    norm is summed in another order). HSDP: in every micro-step but an optimizer step's
-    last, nothing crosses nodes, and parameters are gathered only within the node. hpZ:
-    the backward's gathers run within the node, the rest over every rank."""
+    """Equal to one device within 1e-6, bit for bit without clipping. With clipping the
+    global norm is summed in another order (its last bits differ: within 1e-6), every
+    gradient is scaled by a coefficient from it, and AdamW carries that over 5 steps:
+    within 1e-5, test_runtime.py's bound for clipped cases (measured 1.7e-6 with
+    transformers 5.24, 8e-8 with the version before; 1.1e-6 for the same case on a
+    flat world of 4; bit for bit without clipping). HSDP: in every micro-step but an
+    optimizer step's last, nothing crosses nodes, and parameters are gathered only
+    within the node. hpZ: the backward's gathers run within the node, the rest over
+    every rank."""
     out_file = tmp_path / "results.json"
     hsdp = [c for c in HSDP_CASES if (c in DEFAULT) == default]
     hpz = [c for c in HPZ_CASES if (c in DEFAULT) == default]
@@ -53,7 +58,7 @@ def test_hsdp_and_hpz_on_two_nodes_train_like_one_device(default, tmp_path):
     results = json.loads(out_file.read_text())
     for case in hsdp:
         r = results[case]
-        assert r["max_rel_err"] <= 1e-6, (case, r["worst_param"], r["max_rel_err"])
+        assert r["max_rel_err"] <= (1e-5 if "clip" in case else 1e-6), (case, r["worst_param"], r["max_rel_err"])
         assert "mesh.nodes = 2, mesh.local = 2" in r["ir"] and "shard<" in r["ir"], case
         accumulate, traffic = r["accumulate"], r["traffic"]
         assert len(traffic) == 5 * accumulate, case
@@ -62,8 +67,8 @@ def test_hsdp_and_hpz_on_two_nodes_train_like_one_device(default, tmp_path):
             # across nodes: the average of the accumulated node-local gradients, only at the boundary
             assert (t["nodes"]["bytes"] > 0) == last, (case, k, t)
             assert t["local"]["bytes"] > 0 and t["world"]["collectives"] == 0, (case, k, t)
-        if "clip" in case:  # the global norm over a node's shards (the other node's are the same)
-            assert r["norms"][0] == pytest.approx(r["norms"][1], rel=1e-6), case
+        if "clip" in case:  # the global norm over a node's shards (the other node's are the same); every step clips
+            assert r["grad_norm_rel_err"] <= 1e-6 and r["clipped"], (case, r["norms"])
     for case in hpz:
         r = results[case]
         assert r["max_rel_err"] <= 1e-6, (case, r["worst_param"], r["max_rel_err"])
