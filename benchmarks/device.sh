@@ -22,7 +22,7 @@ mkdir -p "$OUT"
 py="${PYTHON:-python3}"
 missing=$("$py" - <<'PY'
 import importlib.util
-need = {"lark": "lark", "interegular": "interegular", "networkx": "networkx", "filecheck": "filecheck",
+need = {"lark": "lark", "interegular": "interegular", "networkx": "networkx", "crc32c": "crc32c", "filecheck": "filecheck",
         "hypothesis": "hypothesis", "transformers": "transformers", "tqdm": "tqdm", "ninja": "ninja"}
 print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None))
 PY
