@@ -463,14 +463,12 @@ def _check_keys(engine, path: Path, marker: dict, meta: dict) -> None:
     raise _error("\n".join(lines))
 
 
-def _load_dict(engine, meta: dict, marker: dict) -> dict:
+def _load_dict(engine, meta: dict, marker: dict, in_place: bool) -> dict:
     """What DCP reads into, in this world's layout, for everything the checkpoint holds
-    that this engine takes: the engine's own shards and optimizer state, in place, when
-    the checkpoint's format lets every check run before the read (format 2); fresh
-    tensors for the rest (``_apply`` copies those in)."""
+    that this engine takes: with ``in_place``, the engine's own shards and optimizer
+    state; fresh tensors for the rest (``_apply`` copies those in)."""
     sd: dict = {}
     elementwise = set(marker["elementwise"])
-    in_place = marker["format"] >= 2
 
     def plain(key):
         m = meta[key]
@@ -561,7 +559,8 @@ def load(engine, ckpt_dir, tag: str | None = None):
     this world size, stage and offload setting; a collective. Returns (the
     checkpoint's directory, the ``client_state`` it was saved with). Every check runs
     before the read, which goes into the engine's tensors in place: a read that fails
-    half-way leaves the engine marked (``Execution.half_loaded``) until a load succeeds."""
+    half-way leaves the engine refusing to run (``Execution.half_loaded``) until a load
+    succeeds."""
     path, marker = _choose(engine, ckpt_dir, tag)
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     _check_keys(engine, path, marker, meta)
@@ -571,20 +570,20 @@ def load(engine, ckpt_dir, tag: str | None = None):
                      f"{marker['gradient_accumulation_steps']}; this engine accumulates "
                      f"{engine.config.gradient_accumulation_steps}: resume with the same accumulation")
     _check_groups(engine, path, marker.get("param_groups"))
-    sd = _load_dict(engine, meta, marker)
+    in_place = marker["format"] >= 2  # format 1 says its groups only in what DCP reads: fresh tensors first
+    sd = _load_dict(engine, meta, marker, in_place)
     try:
         dcp.load(sd, storage_reader=DirectReader(path), planner=FlatLoadPlanner())
     except (Exception, CheckpointException) as e:  # DCP's, with every rank's failure, is a BaseException
         reason = str(e).strip()[:2000]
-        if marker["format"] >= 2:
-            engine.execution.half_loaded = f"reading {path} failed half-way"
+        if in_place:
+            engine.execution.half_loaded = f"reading {path} failed half-way"  # refused until a load succeeds
             raise _error(f"{path}: reading the checkpoint failed: {reason}\n"
                          + "the engine's parameters and optimizer state are partly overwritten: load a checkpoint before training on or saving") from None  # noqa: E501
         raise _error(f"{path}: reading the checkpoint failed: {reason}") from None
     groups = pickle.loads(sd["optim.param_groups"])
     _check_groups(engine, path, len(groups))
-    _apply(engine, sd, groups, mid)
-    engine.execution.half_loaded = None
+    _apply(engine, sd, groups, mid)  # its Execution.resume lifts a refusal a half-way read left
     return path, pickle.loads(sd["dcir.client_state"])
 
 

@@ -80,7 +80,7 @@ class Execution:
         self.micro_steps = 0
         self.steps = 0
         self.steps_run = 0  # optimizer steps this engine ran: unlike ``steps``, a checkpoint load leaves it
-        self.half_loaded: str | None = None  # why a checkpoint load left the state partly overwritten
+        self.half_loaded: str | None = None  # why a failed checkpoint load left the state partly overwritten
         self.last_grad_norm: torch.Tensor | None = None  # what the last clipping measured
         self._pending = None  # the autograd node of the last training forward, until its backward runs
         self._backward_done = False  # this micro-step has had its backward
@@ -108,7 +108,7 @@ class Execution:
         self.steps, self.micro_steps = steps, micro_steps
         self._pending, self._backward_done = None, False
         self.precision.losses.clear()  # the losses of a step that did not happen
-        self._gather_next = True
+        self._gather_next, self.half_loaded = True, None  # a load succeeded: nothing to refuse
         self.replicas += 1
 
     def check_loaded(self) -> None:
