@@ -44,9 +44,9 @@ def test_hsdp_and_hpz_on_two_nodes_train_like_one_device(default, tmp_path):
     """Equal to one device within 1e-6, bit for bit without clipping. With clipping the
     global norm is summed in another order (its last bits differ: within 1e-6), every
     gradient is scaled by a coefficient from it, and AdamW carries that over 5 steps:
-    within 1e-5, test_runtime.py's bound for clipped cases (measured 1.7e-6 with
-    transformers 5.24, 8e-8 with the version before; 1.1e-6 for the same case on a
-    flat world of 4; bit for bit without clipping). HSDP: in every micro-step but an
+    within 1e-5, test_runtime.py's bound for clipped cases (measured 1.7e-6 on an AMD
+    EPYC, with transformers 5.23 and 5.24 alike, 8e-8 on the machine before; 1.1e-6
+    for the same case on a flat world of 4; bit for bit without clipping). HSDP: in every micro-step but an
     optimizer step's last, nothing crosses nodes, and parameters are gathered only
     within the node. hpZ: the backward's gathers run within the node, the rest over
     every rank."""
