@@ -386,9 +386,9 @@ def parser() -> argparse.ArgumentParser:
                     help="cpu (gloo, 1 thread per rank) or cuda (one GPU per rank, NCCL); default cpu")
     ap.add_argument("--steps", type=int, default=5, help="measured steps per run (default 5)")
     ap.add_argument("--warmup", type=int, default=5,
-                    help="steps before measuring, per run (default 5: DCIR profiles steps 2-4 and plans from them, "
-                         "and the last plan's first step, which compiles its stretches where it has any, is warm-up "
-                         "too)")
+                    help="steps before measuring, per run (default 5); a DCIR run warms up longer while its "
+                         "optimization cycle still profiles (steps 2-4), tries a plan against the program it "
+                         "replaces (4 steps a side) or compiles a plan's stretches")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated (default {','.join(SYSTEMS)})")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one run may take (default 900)")

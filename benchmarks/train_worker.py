@@ -1,7 +1,9 @@
 """One rank of one system's run in ``bench_train.py`` (see there).
 
 ``python train_worker.py SYSTEM OUT.json --layers ... --steps ...`` trains the
-benchmark Llama with SYSTEM for warm-up plus measured steps and writes, from rank 0,
+benchmark Llama with SYSTEM for warm-up plus measured steps (a DCIR system warms up
+longer while its optimization cycle still profiles, plans or tries a plan: the steps
+measured are those of the program the job keeps; ``warmup_steps``) and writes, from rank 0,
 each measured step's time (the slowest rank's), the peak resident memory of every
 rank and, for DCIR, the host time its ranks spent blocked in ``comm.wait`` (the
 communication that compute did not hide). With ``--device cuda`` every rank runs on
@@ -275,7 +277,7 @@ class Dcir:
         """Each cycle's record: the pipeline planned, why it was taken, its budget, predicted peak and step,
         and the profiled step's measured peak per function beside the memory model's for it."""
         keys = ("step", "pipeline", "reason", "switched", "budget", "predicted_s", "planned_s", "predicted_peak",
-                "measured_peak", "predicted_peak_profiled")
+                "measured_peak", "predicted_peak_profiled", "noise", "gain", "needed_gain", "trial")
         return [{**{k: r.get(k) for k in keys}, "cached": r.get("cached", False)} for r in self.engine.optimize_log]
 
     def save(self, path: str) -> None:
@@ -288,6 +290,15 @@ class Dcir:
         loss = self.engine(**batch)
         self.engine.backward(loss, scale_wrt_gas=True)  # DeepSpeed's default: divided by the accumulation
         self.engine.step()
+
+    def settled(self) -> bool:
+        """Whether the optimization cycle is done: its last profile planned from, no plan on
+        trial (``runtime.trial``), none waiting to compile before a profile: from here on the
+        program is the one the job keeps."""
+        regions = self.engine.programs.regions
+        planners = [r.planner for r in regions.regions] if regions is not None else [self.engine.planner]
+        return self.engine.execution.steps_run > max(PROFILE_AT) and \
+            all(p.trial is None and p.profile is None and p.warming is None for p in planners)
 
     def wait_s(self) -> float:
         """Host seconds blocked in comm.wait: collectives, and host copies (offload)."""
@@ -529,16 +540,19 @@ def main() -> None:
         runner.load(ns.load_checkpoint)
         load_s = time.perf_counter() - begin
     times, waits, sent, first_step, first_step_time = [], [], [], None, None
-    for step in range(ns.warmup + ns.steps):
+    step, warmup = 0, ns.warmup
+    while step < warmup + ns.steps:
+        if step == warmup and hasattr(runner, "settled") and not runner.settled() and warmup < ns.warmup + 100:
+            warmup += 1  # the optimization cycle still profiles, plans or tries plans: warming up
         wait0 = runner.wait_s() if hasattr(runner, "wait_s") else 0.0
         sent0 = runner.sent_bytes() if hasattr(runner, "sent_bytes") else None
-        if step == ns.warmup:  # the measured steps' own peak, without building, capture and compiling
+        if step == warmup:  # the measured steps' own peak, without building, capture and compiling
             reset = reset_peak_rss()
         if distributed:
             dist.barrier()
         synchronize(ns)
         begin = time.perf_counter()
-        with allocations.window() if allocations is not None and step == ns.warmup else contextlib.nullcontext():
+        with allocations.window() if allocations is not None and step == warmup else contextlib.nullcontext():
             for _ in range(ns.accumulate):
                 runner.micro_step(next(data))
         synchronize(ns)
@@ -547,10 +561,11 @@ def main() -> None:
         first_step_time = first_step_time if first_step_time is not None else elapsed
         rss_trace(ns, f"step {step}", runner)
         waited = (runner.wait_s() - wait0) if hasattr(runner, "wait_s") else None
-        if step >= ns.warmup:
+        if step >= warmup:
             times.append(elapsed)
             waits.append(waited)
             sent.append(runner.sent_bytes() - sent0 if sent0 is not None else None)
+        step += 1
     if ns.trace and hasattr(runner, "trace"):  # one more step, traced, not measured
         os.makedirs(ns.trace, exist_ok=True)
         runner.trace(os.path.join(ns.trace, f"rank{rank}.json"))
@@ -590,7 +605,7 @@ def main() -> None:
                        "first_step_s": max(r["first_step_s"] for r in everyone),
                        "first_step_time_s": max(r["first_step_time_s"] for r in everyone),
                        "load_s": max(r["load_s"] for r in everyone) if load_s is not None else None,
-                       "init": getattr(runner, "init", "real"),
+                       "init": getattr(runner, "init", "real"), "warmup_steps": warmup,
                        "predicted_s": everyone[0]["predicted_s"],
                        "accounted": [r["accounted"] for r in everyone],
                        "steps_rss_mib": [r["steps_rss_mib"] for r in everyone],

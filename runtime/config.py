@@ -35,7 +35,11 @@ class Config:
     #: the optimization cycle (``docs/passes.md``): after each optimizer step listed in
     #: ``profile_at`` (1 = after the first), the next step is profiled, the profile is
     #: written into the IR and ``passes`` are planned from it; no re-capture.
-    #: ``{"passes": ["prefetch", "unshard"], "profile_at": [1, 3]}``; None: off
+    #: ``{"passes": ["prefetch", "unshard"], "profile_at": [1, 3]}``; None: off. A plan is
+    #: taken when predicted faster by more than the profiles' noise and by enough to pay
+    #: for any peak it raises (``memory_price``, default 0.1: a plan raising the peak by
+    #: 30% must save 3% of the step), then measured against the running program over
+    #: ``trial_steps`` steps each (default 3; 0: no trial)
     optimize: dict | None = None
     #: clip the gradients of every optimizer step to this global L2 norm, taken over every
     #: rank's shards (DeepSpeed's ``gradient_clipping``; ``engine.clip_grad_norm_`` is
@@ -179,15 +183,24 @@ def _optimize(v):
         return None
     if not isinstance(v, dict):
         raise ValueError(f"{v!r}; an object like {{\"passes\": [\"prefetch\", \"unshard\"], \"profile_at\": [1, 3]}}")
-    keys = {"passes", "profile_at"}
+    keys = {"passes", "profile_at", "trial_steps", "memory_price"}
     for key in v:
         if key not in keys:
-            raise ValueError(f"unknown key {key!r} in 'optimize'; valid keys: passes, profile_at")
+            raise ValueError(f"unknown key {key!r} in 'optimize'; valid keys: passes, profile_at, trial_steps, "
+                             "memory_price")
     passes = _passes(v.get("passes", ["prefetch", "unshard", "bucket"]))
     at = v.get("profile_at", [1])
     if not isinstance(at, list) or not at or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in at):
         raise ValueError(f"'profile_at' is {at!r}; a non-empty list of optimizer steps >= 1, like [1, 3]")
-    return {"passes": passes, "profile_at": sorted(set(at))}
+    trial = v.get("trial_steps", 3)
+    if isinstance(trial, bool) or not isinstance(trial, int) or not (trial == 0 or trial >= 2):
+        raise ValueError(f"'trial_steps' is {trial!r}; the measured steps of each side of a plan's trial: "
+                         "an int >= 2, or 0 to take plans on the cost model's word")
+    price = v.get("memory_price", 0.1)
+    if isinstance(price, bool) or not isinstance(price, (int, float)) or not 0 <= price < float("inf"):
+        raise ValueError(f"'memory_price' is {price!r}; a number >= 0, the share of a step's time a plan must save "
+                         "to raise the peak by the whole of it")
+    return {"passes": passes, "profile_at": sorted(set(at)), "trial_steps": trial, "memory_price": float(price)}
 
 
 def _offload(v):

@@ -253,9 +253,9 @@ class Engine:
         fixed, regions = lambda: self._fixed_bytes(self.memory()), self.programs.regions
         if regions is not None:
             regions.after_step(self.execution.steps_run, fixed)
-        elif self.planner.after_step(self.execution.steps_run, self.module):
-            module = self.planner.replan(self.module, self.execution.steps_run, fixed,
-                                         transport.outbox_bytes if self.transport_bytes else None)
+        else:
+            module = self.planner.cycle(self.execution.steps_run, self.module, fixed,
+                                        transport.outbox_bytes if self.transport_bytes else None)
             if module is not None:
                 self._install(module)
                 self.ops.reset_peak()  # the new schedule's gathered peak is measured afresh

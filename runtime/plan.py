@@ -5,9 +5,12 @@ After each optimizer step listed in ``optimize.profile_at`` the next step runs u
 the profiler; after it, the profile is written into the running module, combined with
 the earlier profiles onto the captured schedule (per op, the median of every profile
 so far: ``ProfileHistory``), and rank 0 plans the configured
-passes on it within the memory budget. Every rank takes the plan when the cost model
-finds it faster than the running schedule, or when memory forced the cycle; a plan
-that schedules what runs as the running one does is not switched to. A plan that
+passes on it within the memory budget. Every rank takes the plan when memory forced
+the cycle, or when the cost model finds it faster than the running schedule by more
+than the profiles' noise and by enough to pay for any peak it raises; a plan that
+schedules what runs as the running one does is not switched to. A plan taken so runs
+on trial against the program it replaces, on the clock (``runtime.trial``), and stays
+only when measured faster too. A plan that
 runs compiled stretches (``inductor``, or marked by ``fuse``) runs one step before it
 is profiled: its stretches compile in that step, and their times then price its ops
 (``prof.compiled_us``). A step that ends over the memory budget forces one more
@@ -17,6 +20,7 @@ cycle, within less, before it is an error.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable
 
 import torch.distributed as dist
@@ -31,8 +35,9 @@ from dcir.passes import parse_pipeline
 from dcir.passes.recompute import Recompute, footprint
 from dcir_runtime.config import Config
 from dcir_runtime.group import ProcessGroup
-from dcir_runtime.profiler import Profile, ProfileHistory
+from dcir_runtime.profiler import NOISE, Profile, ProfileHistory
 from dcir_runtime.program_cache import ProgramCache
+from dcir_runtime.trial import Trial
 
 #: the module attribute that names the pipeline a plan came from (``dcir.search.best_pipeline``)
 PLANNED_BY = "plan.pipeline"
@@ -62,6 +67,9 @@ class Planner:
         self.cache = ProgramCache(config.program_cache, group.world) if config.program_cache else None
         self.cached: str | None = None       # the captured program's entry in the cache (rank 0's)
         self.planned_through = 0             # the steps whose profiles a plan read from the cache had seen
+        self.trial: Trial | None = None      # a plan measured against the running program (``cycle``)
+        self.rejected: set[str] = set()      # schedules a trial measured slower: never taken again
+        self._clock: float | None = None     # when the last optimizer step ended (``cycle``)
 
     def passes(self, specs: list[str], budget: int | None = None) -> list:
         """The passes of ``specs``, with what the engine knows filled in where the spec
@@ -124,11 +132,47 @@ class Planner:
             self.profile = Profile(running)  # the next step runs under the profiler
         return False
 
+    def cycle(self, steps: int, running: dcir.Module, fixed_bytes: Callable[[], int],
+              outbox: Callable[[dcir.Module], int] | None = None) -> dcir.Module | None:
+        """The cycle's turn after optimizer step ``steps`` of the training program
+        (``running``): a trial's next step, or a profile started or planned from; returns
+        the module to switch to (None: keep running). Times every step for trials."""
+        now = time.perf_counter()
+        seconds, self._clock = (now - self._clock if self._clock is not None else 0.0), now
+        if self.trial is not None and self.profile is not None:  # a step went over the memory budget
+            self.trial.record.update(switched=self.trial.side == "plan", reason="over the budget on trial")
+            self.trial = None
+        if self.trial is not None:
+            return self._try(seconds, steps)
+        if self.after_step(steps, running):
+            return self.replan(running, steps, fixed_bytes, outbox, trial=True)
+        return None
+
+    def _try(self, seconds: float, steps: int) -> dcir.Module | None:
+        """One step of the trial (``runtime.trial``): the replaced program's turn once the
+        plan has run its steps; once it has too, the verdict (the plan back, if it won).
+        A ``profile_at`` step during the trial profiles after it."""
+        trial = self.trial
+        trial.due = trial.due or (steps in self.config.optimize["profile_at"] and steps > self.planned_through)
+        if not trial.add(seconds):
+            return None
+        if trial.side == "plan":
+            return trial.next_side()
+        self.trial = None
+        stays = trial.verdict(self.group)
+        winner = trial.plan if stays else trial.previous
+        if not stays:
+            self.rejected.add(schedule_text(trial.plan))
+            trial.record.update(predicted_s=trial.record["predicted_before_s"], predicted_peak=memory_peaks(winner))
+        self._settled(winner, steps, due=trial.due, compiles=stays and self._compiles(winner))
+        return winner if stays else None
+
     def replan(self, running: dcir.Module, steps: int, fixed_bytes: Callable[[], int],
-               outbox: Callable[[dcir.Module], int] | None = None) -> dcir.Module | None:
+               outbox: Callable[[dcir.Module], int] | None = None, trial: bool = False) -> dcir.Module | None:
         """Write the finished profile into ``running``, plan the configured passes from it
         on the captured schedule; returns the module to switch to (None: keep running).
-        ``outbox(plan)``: the shared-memory outbox a plan needs, which its budget counts."""
+        ``outbox(plan)``: the shared-memory outbox a plan needs, which its budget counts.
+        ``trial``: a plan taken on the cost model's word runs on trial first (``cycle``)."""
         # the ranks agree on every figure, so each one's estimates below, and with them
         # whether to switch, come out the same: every rank must run the same program
         peaks = self.profile.annotate(dist.group.WORLD, self.group.collective_device())
@@ -160,28 +204,52 @@ class Planner:
             return dcir.print(planned)
 
         module = dcir.parse(self.group.from_rank0(f"{self.key}plan{steps}", plan), self.source)
-        before = estimate_module(profiled, self.context.machine, micro)
-        after = estimate_module(module, self.context.machine, micro)
-        # settle: a plan the cost model finds no faster than the running schedule is not taken
-        # (unless memory forced this cycle: then the plan within the smaller budget is)
         forced, self._forced = self._forced, False
-        same = schedule_text(module) == schedule_text(running)  # nothing to switch to
-        take = (after.seconds < before.seconds or forced) and not same
-        record.update(predicted_before_s=before.seconds, predicted_s=after.seconds if take else before.seconds,
-                      planned_s=after.seconds, cost_source=after.source, budget=budget, switched=take,
-                      pipeline=module.attrs.get(PLANNED_BY, ""),
-                      reason="same" if same else "memory" if forced else "faster" if take else "kept",
+        take, reason = self._verdict(profiled, module, running, base.attrs.get(NOISE, 0.0), forced, record)
+        record.update(budget=budget, switched=take, pipeline=module.attrs.get(PLANNED_BY, ""), reason=reason,
                       predicted_peak=memory_peaks(module if take else running))
         self.log.append(record)
-        if self.cached is not None:  # rank 0, which compiled it: what runs from here on
-            self.cache.save_plan(self.cached, dcir.print(without_profiles(module if take else running)), self.log,
-                                 steps)
-        if steps in self.config.optimize["profile_at"]:  # this step is listed too: profile the next one
-            if take and self._compiles(module):
+        if take and trial and not forced and self.config.optimize["trial_steps"]:
+            self.trial = Trial(module, running, record, self.config.optimize["trial_steps"],
+                               due=steps in self.config.optimize["profile_at"])
+            record["reason"] = "on trial"
+            return module
+        self._settled(module if take else running, steps, due=steps in self.config.optimize["profile_at"],
+                      compiles=take and self._compiles(module))
+        return module if take else None
+
+    def _verdict(self, profiled: dcir.Module, module: dcir.Module, running: dcir.Module, noise: float,
+                 forced: bool, record: dict) -> tuple[bool, str]:
+        """Whether to take the plan ``module`` over the running schedule (as ``profiled``),
+        and why. Memory forced this cycle: taken. Otherwise only a plan predicted faster
+        by more than the profiles' noise (``prof.noise``) and by enough to pay for the peak
+        it raises (``memory_price`` of the step per whole running peak), never one a trial
+        measured slower before; the figures go into ``record``."""
+        before, after, gain, raised = _priced(profiled, module, running, self.context,
+                                              self.config.gradient_accumulation_steps)
+        needed = noise + self.config.optimize["memory_price"] * raised
+        same = schedule_text(module) == schedule_text(running)  # nothing to switch to
+        take = not same and (forced or (gain > needed and schedule_text(module) not in self.rejected))
+        record.update(predicted_before_s=before.seconds, predicted_s=after.seconds if take else before.seconds,
+                      planned_s=after.seconds, cost_source=after.source, noise=noise,
+                      gain=round(gain, 4), needed_gain=round(needed, 4))
+        if same or forced or take:
+            return take, "same" if same else "memory" if forced else "faster"
+        if schedule_text(module) in self.rejected:
+            return False, "measured slower before"
+        return False, "kept" if gain <= noise else "memory cost"
+
+    def _settled(self, module: dcir.Module, steps: int, due: bool, compiles: bool) -> None:
+        """What runs from here on is ``module``: the program cache keeps it (rank 0, which
+        compiled it), and when a ``profile_at`` step is ``due`` the next step profiles it
+        (the step after, when it ``compiles`` stretches first)."""
+        if self.cached is not None:
+            self.cache.save_plan(self.cached, dcir.print(without_profiles(module)), self.log, steps)
+        if due:
+            if compiles:
                 self.warming = module
             else:
-                self.profile = Profile(module if take else running)
-        return module if take else None
+                self.profile = Profile(module)
 
     def _compiles(self, module: dcir.Module) -> bool:
         """Whether ``module`` runs compiled stretches, which compile at their first call."""
@@ -222,6 +290,17 @@ class Planner:
             f"{format_bytes(budget)}: {format_bytes(fixed)} whatever the schedule (parameter and gradient shards, "
             f"optimizer state, buffers) and {format_bytes(scheduled)} in the step (saved activations, temporaries, "
             f"gathered parameters, replicas, accumulators and the shared-memory outbox); {advice}"))
+
+
+def _priced(profiled: dcir.Module, module: dcir.Module, running: dcir.Module, context: PlanContext, micro: int):
+    """The cost model's step for the running schedule (as ``profiled``) and for the plan
+    ``module``, the share of the step the plan saves, and the share of the running
+    schedule's modelled peak it raises (0 when it lowers it)."""
+    before = estimate_module(profiled, context.machine, micro)
+    after = estimate_module(module, context.machine, micro)
+    peak = max(memory_peaks(running).values(), default=0)
+    raised = max(max(memory_peaks(module).values(), default=0) - peak, 0) / max(peak, 1)
+    return before, after, (1 - after.seconds / before.seconds if before.seconds > 0 else 0.0), raised
 
 
 def _rebuildable(module: dcir.Module) -> int:

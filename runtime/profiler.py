@@ -42,6 +42,8 @@ from dcir_lowering.stretches import stretch_times
 from dcir_lowering.state_store import OPTIMIZER_STATE, OptimizerStateStore, store_call
 
 MEM, PEAK, RUNS = "prof.mem", "prof.peak_bytes", "prof.runs"
+#: the module's: how far apart the same compute measured (``Profile.annotate``), a share of the step
+NOISE = "prof.noise"
 
 
 def _runtime_call(node: fx.Node) -> bool:
@@ -211,7 +213,7 @@ class Profile:
         """Write the (rank-agreed, median) measurements into the module's ops as
         attributes; returns the measured peak bytes per function. ``device`` is where the
         agreement's tensors go for ``group``'s backend (NCCL reduces only GPU tensors)."""
-        peaks = {}
+        peaks, own, spread = {}, 0.0, 0.0  # own: this rank's compute time (the noise's, below)
         for name, recs in self.runs.items():
             func = self.module.functions[name]
             time_s = [statistics.median(r.time[k] for r in recs) for k in range(len(func.ops))]
@@ -220,6 +222,9 @@ class Profile:
             cuda = [max(r.cuda_mem[k] for r in recs) for k in range(len(func.ops))]
             transfer = [k for k, op in enumerate(func.ops) if is_transfer(op)]
             computes = [has_trait(op, COMPUTE) for op in func.ops]
+            runs = [sum(r.time[k] for k in range(len(func.ops)) if computes[k]) for r in recs]
+            own += statistics.median(runs)
+            spread = max(spread, (max(runs) - min(runs)) / max(statistics.median(runs), 1e-9))
             compiled = _compiled_shares(time_s, computes, self.stretches.get(name, ()))
             time_s, launch, mem, cuda, compiled = _agree(func, time_s, launch, mem, cuda, compiled, set(transfer),
                                                          group, device)
@@ -237,18 +242,29 @@ class Profile:
             peaks[name] = max(mem, default=0)
             func.attrs[PEAK] = peaks[name]
             func.attrs[RUNS] = len(recs)
-        self._annotate_step(group, device)
+        self._annotate_step(group, device, own, spread)
         return peaks
 
-    def _annotate_step(self, group, device) -> None:
+    def _annotate_step(self, group, device, own: float, spread: float) -> None:
         """What the module's attributes say of the profiled step beside its functions: the
-        device kind it ran on (``prof.device``) and the optimizer step the runtime ran outside
+        device kind it ran on (``prof.device``), the optimizer step the runtime ran outside
         the program (``prof.optimizer_us``: median over steps, the ranks' mean), which
-        ``dcir.sim`` adds to a step."""
+        ``dcir.sim`` adds to a step, and the profile's noise (``prof.noise``): the ranks
+        ran the same compute, and so did a function's runs (micro-steps); how far apart
+        they measured it, as a share (the ranks' sums of compute, the largest less the
+        smallest over the largest; a function's runs, the largest less the smallest over
+        their median; the larger of the two). A plan predicted faster by less than that is
+        predicted faster by the noise alone (``runtime.plan``)."""
         attrs = self.module.attrs
         for key in [key for key in attrs if key.startswith("prof.")]:
             del attrs[key]
         attrs[DEVICE] = torch.device(device).type
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            t = torch.tensor([own, -own, spread], dtype=torch.float64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            most, least, spread = t[0].item(), -t[1].item(), t[2].item()
+            spread = max(spread, (most - least) / max(most, 1e-9))
+        attrs[NOISE] = round(spread, 4)
         if not self.optimizer_s:
             return
         t = torch.tensor([statistics.median(self.optimizer_s)], dtype=torch.float64, device=device)
@@ -304,7 +320,7 @@ class ProfileHistory:
     """Every profile of one program so far, combined: per op, the median of each
     profile's time (``prof.time_us``, ``prof.launch_us``) and the most bytes
     (``prof.mem``, ``prof.peak_bytes``), and of the step's own figures the median
-    optimizer time (``prof.optimizer_us``).
+    optimizer time (``prof.optimizer_us``) and noise (``prof.noise``).
 
     A profile taken on a shared machine can be off by tens of percent for some ops,
     and a plan decided from it alone can flip with that noise. With three or more
@@ -361,6 +377,9 @@ class ProfileHistory:
                 f.attrs[PEAK] = max(rec[PEAK])
             if RUNS in rec:
                 f.attrs[RUNS] = sum(rec[RUNS])
-        for key, values in self.step_samples.items():  # a time: the median; anything else: the latest
-            dst.attrs[key] = round(statistics.median(values), 2) if key == OPTIMIZER else values[-1]
+        for key, values in self.step_samples.items():  # a time or the noise: the median; anything else: the latest
+            if key in (OPTIMIZER, NOISE):
+                dst.attrs[key] = round(statistics.median(values), 4 if key == NOISE else 2)
+            else:
+                dst.attrs[key] = values[-1]
         return written

@@ -100,6 +100,9 @@ def _llama_batch(g, n):
 
 
 # name -> (model, batch(generator, rows) -> (args, kwargs), loss_fn, Engine config)
+# two cycles within STEPS steps, the second profiling the plan: so the plan is taken on the
+# cost model's word (a trial takes 1 + trial_steps steps a side: tests/test_trial.py runs them)
+_TWICE = {"profile_at": [1, 3], "trial_steps": 0}
 CASES = {
     "mlp": (mlp, _mlp_batch, _squared, {}),
     "mlp_accumulate2": (mlp, _mlp_batch, _squared, {"gradient_accumulation_steps": 2}),
@@ -111,12 +114,11 @@ CASES = {
     # ... planned by the optimization cycle, priced from the compiled stretches' times
     "transformer_inductor_optimize": (TinyTransformer, _transformer_batch, None,
                                       {"inductor": True, "optimize": {"passes": ["prefetch", "unshard", "bucket"],
-                                                                      "profile_at": [1, 3]}}),
+                                                                      **_TWICE}}),
     # which stretches run compiled, planned with the schedule (fuse): first by the machine's
     # model, then, profiled again after the plan ran, from the compiled stretches' times
     "transformer_fuse_optimize": (TinyTransformer, _transformer_batch, None,
-                                  {"optimize": {"passes": ["prefetch", "unshard", "bucket", "fuse"],
-                                                "profile_at": [1, 3]}}),
+                                  {"optimize": {"passes": ["prefetch", "unshard", "bucket", "fuse"], **_TWICE}}),
     "tied_frozen": (Tied, _tied_batch, None, {}),
     "hf_llama": (tiny_llama, _llama_batch, lambda out: out.loss, {}),
     "hf_llama_accumulate2": (tiny_llama, _llama_batch, lambda out: out.loss, {"gradient_accumulation_steps": 2}),
@@ -142,7 +144,7 @@ CASES.update({
     "mlp_accumulate2_unshard": (mlp, _mlp_batch, _squared, {"gradient_accumulation_steps": 2, "passes": ["unshard"]}),
     # the optimization cycle: profiled after steps 1 and 3, planned from the profile
     "hf_llama_optimize": (tiny_llama, _llama_batch, lambda out: out.loss,
-                          {"optimize": {"passes": _SCHEDULE, "profile_at": [1, 3]}}),
+                          {"optimize": {"passes": _SCHEDULE, **_TWICE}}),
     "hf_llama_accumulate2_optimize": (tiny_llama, _llama_batch, lambda out: out.loss,
                                       {"gradient_accumulation_steps": 2,
                                        "optimize": {"passes": _SCHEDULE, "profile_at": [1]}}),
@@ -195,7 +197,7 @@ CASES.update({
 CASES.update({
     "hf_llama_optimize_process_group": (tiny_llama, _llama_batch, lambda out: out.loss,
                                         {"transport": "process_group",
-                                         "optimize": {"passes": _SCHEDULE, "profile_at": [1, 3]}}),
+                                         "optimize": {"passes": _SCHEDULE, **_TWICE}}),
     "transformer_prefetch_unshard_bucket_process_group": (TinyTransformer, _transformer_batch, None,
                                                           {"transport": "process_group", "passes": _SCHEDULE}),
 })

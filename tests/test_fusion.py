@@ -218,7 +218,8 @@ def test_a_compiled_plan_runs_a_step_before_it_is_profiled():
     torch.manual_seed(0)
     engine = initialize(tiny_llama(), optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
                         loss_fn=lambda out: out.loss,
-                        config={"optimize": {"passes": ["prefetch", "fuse"], "profile_at": [1, 2, 3]}})
+                        config={"optimize": {"passes": ["prefetch", "fuse"], "profile_at": [1, 2, 3],
+                                              "trial_steps": 0}})  # plans on the model's word: no trial
     engine.planner.context = PlanContext(Machine(world_size=1, compiled_call_s=0.0, fused_share=0.1))  # world of 1
     for _ in range(5):
         ids = torch.randint(0, 128, (2, 16))

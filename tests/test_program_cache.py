@@ -23,7 +23,8 @@ from dcir_runtime.config import Config
 from dcir_runtime.program_cache import ProgramCache
 from models import tiny_llama
 
-CYCLE = {"optimize": {"passes": ["prefetch", "unshard"], "profile_at": [1]}}
+# plans taken on the cost model's word: these tests follow the cache, not trials
+CYCLE = {"optimize": {"passes": ["prefetch", "unshard"], "profile_at": [1], "trial_steps": 0}}
 
 
 def _batches(n: int):
@@ -73,7 +74,7 @@ def test_a_second_job_reads_the_program_and_plan_and_trains_the_same(tmp_path, m
 def test_a_job_that_stops_before_its_last_profile_leaves_the_later_cycles_to_the_next(tmp_path, monkeypatch):
     """The cache keeps the steps whose profiles the plan has seen: a plan taken at the
     first of two ``profile_at`` steps leaves the second to the job that reads it."""
-    config = {"optimize": {"passes": ["prefetch", "unshard"], "profile_at": [1, 3]}}
+    config = {"optimize": {"passes": ["prefetch", "unshard"], "profile_at": [1, 3], "trial_steps": 0}}
     first, _ = _train(tmp_path, steps=2, config=config)
     assert len(first.optimize_log) == 1
     _no_compiling(monkeypatch)

@@ -373,9 +373,14 @@ def test_meta_kernels_trace_the_ops():
     ({"gradient_clipping": 0}, "bad value for 'gradient_clipping': 0; a finite norm > 0, like 1.0"),
     ({"gradient_clipping": "1.0"}, "bad value for 'gradient_clipping': '1.0'; a finite norm > 0"),
     ({"optimize": {"passes": ["prefetch"], "every": 2}},
-     "bad value for 'optimize': unknown key 'every' in 'optimize'; valid keys: passes, profile_at"),
+     "bad value for 'optimize': unknown key 'every' in 'optimize'; valid keys: passes, profile_at, trial_steps, "
+     "memory_price"),
     ({"optimize": {"profile_at": [0]}}, "bad value for 'optimize': 'profile_at' is [0]; a non-empty list of optimizer steps >= 1"),
     ({"optimize": ["prefetch"]}, "bad value for 'optimize': ['prefetch']; an object like"),
+    ({"optimize": {"trial_steps": 1}}, "bad value for 'optimize': 'trial_steps' is 1; the measured steps of each "
+     "side of a plan's trial: an int >= 2, or 0 to take plans on the cost model's word"),
+    ({"optimize": {"memory_price": -0.5}}, "bad value for 'optimize': 'memory_price' is -0.5; a number >= 0, the "
+     "share of a step's time a plan must save to raise the peak by the whole of it"),
     ([1, 2], "the config must be a JSON object (a dict), not list"),
     ({"transport": "tcp"}, "bad value for 'transport': 'tcp'; one of auto, shared_memory, process_group"),
 ])
