@@ -6,14 +6,16 @@ transfer at once; it can be wrong about overlap, allocation, caches and compiled
 and a plan faster on paper can be slower on the machine. So a plan it took goes on
 trial: the plan runs ``steps`` steps, then the program it replaced runs as many again,
 each side after one step that is not counted (the first after a profile or a switch:
-planning, lowering, first calls, compiling). A step is timed from the end of one
-optimizer step to the end of the next, as a user's loop sees it (its data and a loss
-computed outside included, the same on both sides). The ranks agree on each side's
-median (the largest of the ranks': a step ends when every rank's has) and on the
-noise (per side, its slowest counted step less its fastest over its median; the larger
-side's, the largest rank's). The plan comes back and stays when its median is below
-the other's by more than that noise; otherwise the program it replaced stays on and
-the plan is not taken again (``Planner.rejected``).
+planning, lowering, first calls, compiling; after it a full garbage collection clears
+what the other program left, so no collection falls in a counted step). A step is
+timed from the end of one optimizer step to the end of the next, as a user's loop sees
+it (its data and a loss computed outside included, the same on both sides). The ranks
+agree on each side's median (the largest of the ranks': a step ends when every rank's
+has) and on the noise (per side, its slowest counted step less its fastest over its
+median; the larger side's, the largest rank's); each rank's own step times are in the
+record too. The plan comes back and stays when its median is below the other's by
+more than that noise; otherwise the program it replaced stays on and the plan is not
+taken again (``Planner.rejected``).
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ class Trial:
         noise = group.most(max(spread(self.times[side]) for side in SIDES), "a plan's trial")
         stays = median["plan"] < median["previous"] * (1 - noise)
         self.record["trial"] = {"previous_s": round(median["previous"], 6), "plan_s": round(median["plan"], 6),
-                                "noise": round(noise, 4), "steps": self.steps}
+                                "noise": round(noise, 4), "steps": self.steps,
+                                "times": {side: [round(t, 6) for t in self.times[side]] for side in SIDES}}
         self.record.update(switched=stays, reason="faster" if stays else "measured slower")
         return stays
 

@@ -20,6 +20,7 @@ import torch
 import dcir
 from dcir_runtime import capture as capture_module
 from dcir_runtime.config import Config
+from dcir_runtime.plan import without_profiles
 from dcir_runtime.program_cache import ProgramCache
 from models import tiny_llama
 
@@ -69,6 +70,26 @@ def test_a_second_job_reads_the_program_and_plan_and_trains_the_same(tmp_path, m
     assert dcir.print(second.ir()) == entry["plan"]
     for name, value in first.full_parameters().items():
         assert torch.equal(value, second.full_parameters()[name]), name
+
+
+def test_the_cache_keeps_a_plan_on_trial_once_its_trial_decides(tmp_path, monkeypatch):
+    """A plan on trial is not yet what the job keeps: the cache holds the captured program
+    alone until the verdict, then the program that won (``runtime.trial``)."""
+    config = {"optimize": {"passes": ["prefetch", "unshard"], "profile_at": [1], "trial_steps": 2}}
+    first, _ = _train(tmp_path, steps=5, config=config)
+    [record] = first.optimize_log
+    assert record["reason"] == "on trial" and record["switched"], record
+    [path] = tmp_path.glob("*.json")
+    assert json.loads(path.read_text())["plan"] is None
+    first, losses = _train(tmp_path, steps=8, config=config)  # the same key: its plan was not cached
+    [record] = first.optimize_log
+    entry = json.loads(path.read_text())
+    assert record["reason"] in ("faster", "measured slower") and entry["log"] == json.loads(json.dumps([record]))
+    assert entry["plan"] == dcir.print(without_profiles(first.module)), record
+    assert ("plan.pipeline" in entry["plan"]) == record["switched"]
+    _no_compiling(monkeypatch)
+    second, again = _train(tmp_path, steps=8, config=config)
+    assert again == losses and second.planner.profiled is None and second.planner.trial is None
 
 
 def test_a_job_that_stops_before_its_last_profile_leaves_the_later_cycles_to_the_next(tmp_path, monkeypatch):

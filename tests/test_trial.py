@@ -82,7 +82,7 @@ def test_a_trial_keeps_the_plan_only_when_measured_faster_by_more_than_its_noise
     trial, stays = _trial([1.00, 1.02, 1.01], [0.90, 0.91, 0.90])
     assert stays and trial.record["reason"] == "faster" and trial.record["switched"]
     assert trial.record["trial"] == {"previous_s": 1.01, "plan_s": 0.9, "noise": pytest.approx(0.0198, abs=1e-4),
-                                     "steps": 3}
+                                     "steps": 3, "times": {"plan": [0.9, 0.91, 0.9], "previous": [1.0, 1.02, 1.01]}}
     trial, stays = _trial([1.00, 1.10, 1.05], [0.98, 0.99, 0.97])  # 7% faster within 9.5% noise
     assert not stays and trial.record["reason"] == "measured slower" and not trial.record["switched"]
 
@@ -110,7 +110,7 @@ def test_the_engine_runs_a_trial_and_trains_as_without_one():
     [cycle] = engine.optimize_log
     assert cycle["step"] == 2 and cycle["gain"] > cycle["needed_gain"], cycle
     assert cycle["reason"] in ("faster", "measured slower") and set(cycle["trial"]) == \
-        {"previous_s", "plan_s", "noise", "steps"}, cycle
+        {"previous_s", "plan_s", "noise", "steps", "times"}, cycle
     stays = cycle["reason"] == "faster"
     assert cycle["switched"] == stays and engine.module.attrs.get(PLANNED_BY) == ("unshard" if stays else None)
     assert len(engine.planner.rejected) == (0 if stays else 1)
