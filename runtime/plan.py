@@ -135,31 +135,30 @@ class Planner:
 
     def cycle(self, steps: int, running: dcir.Module, fixed_bytes: Callable[[], int],
               outbox: Callable[[dcir.Module], int] | None = None) -> dcir.Module | None:
-        """The cycle's turn after optimizer step ``steps`` of the training program
-        (``running``): a trial's next step, or a profile started or planned from; returns
-        the module to switch to (None: keep running). Times every step for trials."""
-        now = time.perf_counter()
-        seconds, self._clock = (now - self._clock if self._clock is not None else 0.0), now
+        """After optimizer step ``steps`` of ``running``: a trial's step, or a profile started or
+        planned from; the module to switch to (None: keep running). Steps are timed from the
+        end of the turn before (the cycle's own work is no step's)."""
+        seconds = time.perf_counter() - self._clock if self._clock is not None else 0.0
         if self.trial is not None and self.profile is not None:  # a step went over the memory budget
             self.trial.record.update(switched=self.trial.side == "plan", reason="over the budget on trial")
             self.trial = None
         if self.trial is not None:
-            return self._try(seconds, steps)
-        if self.after_step(steps, running):
-            return self.replan(running, steps, fixed_bytes, outbox, trial=True)
-        return None
+            module = self._try(seconds, steps)
+        else:
+            module = self.replan(running, steps, fixed_bytes, outbox, trial=True) \
+                if self.after_step(steps, running) else None
+        self._clock = time.perf_counter()
+        return module
 
     def _try(self, seconds: float, steps: int) -> dcir.Module | None:
-        """One step of the trial (``runtime.trial``): the replaced program's turn once the
-        plan has run its steps; once it has too, the verdict (the plan back, if it won).
-        A ``profile_at`` step during the trial profiles after it."""
+        """A step of the trial (``runtime.trial``): the replaced program's turn after the plan's,
+        then the verdict (the plan back, if it won). A ``profile_at`` step in it profiles after."""
         trial = self.trial
         trial.due = trial.due or (steps in self.config.optimize["profile_at"] and steps > self.planned_through)
         skipped = trial.skip
         if not trial.add(seconds):
-            if skipped:  # a side's first step ran: what the program before it left is collected now,
-                gc.collect()  # not in a counted step (a full collection here takes 0.4 s)
-                self._clock = time.perf_counter()
+            if skipped:  # a side's first step ran: what the program before it left goes now, in no
+                gc.collect()  # counted step (a full collection takes 0.4 s here)
             return None
         if trial.side == "plan":
             return trial.next_side()
