@@ -232,14 +232,14 @@ class Planner:
         before, after, gain, raised = _priced(profiled, module, running, self.context,
                                               self.config.gradient_accumulation_steps)
         needed = noise + self.config.optimize["memory_price"] * raised
-        same = schedule_text(module) == schedule_text(running)  # nothing to switch to
-        take = not same and (forced or (gain > needed and schedule_text(module) not in self.rejected))
+        same = (text := schedule_text(module)) == schedule_text(running)  # nothing to switch to
+        take = not same and (forced or (gain > needed and text not in self.rejected))
         record.update(predicted_before_s=before.seconds, predicted_s=after.seconds if take else before.seconds,
                       planned_s=after.seconds, cost_source=after.source, noise=noise,
                       gain=round(gain, 4), needed_gain=round(needed, 4))
         if same or forced or take:
             return take, "same" if same else "memory" if forced else "faster"
-        if schedule_text(module) in self.rejected:
+        if text in self.rejected:
             return False, "measured slower before"
         return False, "kept" if gain <= noise else "memory cost"
 
