@@ -652,6 +652,7 @@ def native_ops(transport: str) -> None:
     for _ in range(3):
         y = d.wait(d.all_gather(shard, [2, 5], g, "t"))
         del y
+        _until_released(before.gathered_now)
         blockers.append(torch.empty(ShardLayout(10, world).padded, device=where))
     assert runtime_stats().gathered_peak - before.gathered_now == ShardLayout(10, world).padded * 4
     _layouts_agree(d, g, rank, world, where)
@@ -664,6 +665,17 @@ def native_ops(transport: str) -> None:
         raise AssertionError("an unknown reduction started")
     print_segments()
     print(f"rank {rank}: ops ok", flush=True)
+
+
+def _until_released(gathered: int, limit_s: float = 10.0) -> None:
+    """Waits until the runtime counts ``gathered`` bytes of gathered buffers again: a
+    transport may hold a finished transfer's output a moment after ``wait`` returns
+    (gloo's worker thread drops its work after marking it done), and the buffer is gone
+    only then."""
+    deadline = time.monotonic() + limit_s
+    while runtime_stats().gathered_now != gathered:
+        assert time.monotonic() < deadline, f"a dropped gathered buffer still counted after {limit_s} s"
+        time.sleep(0.001)
 
 
 def _layouts_agree(d, g, rank: int, world: int, where: torch.device) -> None:
