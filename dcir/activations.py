@@ -4,7 +4,9 @@ A saved activation is either kept (a ``{saved}`` result of ``@forward``, an argu
 ``@backward``) or recomputed: the backward runs the forward's ops that made it again,
 from values it still has. A recomputed op is an ordinary op of the backward marked
 ``act.recompute``, so the verifier, the memory model and the simulator see it as any
-other op; only the mark says why it is there. Users' own activation checkpointing
+other op; only the mark says why it is there. A third choice, offload, hands the
+backward an activation through host memory: a ``mem.offload`` in the forward and a
+``mem.reload`` in the backward, both marked ``act.offload``. Users' own activation checkpointing
 (``torch.utils.checkpoint``, ``model.gradient_checkpointing_enable()``, selective
 checkpointing policies) lowers to this form: AOTAutograd's partitioner puts the ops of
 a checkpointed region in the backward, and capture marks them.
@@ -33,6 +35,10 @@ from dcir.ir import Function, Op
 
 #: the op attribute (a flag) that marks an op the backward runs again to rebuild an activation
 RECOMPUTE = "act.recompute"
+#: the op attribute (a flag) that marks the copy of a saved activation to host memory
+#: (``mem.offload`` in the forward) and back (``mem.reload`` in the backward): the
+#: ``offload_activations`` pass
+OFFLOAD = "act.offload"
 
 
 def draws_random(op: Op) -> bool:

@@ -11,6 +11,9 @@ labelled. The categories follow the storage's first producer:
   gradient before its reduce_scatter, the shard after), and ``zero1``'s accumulators;
 * optimizer state: state reloaded from host memory (``mem.reload``);
 * saved activations: what ``@forward`` hands to the backward (``{saved}``), in both;
+* offloaded activations: the device copies of activations handed over through host
+  memory (``act.offload``): in the forward until their copy out is done, in the
+  backward from their reload on;
 * recomputed: what an op marked ``act.recompute`` rebuilt in the backward;
 * temporaries: everything else.
 
@@ -23,13 +26,15 @@ from pathlib import Path
 
 from dcir import ops as registry
 from dcir import signature
-from dcir.activations import RECOMPUTE
+from dcir.activations import OFFLOAD, RECOMPUTE
 from dcir.ir import Function, Module, Op, Value
 from dcir.memory import GRAD_ACC_OF, UNSHARD_OF, storage_bases, timelines
 
-CATEGORIES = ("parameters", "gradients", "optimizer state", "saved activations", "recomputed", "temporaries")
+CATEGORIES = ("parameters", "gradients", "optimizer state", "saved activations", "offloaded activations",
+              "recomputed", "temporaries")
 COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer state": "#55a868",
-          "saved activations": "#c44e52", "recomputed": "#8172b3", "temporaries": "#937860"}
+          "saved activations": "#c44e52", "offloaded activations": "#da8bc3", "recomputed": "#8172b3",
+          "temporaries": "#937860"}
 
 
 class PlotError(RuntimeError):
@@ -42,6 +47,8 @@ def _category(v: Value, graded: set[Value], saved: set[Value]) -> str:
         return "gradients"
     if v in saved:
         return "saved activations"
+    if OFFLOAD in getattr(op, "attrs", ()) or any(OFFLOAD in u.attrs for u, _ in v.uses if isinstance(u, Op)):
+        return "offloaded activations"  # reloaded, or leaving for host memory
     if op is None:
         return "temporaries"
     if registry.has_trait(op, registry.HOST_COPY):  # state copied back from host: the optimizer's
@@ -104,28 +111,32 @@ def plot(module: Module, path: str | Path, budget: int | None = None, title: str
     mib = 2**20
     for ax, name in zip(axes[:, 0], names):
         t = lines[name]
-        xs = range(len(t.during))
-        ax.stackplot(xs, *[[b / mib for b in series[name][c]] for c in CATEGORIES], labels=CATEGORIES,
+        xs = range(len(t.during) + 1)  # op i spans [i, i + 1): the last one is drawn too
+
+        def steps(values: list[int]) -> list[float]:
+            return [b / mib for b in [*values, *values[-1:]]]
+
+        ax.stackplot(xs, *[steps(series[name][c]) for c in CATEGORIES], labels=CATEGORIES,
                      colors=[COLORS[c] for c in CATEGORIES], alpha=0.85, step="post")
-        ax.plot(xs, [b / mib for b in t.during], color="black", linewidth=0.8, label="live bytes (model)")
+        ax.plot(xs, steps(t.during), color="black", linewidth=0.8, drawstyle="steps-post", label="live bytes (model)")
         if budget:
             ax.axhline(budget / mib, color="red", linestyle="--", linewidth=1, label="budget")
         peak = t.peak_op
         if peak is not None:
             op = module.functions[name].ops[peak]
             label = f"peak {t.during[peak] / mib:.2f} MiB at op {peak}: {op.name}"
-            ax.annotate(label, (peak, t.during[peak] / mib), xytext=(0.02, 0.9), textcoords="axes fraction",
+            ax.annotate(label, (peak + 0.5, t.during[peak] / mib), xytext=(0.02, 0.9), textcoords="axes fraction",
                         arrowprops={"arrowstyle": "->", "color": "black"}, fontsize=8)
         ax.set_title(f"@{name}", loc="left", fontsize=10)
         ax.set_ylabel("MiB live")
-        ax.set_xlim(0, max(len(t.during) - 1, 1))
+        ax.set_xlim(0, max(len(t.during), 1))
         ax.set_ylim(bottom=0)
     axes[-1, 0].set_xlabel("op (schedule order)")
     handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
     if title:
         fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     path = Path(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -30,6 +30,7 @@ from typing import Callable
 from dcir.context import PlanContext
 from dcir.memory import peaks
 from dcir.passes import PassManager
+from dcir.passes.offload_activations import OffloadActivations
 from dcir.sim import estimate_module
 
 Grouping = tuple[tuple[int, ...], ...]
@@ -97,14 +98,19 @@ class Candidate:
 SPENDS_MEMORY = ("prefetch", "unshard", "bucket")
 
 
-def pipelines(passes: list) -> list[list]:
+def pipelines(passes: list, host_apart: bool = False) -> list[list]:
     """The pipelines the planner tries for the configured ``passes``: as given, then
     the schedule passes' joint alternatives. ``unshard`` before ``prefetch`` (the
     gathers left in ``@forward`` are then the ones prefetch places), and ``prefetch``
     without its own fusion when ``bucket`` follows (``bucket`` then groups the
     hoisted gathers, not only those that start together). Under a memory budget (a
     pass given one), also the pipeline without the passes that spend memory for speed,
-    for a budget at the step's floor."""
+    for a budget at the step's floor. Where host memory is apart from the device's
+    (``host_apart``: a GPU), each pipeline whose ``recompute`` has a budget also in two
+    forms that hand activations through host memory instead (``offload_activations``,
+    within the same budget): after ``recompute`` of the cheap cones only (in place of
+    the matmuls it would rebuild), and in place of ``recompute``. On a CPU host memory
+    is the device's: an offload saves nothing there, and is never tried."""
     out = [list(passes)]
     names = [p.name for p in passes]
     if "prefetch" in names and "unshard" in names and names.index("unshard") > names.index("prefetch"):
@@ -118,7 +124,20 @@ def pipelines(passes: list) -> list[list]:
     lean = [p for p in passes if p.name not in SPENDS_MEMORY]
     if lean and len(lean) < len(passes) and any(getattr(p, "budget", None) is not None for p in passes):
         out.append(lean)
+    if host_apart:
+        out.extend(alternative for pipe in list(out) for alternative in _offloading(pipe))
     return out
+
+
+def _offloading(pipe: list) -> list[list]:
+    """``pipe``'s forms with activations offloaded (``pipelines``), if its ``recompute``
+    has a budget."""
+    k = next((i for i, p in enumerate(pipe) if p.name == "recompute" and p.budget is not None), None)
+    if k is None:
+        return []
+    offload = OffloadActivations(budget=pipe[k].budget)
+    return [[*pipe[:k], dataclasses.replace(pipe[k], budget=None), offload, *pipe[k + 1:]],
+            [*pipe[:k], offload, *pipe[k + 1:]]]
 
 
 def best_pipeline(module, candidates: list[list], micro_steps: int = 1, budget: int | None = None,

@@ -7,12 +7,14 @@ processes and threads. One process is one rank; its threads are the rows:
 
 * ``compute``, ``communication``, ``host copies``: the three lanes (``dcir.sim``);
 * a counter track of live bytes (the memory model's ``during``, per op), and beside it
-  the part of them that is saved activations and the part rebuilt in the backward
-  (``dcir.memplot.split``), with the memory budget as a flat counter when one is given.
+  the part of them that is saved activations, offloaded activations (their device
+  copies) and the part rebuilt in the backward (``dcir.memplot.split``), with the memory budget as a flat counter when one is given.
 
 A recomputed op's slice (``act.recompute``: the ``recompute`` pass, or a checkpointed
 region) is in category ``compute,recompute`` with ``recompute: true`` in its args, so
-Perfetto's search (``cat:recompute``) picks out what the backward rebuilds.
+Perfetto's search (``cat:recompute``) picks out what the backward rebuilds; an
+activation's copy to host memory and back (``act.offload``: the ``offload_activations``
+pass) is in ``copy,offload`` with ``offload: true``.
 
 Every slice is named by its IR op and first result (``comm.all_gather %w_full``), so a
 row reads like the program; its args say the op's position, the function and, for a
@@ -26,7 +28,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dcir.activations import RECOMPUTE
+from dcir.activations import OFFLOAD, RECOMPUTE
 from dcir.cost import Machine, calibrate
 from dcir.ir import Module, Op
 from dcir.memory import timelines
@@ -38,7 +40,7 @@ MEASURED_ROWS = {COMPUTE: 1, COLLECTIVE: 2, COPY: 3}
 PREDICTED_ROWS = {COMPUTE: 11, COLLECTIVE: 12, COPY: 13}
 ROW_NAMES = {COMPUTE: "compute", COLLECTIVE: "communication", COPY: "host copies"}
 #: the parts of the live bytes drawn as counters of their own (``dcir.memplot`` categories)
-PARTS = ("saved activations", "recomputed")
+PARTS = ("saved activations", "offloaded activations", "recomputed")
 
 
 def slice_name(op: Op) -> str:
@@ -58,8 +60,12 @@ def metadata(pid: int, process: str, rows: dict[str, int], prefix: str = "") -> 
 
 
 def category(op: Op, lane: str) -> tuple[str, dict]:
-    """A slice's category and extra args: ``lane``, and ``recompute`` for a rebuilt op."""
-    return (f"{lane},recompute", {"recompute": True}) if RECOMPUTE in op.attrs else (lane, {})
+    """A slice's category and extra args: ``lane``, and ``recompute`` for a rebuilt op,
+    ``offload`` for an activation's copy."""
+    for mark, kind in ((RECOMPUTE, "recompute"), (OFFLOAD, "offload")):
+        if mark in op.attrs:
+            return f"{lane},{kind}", {kind: True}
+    return lane, {}
 
 
 def run_events(run: Run, during: list[int], pid: int, t0_us: float, rows: dict[str, int],

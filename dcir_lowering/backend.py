@@ -26,7 +26,10 @@ the optimizer-state store given as ``lower(..., optimizer_state=)`` (an
 ``OPTIMIZER_STATE``. ``param.get`` / ``param.set`` of optimizer state,
 ``mem.reload`` / ``mem.offload`` and their ``mem.wait``, ``mem.free`` of a device
 copy and ``optim.step`` become its ``get_state``, ``set_state``, ``reload``,
-``offload``, ``wait``, ``free`` and ``step``.
+``offload``, ``wait``, ``free`` and ``step``. The copies of activations
+(``mem.offload`` / ``mem.reload`` marked ``act.offload``, from the
+``offload_activations`` pass) and their ``mem.wait`` need no store: they run on the
+process's copy lanes (``dcir_lowering.copies``), which the store's copies share.
 
 This module is the lowering itself. What the lowered graphs call besides torch's ops
 lives in ``dcir_lowering.calls``; the ``Program`` that ``lower`` returns, and the state it
@@ -42,6 +45,7 @@ import torch
 import torch.fx as fx
 
 from dcir import aten, custom_ops, fusion, roles
+from dcir.activations import OFFLOAD
 from dcir.analysis import view_bases
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Function, Module, Op, ShardType, Source
@@ -50,7 +54,7 @@ from dcir.ops import GATHERS, OPS, REDUCES, SCATTERS, SCHEMA, WAITS, has_trait
 from dcir.printer import locate
 from dcir.shapes import call_arguments, torch_dtype
 from dcir.verifier import verify
-from dcir_lowering import state_store
+from dcir_lowering import copies, state_store
 from dcir_lowering.calls import (OP_INDEX, _grad_set, _item, _rng_get, _rng_set, _state_get, _state_set,
                                  _dequantize, _quantize, _take_shard, _unbox)
 from dcir_lowering.program import Program, constants, device_of, gathered_copies
@@ -213,7 +217,8 @@ class _Offloading:
         for d in module.decls.values():
             if OPTIM_STATE_OF in d.attrs:
                 self.keys.setdefault(d.attrs[OPTIM_STATE_OF].name, []).append(d.attrs[OPTIM_KEY])
-        copies = {v for op in func.ops if op.name in ("mem.reload", "mem.offload") for v in op.results}
+        copies = {v for op in func.ops if op.name in ("mem.reload", "mem.offload") and OFFLOAD not in op.attrs
+                  for v in op.results}
         self.waits = {op for op in func.ops if op.name == "mem.wait" and copies.issuperset(op.operands)}
         reloaded = {r for op in self.waits for v, r in zip(op.operands, op.results) if v.owner.name == "mem.reload"}
         # device copies of state handed over between functions, which the store counts:
@@ -242,7 +247,7 @@ class _Offloading:
         if op.name in ("param.get", "param.set"):
             decl = module.decls.get(op.symbol)
             return decl is not None and OPTIM_STATE_OF in decl.attrs
-        return op.name in ("mem.reload", "mem.offload", "optim.step")
+        return op.name == "optim.step" or op.name in ("mem.reload", "mem.offload") and OFFLOAD not in op.attrs
 
     def handles(self, op: Op) -> bool:
         if op.name == "mem.free":
@@ -287,6 +292,11 @@ def _lower_op(module: Module, func: Function, op: Op, g: fx.Graph, env: dict, st
         g.call_function(_grad_set, (grads, op.symbol, env[op.operands[0]]))
     elif op.name == "mem.free":
         pass  # one process: memory is released with the value's last use
+    elif op.name in ("mem.offload", "mem.reload"):  # an activation's (act.offload): on the copy lanes
+        env[op.results[0]] = g.call_function(getattr(copies, op.name[4:]), (env[op.operands[0]],))
+    elif op.name == "mem.wait":
+        for v, r in zip(op.operands, op.results):
+            env[r] = g.call_function(copies.wait, (env[v],))
     elif op.name == "rng.get":
         env[op.results[0]] = g.call_function(_rng_get, (env[op.operands[0]],))
     elif op.name == "rng.set":

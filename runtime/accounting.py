@@ -14,6 +14,7 @@ import torch
 
 from dcir.ir import Module
 from dcir.memory import GRAD_ACC_OF, UNSHARD_OF, step_peak
+from dcir_lowering import copies
 from dcir_runtime.native import runtime_stats
 from dcir_runtime.offload import StateStore
 
@@ -38,9 +39,11 @@ class MemoryStats(Mapping):
     collectives: int             # collectives started
     sent: int                    # bytes handed to them
     wait_s: float                # host seconds blocked in comm.wait of a collective
-    copy_wait_s: float           # ... of a host copy (offload)
+    copy_wait_s: float           # ... of a host copy (offload, offload_activations; the process's copy lanes)
     transport: int = 0           # this rank's shared-memory outbox (dcir_runtime.transport), sized
     #                              from the program: counted with what the schedule holds
+    activations_host_peak: int = 0  # saved activations in host memory at their peak (offload_activations;
+    #                              the process's)
     step_peak: int = 0           # the memory model's peak of what the running program holds in a step:
     #                              saved activations, temporaries, gathered parameters, replicas,
     #                              accumulators (dcir.memory; the profiler measures it within 10%)
@@ -102,7 +105,8 @@ def measure(shards: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimi
         replicas=held[UNSHARD_OF], gradient_accumulators=held[GRAD_ACC_OF],
         gathered_now=stats.gathered_now, gathered_peak=stats.gathered_peak, full_parameters=full_bytes,
         collectives=stats.collectives, sent=stats.sent, wait_s=stats.wait_ns / 1e9,
-        copy_wait_s=store.wait_s if store is not None else 0.0, transport=transport, step_peak=modelled_peak)
+        copy_wait_s=copies.wait_s(), transport=transport,
+        activations_host_peak=copies.activation_stats().host_peak, step_peak=modelled_peak)
 
 
 def fixed_bytes(m: MemoryStats, shards: dict[str, torch.nn.Parameter]) -> int:

@@ -12,14 +12,10 @@ whose ``OptimizerStateStore`` is what a store must have):
 * ``reload`` / ``offload`` start a copy to a new device buffer / a host buffer and
   return a pending copy; ``wait`` finishes it. The copy home of a reloaded tensor
   goes into the host buffer it was reloaded from when nothing else holds that any
-  more (its contents went stale with the update), else into a new one. On a GPU,
-  host buffers are pinned and copies run on two CUDA streams of their own, one per
-  direction (host-to-device reloads, device-to-host copies home), so a reload and a
-  copy home run at once over a full-duplex link; each copy is ordered after the
-  compute that produced its source. On a CPU, "device" and "host" are both RAM,
-  so the copies are real copies between separate buffers, run by one background
-  thread (torch releases the GIL while it copies), and only the accounting tells
-  them apart;
+  more (its contents went stale with the update), else into a new one. The copies run
+  on the process's copy lanes for the device (``dcir_lowering.copies``: two CUDA
+  streams on a GPU, a background thread on a CPU, where only the accounting tells
+  "device" and "host" apart), which offloaded activations share;
 * ``free`` releases a device copy's memory at once;
 * ``step`` runs the optimizer for some parameters (one ``optim.step``, or a run of
   them with nothing but reads of state between them): the other parameters'
@@ -28,35 +24,24 @@ whose ``OptimizerStateStore`` is what a store must have):
 
 The store counts the optimizer-state bytes on the device, now and at their peak,
 which ``Engine.memory()`` reports (``optimizer_state``, ``optimizer_state_peak``,
-``optimizer_state_host``), and the host time spent blocked in ``wait`` (``copy_wait_s``:
-the part of the copies that compute did not hide; on a GPU a device-side wait does
-not block the host, so there it counts only the waits for copies home).
+``optimizer_state_host``); the copy lanes count the host time spent blocked in ``wait``
+(``copy_wait_s``).
 """
 
 from __future__ import annotations
 
 import sys
-import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from dcir.ir import HostType
 from dcir.memory import OPTIM_KEY, OPTIM_STATE_OF
+from dcir_lowering import copies
+from dcir_lowering.copies import Pending
 
 #: A state tensor the optimizer has not created yet (before its first step).
 ABSENT = None
-
-
-class _Pending:
-    """A copy in flight: its destination, and what finishes it (a future on a CPU;
-    on a GPU the events recorded on its copy stream when it started and ended)."""
-
-    __slots__ = ("result", "future", "event", "started")
-
-    def __init__(self, result, future: Future | None = None, event=None, started=None):
-        self.result, self.future, self.event, self.started = result, future, event, started
 
 
 class StateStore:
@@ -68,14 +53,9 @@ class StateStore:
         self._origin: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
         self.on_device: dict[int, int] = {}  # storage -> bytes of state on the device
         self.peak = 0
-        self.wait_s = 0.0  # host time blocked in wait(): the copies compute did not hide
         self._names: dict[str, tuple[str, str]] = {}
         self._loaded = False  # a checkpoint load replaced the state: the next bind places it
-        self._cuda = device.type == "cuda"
-        # a copy stream per direction on a GPU; on a CPU both directions share the memory
-        # bus, and one thread copies
-        self.streams = {d: torch.cuda.Stream(device) for d in ("reload", "offload")} if self._cuda else None
-        self._thread = None if self._cuda else ThreadPoolExecutor(1, thread_name_prefix="dcir-offload")
+        self.lanes = copies.lanes(device)  # the process's, which activations' copies share
 
     def bind(self, module) -> None:
         """Learn which buffer of ``module`` is which parameter's state tensor; after a
@@ -141,22 +121,22 @@ class StateStore:
 
     def reload(self, host):
         if host is ABSENT:
-            return _Pending(ABSENT)
+            return Pending(ABSENT)
         dst = torch.empty(host.shape, dtype=host.dtype, device=self.device)
         self._count(dst)  # the device buffer exists from here on
         key = id(dst)
         self._origin[key] = (weakref.ref(dst, lambda _: self._origin.pop(key, None)), host)
-        return self._copy(dst, host, "reload")
+        return self.lanes.copy(dst, host, "reload")
 
     def offload(self, t):
         if t is ABSENT:
-            return _Pending(ABSENT)
+            return Pending(ABSENT)
         dst = self._stale_home(t)
         if dst is None:
-            dst = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self._cuda)
+            dst = self.lanes.host_buffer(t)
             key = id(dst)
             self._host[key] = weakref.ref(dst, lambda _: self._host.pop(key, None))
-        return self._copy(dst, t, "offload")
+        return self.lanes.copy(dst, t, "offload")
 
     def _stale_home(self, t: torch.Tensor) -> torch.Tensor | None:
         """The host copy ``t`` was reloaded from, when nothing but this store holds it any
@@ -170,32 +150,8 @@ class StateStore:
         # holder that could still read the old contents
         return host if sys.getrefcount(host) <= 2 else None
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> _Pending:
-        if self.streams is None:
-            return _Pending(dst, self._thread.submit(dst.copy_, src))
-        stream = self.streams[direction]
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # src is computed
-        started, event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            started.record(stream)
-            dst.copy_(src, non_blocking=True)
-            event.record(stream)
-        for t in (dst, src):
-            if t.is_cuda:
-                t.record_stream(stream)
-        return _Pending(dst, event=event, started=started)
-
-    def wait(self, pending: _Pending):
-        begin = time.perf_counter()
-        if pending.future is not None:
-            pending.future.result()
-        elif pending.event is not None:
-            if pending.result.is_cuda:
-                torch.cuda.current_stream(self.device).wait_event(pending.event)
-            else:
-                pending.event.synchronize()  # a host copy is complete only when the stream says so
-        self.wait_s += time.perf_counter() - begin
-        return pending.result
+    def wait(self, pending: Pending):
+        return pending.result if pending.lanes is None else pending.lanes.wait(pending)  # None: no state yet
 
     def free(self, t) -> None:
         if t is ABSENT:
@@ -236,7 +192,3 @@ class StateStore:
                     self._count(t)
                 out.append(t)
         return tuple(out)
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)

@@ -33,6 +33,7 @@ from dcir.diagnostics import DcirError, Diagnostic
 from dcir.memory import format_bytes, peaks as memory_peaks
 from dcir import fusion, search
 from dcir.passes import parse_pipeline
+from dcir.passes.offload_activations import OffloadActivations
 from dcir.passes.recompute import Recompute, footprint
 from dcir_runtime.config import Config
 from dcir_runtime.group import ProcessGroup
@@ -202,8 +203,8 @@ class Planner:
         def plan() -> str:
             # the configured passes and their joint alternatives, each priced by the simulator
             passes = self.passes(self.config.optimize["passes"], schedule_budget)
-            planned, chosen, _ = search.best_pipeline(base, search.pipelines(passes), micro, budget, outbox,
-                                                      self.context)
+            candidates = search.pipelines(passes, host_apart=self.group.device.type != "cpu")
+            planned, chosen, _ = search.best_pipeline(base, candidates, micro, budget, outbox, self.context)
             planned.attrs[PLANNED_BY] = chosen.spec
             return dcir.print(planned)
 
@@ -284,7 +285,7 @@ class Planner:
                 self._replanned_captured = self._forced = True
                 self.profile, self.warming = self.profile or Profile(running), None
                 return
-        least = held - _rebuildable(running)
+        least = held - _rebuildable(running, host_apart=self.group.device.type != "cpu")
         advice = (f"recomputing every activation that can be rebuilt, the step fits {format_bytes(least)}: add "
                   "'recompute' to optimize.passes" if least <= budget else
                   f"even recomputing every activation that can be rebuilt, the step needs {format_bytes(least)}: "
@@ -307,11 +308,12 @@ def _priced(profiled: dcir.Module, module: dcir.Module, running: dcir.Module, co
     return before, after, (1 - after.seconds / before.seconds if before.seconds > 0 else 0.0), raised
 
 
-def _rebuildable(module: dcir.Module) -> int:
+def _rebuildable(module: dcir.Module, host_apart: bool) -> int:
     """How much lower the step's modelled peak goes with every activation ``recompute``
-    can rebuild rebuilt."""
+    can rebuild rebuilt, and where host memory is apart from the device's, every other
+    one ``offload_activations`` can move moved there."""
     least = module.clone()
-    dcir.run_passes(least, [Recompute(budget=1)])
+    dcir.run_passes(least, [Recompute(budget=1), *([OffloadActivations(budget=1)] if host_apart else [])])
     return footprint(module)[0] - footprint(least)[0]
 
 

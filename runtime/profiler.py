@@ -37,6 +37,7 @@ from dcir.cost import COMPILED, DEVICE, LAUNCH, OPTIMIZER, TIME, is_transfer
 from dcir.ir import Function, Module, Op
 from dcir.memory import resident_buffers
 from dcir.ops import COLLECTIVE, COMPUTE, HOST_COPY, WAITS, has_trait
+from dcir_lowering import copies
 from dcir_lowering.calls import OP_INDEX, reads_state
 from dcir_lowering.stretches import stretch_times
 from dcir_lowering.state_store import OPTIMIZER_STATE, OptimizerStateStore, store_call
@@ -59,8 +60,10 @@ def _starts_collective(node: fx.Node, op: Op | None) -> bool:
 
 
 def _starts_host_copy(node: fx.Node, op: Op | None) -> bool:
-    """The call on the optimizer-state store that starts the host copy of ``op``."""
-    return op is not None and has_trait(op, HOST_COPY) and store_call(node) is not None
+    """The call that starts the host copy of ``op``: on the optimizer-state store, or for
+    an activation on the copy lanes (``dcir_lowering.copies``)."""
+    return op is not None and has_trait(op, HOST_COPY) and (
+        store_call(node) is not None or node.target in (copies.offload, copies.reload))
 
 
 def _waits_in_runtime(node: fx.Node, op: Op | None) -> bool:
@@ -125,17 +128,19 @@ class _Recorder(fx.Interpreter):
 
     def _track(self, out) -> None:
         for t in _tensors(out):
+            if copies.is_host(t):  # an activation's host copy (the backward's arguments hold them)
+                continue
             s = t.untyped_storage()
             ref = self.storages.get(s._cdata)
             if ref is None or ref() is None:
                 self.storages[s._cdata] = weakref.ref(s)
 
     def _host(self, n: fx.Node, out) -> bool:
-        """A copy in host memory, which the store made (on a CPU, RAM like the rest):
-        not the device's, as in the memory model."""
-        if store_call(n) is None or not isinstance(out, torch.Tensor):
+        """A copy in host memory, which the store or the copy lanes made (on a CPU, RAM
+        like the rest): not the device's, as in the memory model."""
+        if not isinstance(out, torch.Tensor):
             return False
-        return self.store.is_host(out)
+        return copies.is_host(out) or (store_call(n) is not None and self.store.is_host(out))
 
     def _live(self) -> int:
         total = 0
@@ -170,7 +175,7 @@ class _Recorder(fx.Interpreter):
             elif self.sync and _starts_host_copy(n, op):  # the program's own wait then finds it done
                 if k is not None:
                     self.launch[k] += end - begin
-                self.store.wait(out)
+                copies.finish(out)
                 end = time.perf_counter()
         if n.op == "placeholder" or (_counted(n) and not self._host(n, out)):
             self._track(out)

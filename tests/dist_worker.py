@@ -128,6 +128,13 @@ CASES = {
     "hf_llama_recompute_all_schedule_accumulate2": (
         tiny_llama, _llama_batch, lambda out: out.loss,
         {"gradient_accumulation_steps": 2, "passes": ["recompute{budget=1}", "prefetch", "unshard", "bucket"]}),
+    # activations handed to the backward through host memory: every one the pass can, under
+    # the schedule passes and accumulation (two backwards), with optimizer state offloaded
+    # beside them on the same copy lanes, after the cheap ones are recomputed
+    "hf_llama_offload_activations_schedule_accumulate2": (
+        tiny_llama, _llama_batch, lambda out: out.loss,
+        {"gradient_accumulation_steps": 2, "offload": {"budget": "200KiB"},
+         "passes": ["recompute", "offload_activations{budget=1}", "prefetch", "unshard", "bucket"]}),
     # the schedule passes, then every other buffer's free placed by liveness (the runtime drops each there)
     "hf_llama_schedule_free": (tiny_llama, _llama_batch, lambda out: out.loss,
                                {"passes": ["prefetch", "unshard", "bucket", "free"]}),
@@ -148,6 +155,11 @@ CASES.update({
     "hf_llama_accumulate2_optimize": (tiny_llama, _llama_batch, lambda out: out.loss,
                                       {"gradient_accumulation_steps": 2,
                                        "optimize": {"passes": _SCHEDULE, "profile_at": [1]}}),
+    # activations handed over through host memory, and the schedule planned around their
+    # copies by the optimization cycle from profiles of the program that makes them
+    "hf_llama_offload_activations_optimize": (
+        tiny_llama, _llama_batch, lambda out: out.loss,
+        {"passes": ["offload_activations{budget=1}"], "optimize": {"passes": _SCHEDULE, "profile_at": [1, 2]}}),
     # ... within a memory budget that leaves the schedule little room
     "transformer_optimize_budget": (TinyTransformer, _transformer_batch, None,
                                     {"memory_budget": 640_000, "optimize": {"passes": _SCHEDULE, "profile_at": [1]}}),

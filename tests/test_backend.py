@@ -222,14 +222,11 @@ def test_host_copies_run_on_the_store():
 
     probe = torch.nn.Parameter(torch.zeros(1))
     store = StateStore(torch.optim.SGD([probe], lr=0.1), {}, torch.device("cpu"))
-    try:
-        program = dcir.lower(dcir.parse(HOST_ROUND_TRIP, "m.dcir"), {}, optimizer_state=store)
-        x = torch.arange(4.0)
-        (loss,), _ = program.forward(x)
-        assert loss.item() == 6.0
-        assert store.device_bytes() == 0 and store.peak == 16  # the reloaded copy, freed after the sum
-    finally:
-        store.close()
+    program = dcir.lower(dcir.parse(HOST_ROUND_TRIP, "m.dcir"), {}, optimizer_state=store)
+    x = torch.arange(4.0)
+    (loss,), _ = program.forward(x)
+    assert loss.item() == 6.0
+    assert store.device_bytes() == 0 and store.peak == 16  # the reloaded copy, freed after the sum
 
 
 def test_the_state_store_is_what_a_lowered_program_calls():
@@ -247,10 +244,7 @@ def test_the_state_store_is_what_a_lowered_program_calls():
         assert list(inspect.signature(getattr(StateStore, name)).parameters) == list(want), name
     assert all(target.__name__ == method for target, method in state_store.CALLS.items())
     store = StateStore(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), {}, torch.device("cpu"))
-    try:
-        graphs = dcir.lower(dcir.parse(HOST_ROUND_TRIP, "m.dcir"), {}, optimizer_state=store).graphs
-    finally:
-        store.close()
+    graphs = dcir.lower(dcir.parse(HOST_ROUND_TRIP, "m.dcir"), {}, optimizer_state=store).graphs
     calls = [state_store.store_call(n) for gm in graphs.values() for n in gm.graph.nodes]
     assert {"offload", "reload", "wait", "free"} <= set(calls)
 
@@ -259,23 +253,20 @@ def test_a_copy_home_reuses_the_stale_host_buffer_only_when_nothing_else_holds_i
     from dcir_runtime.offload import StateStore
 
     store = StateStore(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), {}, torch.device("cpu"))
-    try:
-        host = store.wait(store.offload(torch.arange(4.0)))
-        assert store.is_host(host)
-        dev = store.wait(store.reload(host))
-        assert dev.data_ptr() != host.data_ptr() and torch.equal(dev, host)
-        where = host.data_ptr()
-        del host  # the state is the device copy now: its host copy is stale
-        dev.mul_(2)
-        home = store.wait(store.offload(dev))
-        assert home.data_ptr() == where and torch.equal(home, torch.arange(4.0) * 2) and store.is_host(home)
-        again = store.wait(store.reload(home))
-        again.add_(1)
-        other = store.wait(store.offload(again))  # ``home`` is still held here: a new buffer
-        assert other.data_ptr() != home.data_ptr() and torch.equal(home, torch.arange(4.0) * 2)
-        assert torch.equal(other, torch.arange(4.0) * 2 + 1)
-    finally:
-        store.close()
+    host = store.wait(store.offload(torch.arange(4.0)))
+    assert store.is_host(host)
+    dev = store.wait(store.reload(host))
+    assert dev.data_ptr() != host.data_ptr() and torch.equal(dev, host)
+    where = host.data_ptr()
+    del host  # the state is the device copy now: its host copy is stale
+    dev.mul_(2)
+    home = store.wait(store.offload(dev))
+    assert home.data_ptr() == where and torch.equal(home, torch.arange(4.0) * 2) and store.is_host(home)
+    again = store.wait(store.reload(home))
+    again.add_(1)
+    other = store.wait(store.offload(again))  # ``home`` is still held here: a new buffer
+    assert other.data_ptr() != home.data_ptr() and torch.equal(home, torch.arange(4.0) * 2)
+    assert torch.equal(other, torch.arange(4.0) * 2 + 1)
 
 
 def test_missing_state_is_an_error():

@@ -106,7 +106,7 @@ def test_offload_copies_run_both_ways_at_once_and_overlap_compute():
     device = torch.device("cuda")
     param = torch.nn.Parameter(torch.zeros(4, device=device))
     store = StateStore(torch.optim.AdamW([param]), {"p": param}, device)
-    assert store.streams["reload"] != store.streams["offload"]
+    assert store.lanes.streams["reload"] != store.lanes.streams["offload"]
     n = 64 * 2**20  # 256 MB each way: long enough to see the overlap
     on_device = torch.randn(n, device=device)
     home = store.wait(store.offload(torch.randn(n, device=device)))  # a pinned host buffer to reload from
@@ -128,7 +128,6 @@ def test_offload_copies_run_both_ways_at_once_and_overlap_compute():
     assert begin.elapsed_time(out.event) > 0 and begin.elapsed_time(back.event) > 0, \
         "the compute started only after the copies ended"
     assert out.result.is_pinned() and back.result.is_cuda
-    store.close()
 
 
 if __name__ == "__main__":

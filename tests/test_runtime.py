@@ -39,7 +39,8 @@ SCHEDULE_CASES = [f"transformer_{c}" for c in ("prefetch", "unshard", "bucket", 
                                                 "prefetch_bucket", "unshard_bucket")] + [
     "mlp_prefetch_unshard_bucket", "tied_frozen_prefetch_unshard_bucket", "transformer_optimize_budget",
     "mlp_accumulate2_unshard", "transformer_optimize_shrink", "hf_llama_recompute",
-    "hf_llama_recompute_all_schedule_accumulate2", "hf_llama_schedule_free"]
+    "hf_llama_recompute_all_schedule_accumulate2", "hf_llama_offload_activations_schedule_accumulate2",
+    "hf_llama_offload_activations_optimize", "hf_llama_schedule_free"]
 # single schedule passes and the small models' schedules run at world 3 in the slow tier (every
 # pair, and all three on the transformer, the Llama and under the optimization cycle, at world 2;
 # Inductor's cases stay at world 2: at world 3 its reassociation moves a weight 5.8e-4, over their 1e-4)
@@ -90,7 +91,7 @@ def _check_memory(case: str, r: dict, world: int) -> None:
     slack = state * 0.1 + 2 * 4 * world * 64
     held = m["optimizer_state"] + m["optimizer_state_host"]
     assert state <= held <= state + slack, (case, m)
-    if "offload" in case:
+    if "offload" in r["config"]:  # optimizer state over a budget (not activations: offload_activations)
         budget = parse_bytes(r["config"]["offload"]["budget"])
         # over the budget: some state lives in host memory, and the device never held more than the budget
         assert budget < state and m["optimizer_state_host"] > 0, (case, m)
@@ -98,6 +99,10 @@ def _check_memory(case: str, r: dict, world: int) -> None:
         assert "func @step(" in r["ir"] or not r["ir"]
     else:
         assert m["optimizer_state_host"] == 0 and m["optimizer_state_peak"] == m["optimizer_state"], (case, m)
+    if "offload_activations" in case:  # saved activations handed to the backward through host memory
+        assert m["activations_host_peak"] > 0, (case, m)
+        assert not r["ir"] or re.search(r"host<f32\[[0-9, ]*\]> \{saved\}", r["ir"]) and \
+            re.search(r"mem\.reload\(%[\w.]+\) \{act\.offload", r["ir"])
     if "zero1" in case or "zero2" in case:  # parameters replicated: every rank holds them all
         assert m["replicas"] == m["full_parameters"], (case, m)
     if "zero1_accumulate" in case:  # full gradients summed locally, reduced once per optimizer step
@@ -295,7 +300,7 @@ def test_memory_is_named_fields_that_read_as_the_mapping_it_was():
     assert isinstance(m, MemoryStats)
     assert m.parameters == m["parameters"] == (8 * 4 + 4) * 4 == m.full_parameters
     assert m.gradients == m.parameters and m.optimizer_state == 0  # before the first step
-    assert list(m)[:3] == ["parameters", "gradients", "optimizer_state"] and len(m) == 17
+    assert list(m)[:3] == ["parameters", "gradients", "optimizer_state"] and len(m) == 18
     assert m.transport == 0  # one rank: no shared-memory outbox
     assert m.step_peak == max(peaks(engine.ir()).values()) > m.gathered_peak  # the memory model's, activations too
     assert {**m} == dict(m) and dict(m)["wait_s"] == m.wait_s

@@ -380,3 +380,31 @@ def test_prefetch_plans_for_the_machine_its_context_names():
     assert "comm.all_gather_coalesced(%w0_shard, %w1_shard, %w2_shard)" in plans["cpu-2core"]
     assert "comm.all_gather(%w0_shard)" in plans["h100-ib400"]
     assert "comm.all_gather_coalesced(%w1_shard, %w2_shard)" in plans["h100-ib400"]
+
+
+def test_where_host_memory_is_apart_the_planner_may_offload_activations_instead(llama_zero3):
+    """On a GPU (a described H100 here) the planner also tries handing activations to the
+    backward through host memory within the budget, in place of ``recompute`` and after
+    its cheap cones; on a CPU, where host memory is the device's, it never does. On the
+    H100's model a copy at 55 GB/s beside compute beats rebuilding the activations, so
+    within 90% of the step's peak it offloads, and fits."""
+    from dcir import hardware
+    from dcir.context import PlanContext
+    from dcir.memory import step_peak
+    from dcir.search import best_pipeline, pipelines
+
+    m = dcir.parse(llama_zero3)
+    budget = int(step_peak(m) * 0.9)
+    spec = f"recompute{{budget={budget}}},prefetch{{budget={budget}}}"
+    on_cpu = pipelines(parse_pipeline(spec))
+    assert not any(p.name == "offload_activations" for pipe in on_cpu for p in pipe)
+    on_gpu = pipelines(parse_pipeline(spec), host_apart=True)
+    names = [[p.name for p in pipe] for pipe in on_gpu]
+    assert names[:len(on_cpu)] == [[p.name for p in pipe] for pipe in on_cpu]
+    assert ["recompute", "offload_activations", "prefetch"] in names and ["offload_activations", "prefetch"] in names
+    assert all(p.budget == budget for pipe in on_gpu for p in pipe if p.name == "offload_activations")
+    context = PlanContext(machine=hardware.load("h100-ib400"))
+    planned, chosen, tried = best_pipeline(m, on_gpu, budget=budget, context=context)
+    assert "offload_activations" in chosen.spec and chosen.peak <= budget, tried
+    assert chosen.seconds < min(c.seconds for c in tried if "offload" not in c.spec), tried
+    assert any("{act.offload}" in line for line in dcir.print(planned).splitlines())

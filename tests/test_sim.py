@@ -416,6 +416,30 @@ def test_memory_split_shows_saved_and_recomputed_activations():
     assert max(after["forward"]["saved activations"]) == 64 * 16 * 4
 
 
+def test_memory_split_and_trace_show_offloaded_activations(tmp_path):
+    """An activation handed over through host memory is drawn apart: its device copy in
+    the forward until its copy out is done, and in the backward from its reload on; host
+    memory is not the device's, so nothing else holds it. The trace puts its copies in
+    category ``copy,offload``."""
+    from dcir.memplot import split
+
+    text = (ROOT / "tests" / "golden" / "passes" / "offload_activations.dcir").read_text().split("// -----")[0]
+    module = dcir.run_passes(dcir.parse(text), "offload_activations")
+    after = split(module)
+    h = 64 * 16 * 4
+    assert max(after["forward"]["saved activations"]) == h  # %x alone: %h leaves for host memory
+    assert after["forward"]["offloaded activations"] == [h] * 6 + [0]  # made by op 0, freed by op 5
+    assert max(after["backward"]["saved activations"]) == h
+    assert after["backward"]["offloaded activations"] == [0, h, h, h, h]  # from its reload (op 1) on
+    path, out = tmp_path / "m.dcir", tmp_path / "pred.json"
+    path.write_text(dcir.print(module))
+    assert opt_main([str(path), "--emit-trace", str(out), "-o", os.devnull]) == 0
+    events = json.loads(out.read_text())["traceEvents"]
+    copies = [e["name"] for e in events if e["ph"] == "X" and e["cat"] == "copy,offload"]
+    assert sorted(copies) == ["mem.offload %h_off", "mem.reload %h_pending"], copies
+    assert "predicted live bytes: offloaded activations" in {e["name"] for e in events if e["ph"] == "C"}
+
+
 def test_simulate_module_counts_micro_steps_and_held_state():
     m = dcir.parse((ROOT / "examples" / "mlp_zero3.dcir").read_text())
     one, four = simulate_module(m, Machine(), 1), simulate_module(m, Machine(), 4)
