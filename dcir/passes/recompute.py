@@ -23,7 +23,11 @@ activation first within each class; each is taken when the memory model's peak o
 step (``dcir.memory``) goes down with it, or stays while the hand-off shrinks. With ``budget`` the
 pass stops as soon as the peak fits it, and takes matmuls only when the cheap ops
 did not suffice; without one it takes every cheap candidate that lowers the peak
-and no matmul. Statistics say what was rebuilt, and what could not be and why.
+and no matmul. Two cones often share ops (a layer's norm feeds its query, key and
+value projections): a rebuild reads what an earlier one made before its own first use
+instead of running those ops again, when the step's peak is no higher for holding
+them that long; else it runs its whole cone. Statistics say what was rebuilt, how many
+ops run again, and what could not be and why.
 
 Before -> after::
 
@@ -159,21 +163,33 @@ def cone(module: Module, fw: Function, rets: list[Value], saved: set[Value], lim
 
 
 def _rebuild(fw: Function, bws: list[Function], rets: list[Value], ops: list[Op],
-             rewriters: dict[str, Rewriter]) -> None:
+             rewriters: dict[str, Rewriter], shared: dict[str, dict[Value, Value]] | None = None,
+             reuse: bool = True) -> int:
     """Drop ``rets`` from the hand-off and run ``ops`` (their ``cone``) again in each of
     ``bws``, once, before the first use of what any of them was handed as; every change
-    goes through ``rewriters`` (one per function, by name)."""
+    goes through ``rewriters`` (one per function, by name). With ``shared`` (per
+    backward, forward value -> the value an earlier rebuild made for it there), what this
+    one makes is added, and with ``reuse`` what an earlier rebuild made before that point
+    is read, not run again. Returns the most ops one backward runs again."""
+    most = 0
     for bw in bws:
         env = dict(signature.saved_pairs(fw, bw))  # forward value -> the backward's
         handed = {ret: env.pop(ret) for ret in rets}
+        rewriter = rewriters[bw.name]
+        users = [u for arg in handed.values() for u, _ in arg.uses if isinstance(u, Op)]
+        anchor = min(users, key=bw.ops.index) if users else None
+        if anchor is not None and shared is not None and reuse:
+            before = set(bw.ops[:bw.ops.index(anchor)])
+            env.update({v: w for v, w in shared[bw.name].items() if w.owner in before and v not in env})
         for v in {v for op in ops for v in op.operands if v not in env}:
             alias = _alias_in(v, set(env))
             if alias is not None:
                 env[v] = env[alias]
-        rewriter = rewriters[bw.name]
-        users = [u for arg in handed.values() for u, _ in arg.uses if isinstance(u, Op)]
-        if users:  # a backward that reads none of them just stops taking them
-            _run_again(bw, ops, handed, env, rewriter, anchor=min(users, key=bw.ops.index))
+        if anchor is not None:  # a backward that reads none of them just stops taking them
+            known = set(env)
+            most = max(most, _run_again(bw, ops, handed, env, rewriter, anchor))
+            if shared is not None:
+                shared[bw.name].update({v: w for v, w in env.items() if v not in known})
         for ret, arg in handed.items():
             if users:
                 rewriter.replace_all_uses(arg, env[ret])
@@ -182,15 +198,21 @@ def _rebuild(fw: Function, bws: list[Function], rets: list[Value], ops: list[Op]
     keep = [k for k in range(len(fw.returns)) if k not in dropped]
     rewriters[fw.name].set_returns([fw.returns[k] for k in keep], [fw.result_types[k] for k in keep],
                                    [fw.result_attrs[k] for k in keep])
+    return most
 
 
 def _run_again(bw: Function, ops: list[Op], handed: dict[Value, Value], env: dict[Value, Value],
-               rewriter: Rewriter, anchor: Op) -> None:
+               rewriter: Rewriter, anchor: Op) -> int:
     """Insert ``ops`` again before ``anchor`` in ``bw``, marked recomputed, reading state
     again where ``env`` (forward value -> the backward's) has no value; a rebuilt value
-    that was handed over takes the name of the argument it replaces."""
+    that was handed over takes the name of the argument it replaces. An op whose results
+    ``env`` has already (an earlier rebuild's) is not run again. Returns how many ran."""
     fresh = bw.name_maker()
+    ran = 0
     for op in ops:
+        if op.results and all(r in env and r not in handed for r in op.results):
+            continue
+        ran += 1
         for v in op.operands:
             if v not in env:  # state the backward reads (and gathers) again
                 again = _read_again(v, fresh)
@@ -201,6 +223,7 @@ def _run_again(bw: Function, ops: list[Op], handed: dict[Value, Value], env: dic
                    parens=op.parens, loc=op.loc)
         rewriter.insert_before(anchor, [again])
         env.update(zip(op.results, results))
+    return ran
 
 
 def _library(ops: list[Op]) -> bool:
@@ -232,6 +255,36 @@ def _candidates(module: Module, fw: Function, stats: Counter, limit: int) -> lis
     return [rets for *_, rets in sorted(out, key=lambda c: c[:3])]
 
 
+def _try_rebuild(module: Module, fw: Function, bws: list[Function], rets: list[Value], ops: list[Op],
+                 rewriters: dict[str, Rewriter], shared: dict[str, dict[Value, Value]], now: tuple) -> int | None:
+    """Rebuild ``rets`` (``_rebuild``) if that lowers the ``footprint`` from ``now``:
+    reading what earlier rebuilds made where they made it (fewer ops run again, each
+    such value held longer) when the step's peak is no higher so, else running the
+    whole cone again. Returns the most ops one backward runs again (None: the module is
+    as it was)."""
+    marks = {name: r.checkpoint() for name, r in rewriters.items()}
+    before = {name: dict(made) for name, made in shared.items()}
+
+    def attempt(reuse: bool) -> tuple[tuple, int]:
+        ran = _rebuild(fw, bws, rets, ops, rewriters, shared, reuse)
+        return footprint(module), ran
+
+    def undo() -> None:
+        for name, r in rewriters.items():
+            r.rollback(marks[name])
+        shared.update({name: dict(made) for name, made in before.items()})
+
+    whole, ran = attempt(reuse=False)
+    undo()
+    reused, ran_reusing = attempt(reuse=True)
+    if reused < now and reused[0] <= whole[0]:
+        return ran_reusing
+    undo()
+    if whole < now:
+        return attempt(reuse=False)[1]
+    return None
+
+
 @dataclass(frozen=True)
 class Recompute(Pass):
     name = "recompute"
@@ -243,6 +296,7 @@ class Recompute(Pass):
         if fw is None or not bws:
             return
         rewriters = {f.name: Rewriter(f) for f in (fw, *bws)}
+        shared: dict[str, dict[Value, Value]] = {bw.name: {} for bw in bws}  # what rebuilds made, to reuse
         now = footprint(module)
         limit = MAX_CONE if self.budget is None else MAX_CONE_BUDGETED
         for rets in _candidates(module, fw, stats, limit):
@@ -256,16 +310,12 @@ class Recompute(Pass):
             if self.budget is None and _library(ops):
                 stats["kept: needs a matmul again, and no budget asks for it"] += 1
                 continue
-            marks = {name: r.checkpoint() for name, r in rewriters.items()}
-            _rebuild(fw, bws, rets, ops, rewriters)
-            after = footprint(module)
-            if after >= now:
-                for name, r in rewriters.items():
-                    r.rollback(marks[name])
+            ran = _try_rebuild(module, fw, bws, rets, ops, rewriters, shared, now)
+            if ran is None:
                 stats["kept: rebuilding it does not lower the peak"] += 1
                 continue
-            now = after
+            now = footprint(module)
             stats["activations rebuilt"] += 1
-            stats["ops run again"] += len(ops)
+            stats["ops run again"] += ran
         if self.budget is not None and now[0] > self.budget:
             stats["over budget after every candidate"] += 1
