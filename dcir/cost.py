@@ -50,7 +50,10 @@ DEVICE, OPTIMIZER = "prof.device", "prof.optimizer_us"
 
 
 def ring_kind(op: Op) -> str:
-    """Which ring collective ``op`` runs: "all_gather", "reduce_scatter" or "all_reduce"."""
+    """Which collective ``op`` runs: "all_gather", "reduce_scatter", "all_reduce" or
+    "all_to_all"."""
+    if registry.has_trait(op, registry.EXCHANGES):
+        return "all_to_all"
     if not registry.has_trait(op, registry.REDUCES):
         return "all_gather"
     return "reduce_scatter" if registry.has_trait(op, registry.SCATTERS) else "all_reduce"
@@ -62,6 +65,8 @@ def ranks(op: Op, machine: Machine) -> int:
     group = op.attrs.get("group")
     if group is not None and group in dict(machine.mesh):
         return dict(machine.mesh)[group]
+    if registry.has_trait(op, registry.EXCHANGES):  # one row per rank
+        return op.operands[0].type.shape[0]
     for v in (*op.operands, *op.results):
         t = v.type.inner if isinstance(v.type, PendingType) else v.type
         if isinstance(t, ShardType):

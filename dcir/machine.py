@@ -74,7 +74,9 @@ class Machine:
     def collective_s(self, kind: str, full_bytes: int, n: int, nodes: int | None = None) -> float:
         """Seconds of one ring collective of ``kind`` ("all_gather", "reduce_scatter",
         "all_reduce") over ``n`` ranks on ``nodes`` nodes (None: ``n`` consecutive ranks,
-        ``ranks_per_node`` to a node), of a tensor of ``full_bytes`` (gathered or reduced)."""
+        ``ranks_per_node`` to a node), of a tensor of ``full_bytes`` (gathered or reduced).
+        An "all_to_all" of ``full_bytes`` sends each rank's ``(n - 1) / n`` of them in
+        ``n - 1`` steps, as a reduce-scatter does."""
         if n <= 1:
             return 0.0
         passes = 2 if kind == "all_reduce" else 1

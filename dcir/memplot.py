@@ -53,8 +53,9 @@ def _category(v: Value, graded: set[Value], saved: set[Value]) -> str:
         return "temporaries"
     if registry.has_trait(op, registry.HOST_COPY):  # state copied back from host: the optimizer's
         return "optimizer state"
-    if registry.has_trait(op, registry.COLLECTIVE):
-        return "gradients" if registry.has_trait(op, registry.REDUCES) else "parameters"
+    if registry.has_trait(op, registry.COLLECTIVE):  # an all-to-all exchanges a quantized reduction's rows
+        reduces = registry.has_trait(op, registry.REDUCES) or registry.has_trait(op, registry.EXCHANGES)
+        return "gradients" if reduces else "parameters"
     return "recomputed" if RECOMPUTE in op.attrs else "temporaries"
 
 

@@ -17,6 +17,8 @@ Traits:
 ``gathers``     a collective that yields full tensors from every rank's shard
 ``scatters``    a collective that leaves each rank its shard of the result
 ``reduces``     combines its operands across ranks (sum, avg, ...)
+``exchanges``   a collective that sends row ``p`` of its operand to rank ``p`` and yields,
+                in row ``r``, what rank ``r`` sent this one (all-to-all)
 ``host_copy``   copies between device and host memory, on the copy channel
 ``gradient``    hands a parameter's gradient to the optimizer
 ``frees``       releases the storage of its operands
@@ -48,6 +50,7 @@ from dcir.ir import DTYPE_BYTES, NONE, DType, HostType, Op, PendingType, ShardTy
 PURE, COMPUTE, ASYNC, WAITS, COLLECTIVE, REDUCES = "pure", "compute", "async", "waits", "collective", "reduces"
 FREES, ALLOCATES, SIDE_EFFECT, READS_STATE, WRITES_STATE = "frees", "allocates", "side_effect", "reads_state", "writes_state"
 GRADIENT, GATHERS, SCATTERS, HOST_COPY = "gradient", "gathers", "scatters", "host_copy"
+EXCHANGES = "exchanges"
 SCHEMA, CASTS = "schema", "casts"
 LOADS_STATE, OPTIMIZES = "loads_state", "optimizes"
 
@@ -210,6 +213,14 @@ def _rule_reduce_scatter(op, types, module):
     return out
 
 
+def _rule_all_to_all(op, types, module):
+    t, parts = types[0], _world(module, op)
+    if not (isinstance(t, TensorType) and t.shape and t.shape[0] == parts):
+        raise TypeRuleError(f"{op.name} sends row p of a tensor to rank p: its operand needs one row per rank "
+                            f"({parts}), got {t}", 0)
+    return [PendingType(t)]
+
+
 def _rule_all_reduce(op, types, module):
     _group(module, op)
     for i, t in enumerate(types):
@@ -269,6 +280,14 @@ def quantized_types(shard: ShardType, block: int) -> tuple[ShardType, ShardType]
             ShardType(quantized_scales(shard, block), shard.parts, shard.over))
 
 
+def quantized_rows(full: TensorType, parts: int, block: int) -> tuple[TensorType, TensorType]:
+    """What ``mem.quantize {parts}`` makes of a full tensor: one i8 row per rank's chunk of
+    it (the ``ShardLayout``: flattened, zero-padded) and the rows' scales, a block of
+    ``block`` elements each; the operand of a quantized reduction's ``comm.all_to_all``."""
+    chunk = ShardType(full, parts).layout.chunk
+    return TensorType("i8", (parts, chunk)), TensorType("f32", (parts, -(-chunk // block)))
+
+
 def _block(op) -> int:
     block = op.attrs.get("block")
     if not isinstance(block, int) or block < 1:
@@ -277,9 +296,17 @@ def _block(op) -> int:
 
 
 def _rule_quantize(op, types, module):
-    t = types[0]
+    t, parts = types[0], op.attrs.get("parts")
+    if isinstance(t, TensorType) and t.dtype in ("f32", "bf16", "f16"):
+        if not isinstance(parts, int) or parts < 1:
+            raise TypeRuleError(f"{op.name} of a full tensor quantizes it in rows, one per rank's chunk: give "
+                                "'parts', the ranks")
+        return list(quantized_rows(t, parts, _block(op)))
     if not (isinstance(t, ShardType) and t.dtype in ("f32", "bf16", "f16")):
-        raise TypeRuleError(f"{op.name} quantizes a floating-point shard; its operand is {t}", 0)
+        raise TypeRuleError(f"{op.name} quantizes a floating-point shard or full tensor; its operand is {t}", 0)
+    if parts is not None:
+        raise TypeRuleError(f"{op.name} of a shard quantizes it whole: 'parts' is for a full tensor, and the shard "
+                            f"already says its ranks ({t.parts})")
     return list(quantized_types(t, _block(op)))
 
 
@@ -295,6 +322,22 @@ def _rule_dequantize(op, types, module):
         raise TypeRuleError(f"{op.name} needs the gathered scales of {parts} shards in blocks of {op.attrs['block']}, "
                             f"{expect}; operand #1 is {scales}", 1)
     return [TensorType(to.name, q.shape)]
+
+
+def _rule_dequantize_reduce(op, types, module):
+    """The rows carry no full shape: the declared shard gives it, and must fit the rows."""
+    q, scales = types
+    declared, group = op.results[0].type, _group(module, op)
+    if not (isinstance(q, TensorType) and q.dtype == "i8" and len(q.shape) == 2):
+        raise TypeRuleError(f"{op.name} sums the i8 rows a comm.all_to_all received; operand #0 is {q}", 0)
+    if not (isinstance(declared, ShardType) and declared.dtype == op.attrs["dtype"].name and declared.over == group):
+        raise TypeRuleError(f"{op.name} gives this rank's shard of the sum in {op.attrs['dtype'].name}; "
+                            f"%{op.results[0].name} is declared {declared}")
+    rows = quantized_rows(declared.full, declared.parts, _block(op))
+    for i, (t, want) in enumerate(zip(types, rows)):
+        if t != want:
+            raise TypeRuleError(f"{op.name} into {declared} needs operand #{i} to be {want}, got {t}", i)
+    return [declared]
 
 
 def _rule_optim_step(op, types, module):
@@ -382,6 +425,10 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
           (1, None), "per_operand", frozenset({ASYNC, COLLECTIVE, REDUCES, SCATTERS, ALLOCATES}), _rule_reduce_scatter,
           _REDUCE,
           example='%p, %q = comm.reduce_scatter_coalesced(%g, %h) {op = "avg"} : pending<shard<f32[16, 8], 2>>, pending<shard<f32[16], 2>>'),
+    OpDef("comm.all_to_all", "Start sending row p of a tensor to rank p; row r of the result is what rank r sent "
+          "this one.",
+          (1, 1), (1, 1), frozenset({ASYNC, COLLECTIVE, EXCHANGES, ALLOCATES}), _rule_all_to_all, _GROUP,
+          example="%p = comm.all_to_all(%g_q) : pending<i8[2, 64]>"),
     OpDef("comm.all_reduce", "Start reducing a tensor across ranks; every rank gets the result.",
           (1, 1), (1, 1), frozenset({ASYNC, COLLECTIVE, REDUCES, ALLOCATES}), _rule_all_reduce,
           {k: v for k, v in _REDUCE.items() if k != "parts"},
@@ -410,8 +457,10 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
           (1, 1), (1, 1), frozenset({PURE, ALLOCATES, CASTS}), _rule_cast, {"dtype": AttrSpec("dtype", required=True)},
           example="%w_bf16 = mem.cast(%w) {dtype = bf16} : shard<bf16[16, 8], 2>"),
     OpDef("mem.quantize", "Quantize a shard to int8 in blocks, each with its f32 scale (absmax / 127): the shard "
-          "a quantized gather moves (ZeRO++'s qwZ); each element is off by at most half its block's scale.",
-          (1, 1), (2, 2), frozenset({PURE, ALLOCATES}), _rule_quantize, {"block": AttrSpec("int", required=True)},
+          "a quantized gather moves (ZeRO++'s qwZ); with 'parts', a full tensor in one row per rank's chunk, "
+          "what a quantized reduction sends (qgZ). Each element is off by at most half its block's scale.",
+          (1, 1), (2, 2), frozenset({PURE, ALLOCATES}), _rule_quantize,
+          {"block": AttrSpec("int", required=True), "parts": AttrSpec("int")},
           example="%w_q, %w_scales = mem.quantize(%w_shard) {block = 256} : shard<i8[16, 8], 2>, "
                   "shard<f32[2], 2>"),
     OpDef("mem.dequantize", "The full tensor of gathered int8 shards and their gathered scales (mem.quantize's "
@@ -421,6 +470,14 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
            "dtype": AttrSpec("dtype", required=True)},
           example="%w = mem.dequantize(%w_q_full, %w_scales_full) {block = 256, parts = 2, dtype = f32} : "
                   "f32[16, 8]"),
+    OpDef("mem.dequantize_reduce", "This rank's shard of the sum (or average) of the i8 rows every rank sent it "
+          "(comm.all_to_all of mem.quantize's rows), each row dequantized with its scales and added in f32 in rank "
+          "order: the reduction of a quantized reduce-scatter, over the all_to_all's group.",
+          (2, 2), (1, 1), frozenset({PURE, ALLOCATES, REDUCES}), _rule_dequantize_reduce,
+          {"block": AttrSpec("int", required=True), "op": AttrSpec("enum", required=True, choices=("sum", "avg")),
+           "dtype": AttrSpec("dtype", required=True), **_GROUP},
+          example='%g_shard = mem.dequantize_reduce(%g_rows, %g_row_scales) {block = 256, op = "avg", dtype = f32} : '
+                  "shard<f32[16, 8], 2>"),
     OpDef("mem.wait", "Join the pending values of host copies (offloads, reloads); results are usable values.",
           (1, None), "per_operand", frozenset({WAITS}), _rule_wait,
           example="%d_dev = mem.wait(%d) : shard<f32[16, 8], 2>", joins=HOST_COPY),

@@ -56,7 +56,7 @@ from dcir.shapes import call_arguments, torch_dtype
 from dcir.verifier import verify
 from dcir_lowering import copies, state_store
 from dcir_lowering.calls import (OP_INDEX, _grad_set, _item, _rng_get, _rng_set, _state_get, _state_set,
-                                 _dequantize, _quantize, _take_shard, _unbox)
+                                 _dequantize, _dequantize_reduce, _quantize, _quantize_rows, _take_shard, _unbox)
 from dcir_lowering.program import Program, constants, device_of, gathered_copies
 from dcir_lowering.state_store import OPTIMIZER_STATE, OptimizerStateStore
 from dcir_lowering.stretches import compile_compute
@@ -195,6 +195,8 @@ class _Distributed:
         elif op.name == "comm.reduce_scatter_coalesced":
             node = g.call_function(d.reduce_scatter_coalesced, (args, reduction, group, tag))
             outs = [g.call_function(_item, (node, i)) for i in range(len(op.results))]
+        elif op.name == "comm.all_to_all":
+            outs = [g.call_function(d.all_to_all, (args[0], group, tag))]
         elif op.name == "comm.all_reduce":
             outs = [g.call_function(d.all_reduce, (args[0], reduction, group, tag))]
         elif op.name == "comm.all_reduce_coalesced":
@@ -304,11 +306,16 @@ def _lower_op(module: Module, func: Function, op: Op, g: fx.Graph, env: dict, st
     elif op.name == "grad.accumulate":
         env[op.results[0]] = g.call_function(torch.ops.aten.add.Tensor, (env[op.operands[0]], env[op.operands[1]]))
     elif op.name == "mem.quantize":
-        node = g.call_function(_quantize, (env[op.operands[0]], op.attrs["block"]))
+        node = g.call_function(_quantize, (env[op.operands[0]], op.attrs["block"])) if "parts" not in op.attrs else \
+            g.call_function(_quantize_rows, (env[op.operands[0]], op.attrs["block"], op.attrs["parts"]))
         env[op.results[0]], env[op.results[1]] = (g.call_function(_item, (node, k)) for k in (0, 1))
     elif op.name == "mem.dequantize":
         env[op.results[0]] = g.call_function(_dequantize, (env[op.operands[0]], env[op.operands[1]], op.attrs["block"],
                                                            op.attrs["parts"], torch_dtype(op.attrs["dtype"].name)))
+    elif op.name == "mem.dequantize_reduce":
+        env[op.results[0]] = g.call_function(_dequantize_reduce, (env[op.operands[0]], env[op.operands[1]],
+                                                                  op.attrs["block"], op.attrs["op"],
+                                                                  torch_dtype(op.attrs["dtype"].name)))
     elif op.name == "mem.shard":  # one process: a world of one rank, whose shard is the whole tensor
         if module.group_size(op.attrs.get("group")) != 1:
             raise _unsupported(module, op, f"{op.name} over more than one rank needs a process group: lower with "

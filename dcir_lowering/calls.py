@@ -85,16 +85,45 @@ def reads_state(node: fx.Node) -> bool:
 RUNTIME_CALLS = (_state_get, _state_set, _grad_set, *state_store.CALLS, _rng_get, _rng_set, _unbox)
 
 
-def _quantize(shard: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``mem.quantize``: the flat shard in int8, in blocks of ``block`` elements each
-    scaled by its absolute maximum over 127 (a block of zeros: scale 1), and the scales."""
-    flat = shard.reshape(-1).float()
-    blocks = -(-flat.numel() // block)
-    padded = torch.nn.functional.pad(flat, (0, blocks * block - flat.numel())).view(blocks, block)
-    scales = padded.abs().amax(dim=1) / 127
+def _blockwise(rows: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``rows`` ([R, n]) in int8, in blocks of ``block`` elements each scaled by
+    its absolute maximum over 127 (a block of zeros: scale 1), and the scales ([R, blocks])."""
+    n = rows.shape[1]
+    blocks = -(-n // block)
+    padded = torch.nn.functional.pad(rows.float(), (0, blocks * block - n)).view(rows.shape[0], blocks, block)
+    scales = padded.abs().amax(dim=2) / 127
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(padded / scales[:, None]).clamp(-127, 127).to(torch.int8)
-    return q.reshape(-1)[:flat.numel()], scales
+    q = torch.round(padded / scales[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.view(rows.shape[0], -1)[:, :n], scales
+
+
+def _quantize(shard: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mem.quantize`` of a shard: the flat shard in int8 (``_blockwise``), and its scales."""
+    q, scales = _blockwise(shard.reshape(1, -1), block)
+    return q.reshape(-1), scales.reshape(-1)
+
+
+def _quantize_rows(full: torch.Tensor, block: int, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mem.quantize {parts}``: ``full`` in one int8 row per rank's chunk (the
+    ``ShardLayout``: flattened, zero-padded), each in blocks (``_blockwise``)."""
+    chunk = ShardLayout(full.numel(), parts).chunk
+    rows = torch.nn.functional.pad(full.reshape(-1), (0, parts * chunk - full.numel())).view(parts, chunk)
+    q, scales = _blockwise(rows, block)
+    return q.contiguous(), scales
+
+
+def _dequantize_reduce(rows: torch.Tensor, scales: torch.Tensor, block: int, op: str,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """``mem.dequantize_reduce``: this rank's flat shard of the sum of the rows every rank
+    sent it, each dequantized and added in f32 in rank order (an average: over the rows)."""
+    chunk = rows.shape[1]
+    values = rows.float() * scales.repeat_interleave(block, dim=1)[:, :chunk]
+    total = values[0].clone()
+    for r in range(1, rows.shape[0]):
+        total += values[r]
+    if op == "avg":
+        total /= rows.shape[0]
+    return total.to(dtype)
 
 
 def _dequantize(q: torch.Tensor, scales: torch.Tensor, block: int, parts: int, dtype: torch.dtype) -> torch.Tensor:

@@ -595,41 +595,41 @@ at::Tensor all_gather_meta(const at::Tensor& shard, at::IntArrayRef size, const 
   return at::empty(size, shard.options().device(at::kMeta));
 }
 
-// One transfer for several shards: rank r's shards side by side in one send buffer; the
-// gathered buffer is copied out into each full tensor when the first result is waited on.
+// One transfer for several shards: rank r's shards side by side in one send buffer of
+// bytes (shards of different dtypes, such as int8 weights and their f32 scales, travel as
+// they are, never promoted to a common type); the gathered buffer is copied out into each
+// full tensor when the first result is waited on.
 std::vector<at::Tensor> all_gather_coalesced(at::TensorList shards, at::IntArrayRef sizes, at::IntArrayRef ranks,
                                              const std::string& group_name, const std::string& tag) {
   auto pg = group(group_name);
   int64_t world = pg->getSize();
   TORCH_CHECK(!shards.empty() && static_cast<int64_t>(shards.size()) == static_cast<int64_t>(ranks.size()),
               "dcir runtime: all_gather_coalesced of ", tag, ": one rank per shard");
-  std::vector<at::Tensor> flat, results;
+  std::vector<at::Tensor> flat, results, result_bytes;
   std::vector<int64_t> offsets;
   int64_t total = 0, at_dim = 0;
   for (size_t i = 0; i < shards.size(); ++i) {
     auto sz = sizes.slice(at_dim, ranks[i]);
     at_dim += ranks[i];
-    flat.push_back(shards[i].reshape(-1));
+    flat.push_back(shards[i].contiguous().view(-1).view(at::kByte));
     offsets.push_back(total);
-    total += shards[i].numel();
+    total += flat.back().numel();
     results.push_back(at::empty(sz, shards[i].options()));
+    result_bytes.push_back(results.back().view(-1).view(at::kByte));
   }
   for (const auto& r : results) track_gathered(r);
-  // over shared memory only when the shards share one dtype (the outbox is read as one tensor)
-  bool one_dtype = std::all_of(flat.begin(), flat.end(), [&](const at::Tensor& f) { return f.dtype() == flat[0].dtype(); });
-  intrusive_ptr<Work> work;
-  if (one_dtype) work = try_shm(group_name, flat[0], total * flat[0].element_size(), "all_gather_coalesced of " + tag,
+  auto work = try_shm(group_name, flat[0], total, "all_gather_coalesced of " + tag,
       [&](Shm& shm, int64_t at) {
         auto mine = outbox(shm, shm.rank, at, total, flat[0]);
         for (size_t i = 0; i < flat.size(); ++i) mine.narrow(0, offsets[i], flat[i].numel()).copy_(flat[i]);
       },
       [&](const std::shared_ptr<Shm>& shm, int64_t at) -> std::function<void()> {
-        return [shm, at, total, results, offsets, flat] {
+        return [shm, at, total, result_bytes, offsets, flat] {
           for (int64_t r = 0; r < shm->world; ++r) {
             auto theirs = outbox(*shm, r, at, total, flat[0]);
-            for (size_t i = 0; i < results.size(); ++i) {
-              int64_t n = flat[i].numel(), len = std::min(n, results[i].numel() - r * n);
-              if (len > 0) results[i].view(-1).narrow(0, r * n, len).copy_(theirs.narrow(0, offsets[i], len));
+            for (size_t i = 0; i < result_bytes.size(); ++i) {
+              int64_t n = flat[i].numel(), len = std::min(n, result_bytes[i].numel() - r * n);
+              if (len > 0) result_bytes[i].narrow(0, r * n, len).copy_(theirs.narrow(0, offsets[i], len));
             }
           }
         };
@@ -640,11 +640,11 @@ std::vector<at::Tensor> all_gather_coalesced(at::TensorList shards, at::IntArray
   }
   auto send = at::cat(flat);
   auto buffer = at::empty({total * world}, send.options());
-  auto copy_out = [buffer, results, offsets, flat, total, world] {
+  auto copy_out = [buffer, result_bytes, offsets, flat, total, world] {
     auto per_rank = buffer.view({world, total});
-    for (size_t i = 0; i < results.size(); ++i) {
+    for (size_t i = 0; i < result_bytes.size(); ++i) {
       auto gathered = per_rank.narrow(1, offsets[i], flat[i].numel()).reshape(-1);
-      results[i].view(-1).copy_(gathered.narrow(0, 0, results[i].numel()));
+      result_bytes[i].copy_(gathered.narrow(0, 0, result_bytes[i].numel()));
     }
   };
   start({send}, results, [&] { return gather_into(*pg, buffer, send); }, copy_out,
@@ -682,6 +682,25 @@ void reduce_rows(const std::vector<at::Tensor>& rows, const at::Tensor& out, con
   if (op == "avg") into.div_(world);
 }
 
+// An all-to-all's start over shared memory: chunk p of `send` ([world * n], flat) goes to
+// this rank's outbox slot for rank p (its own chunk stays in `send`).
+void post_chunks(Shm& shm, int64_t at, int64_t n, const at::Tensor& send) {
+  for (int64_t p = 0; p < shm.world; ++p) {
+    if (p != shm.rank) outbox(shm, shm.rank, at + slot_of(p, shm.rank) * n * send.element_size(), n, send)
+                           .copy_(send.narrow(0, p * n, n));
+  }
+}
+
+// Its wait: what each rank r sent this one, in rank order (views of their outboxes).
+std::vector<at::Tensor> chunks_for_me(Shm& shm, int64_t at, int64_t n, const at::Tensor& send) {
+  std::vector<at::Tensor> rows;
+  for (int64_t r = 0; r < shm.world; ++r) {
+    rows.push_back(r == shm.rank ? send.narrow(0, r * n, n)
+                                 : outbox(shm, r, at + slot_of(shm.rank, r) * n * send.element_size(), n, send));
+  }
+  return rows;
+}
+
 // Starts the reduce-scatter of `send` ([world * n]: the chunk for rank r at r * n) into
 // `received` ([n]). On GPU it is the process group's reduce_scatter. Elsewhere it is an
 // all-to-all (each rank receives every rank's copy of its chunk, the same bytes a ring
@@ -706,21 +725,9 @@ void start_reduce_scatter(const at::Tensor& send, const at::Tensor& received, co
   }
   int64_t n = received.numel();
   auto work = try_shm(group_name, send, (world - 1) * n * send.element_size(), what,
-      [&](Shm& shm, int64_t at) {
-        for (int64_t p = 0; p < world; ++p) {
-          if (p != shm.rank) outbox(shm, shm.rank, at + slot_of(p, shm.rank) * n * send.element_size(), n, send)
-                                 .copy_(send.narrow(0, p * n, n));
-        }
-      },
+      [&](Shm& shm, int64_t at) { post_chunks(shm, at, n, send); },
       [&](const std::shared_ptr<Shm>& shm, int64_t at) -> std::function<void()> {
-        return [shm, at, n, send, received, op, world] {
-          std::vector<at::Tensor> rows;
-          for (int64_t r = 0; r < world; ++r) {
-            rows.push_back(r == shm->rank ? send.narrow(0, r * n, n)
-                                          : outbox(*shm, r, at + slot_of(shm->rank, r) * n * send.element_size(), n, send));
-          }
-          reduce_rows(rows, received, op, world);
-        };
+        return [shm, at, n, send, received, op, world] { reduce_rows(chunks_for_me(*shm, at, n, send), received, op, world); };
       });
   if (work) {
     start({send}, results, [&] { return work; }, [] {}, what, group_name);
@@ -793,6 +800,37 @@ std::vector<at::Tensor> reduce_scatter_coalesced_meta(at::TensorList fulls, cons
   std::vector<at::Tensor> out;
   for (const auto& f : fulls) out.push_back(at::empty({chunk_of(f.numel(), world)}, f.options().device(at::kMeta)));
   return out;
+}
+
+// Sends row p of `rows` ([world, ...]) to rank p; row r of the result is what rank r sent
+// this one. Over NCCL or gloo the process group's all_to_all, else shared memory.
+at::Tensor all_to_all(const at::Tensor& rows, const std::string& group_name, const std::string& tag) {
+  auto pg = group(group_name);
+  int64_t world = pg->getSize();
+  TORCH_CHECK(rows.dim() >= 1 && rows.size(0) == world, "dcir runtime: all_to_all of ", tag, ": one row per rank (",
+              world, "), got ", rows.sizes());
+  auto send = rows.contiguous();
+  auto result = at::empty_like(send);
+  int64_t n = send.numel() / world;
+  auto flat_send = send.view(-1), flat = result.view(-1);
+  intrusive_ptr<Work> work;
+  if (!send.is_cuda()) work = try_shm(group_name, send, (world - 1) * n * send.element_size(),
+      "all_to_all of " + tag, [&](Shm& shm, int64_t at) { post_chunks(shm, at, n, flat_send); },
+      [&](const std::shared_ptr<Shm>& shm, int64_t at) -> std::function<void()> {
+        return [shm, at, n, flat_send, flat] {
+          auto mine = chunks_for_me(*shm, at, n, flat_send);
+          for (int64_t r = 0; r < shm->world; ++r) flat.narrow(0, r * n, n).copy_(mine[r]);
+        };
+      });
+  c10d::AllToAllOptions opts;
+  opts.timeout = timeout;
+  start({send}, {result}, [&] { return work ? work : all_to_all_into(*pg, flat, flat_send, opts); }, [] {},
+        "all_to_all of " + tag, group_name);
+  return result;
+}
+
+at::Tensor all_to_all_meta(const at::Tensor& rows, const std::string&, const std::string&) {
+  return at::empty(rows.sizes(), rows.options().device(at::kMeta));
 }
 
 // Reduces every tensor across the ranks (out of place), in one transfer.
@@ -974,6 +1012,7 @@ TORCH_LIBRARY(dcir, m) {
   m.def("all_gather_coalesced(Tensor[] shards, int[] sizes, int[] ranks, str group, str tag) -> Tensor[]");
   m.def("reduce_scatter(Tensor full, str op, str group, str tag) -> Tensor");
   m.def("reduce_scatter_coalesced(Tensor[] fulls, str op, str group, str tag) -> Tensor[]");
+  m.def("all_to_all(Tensor rows, str group, str tag) -> Tensor");
   m.def("all_reduce(Tensor t, str op, str group, str tag) -> Tensor");
   m.def("all_reduce_coalesced(Tensor[] tensors, str op, str group, str tag) -> Tensor[]");
   // no alias annotation: functionalization (Inductor) rejects custom ops returning an
@@ -1000,6 +1039,7 @@ TORCH_LIBRARY_IMPL(dcir, CompositeExplicitAutograd, m) {
   m.impl("all_gather_coalesced", all_gather_coalesced);
   m.impl("reduce_scatter", reduce_scatter);
   m.impl("reduce_scatter_coalesced", reduce_scatter_coalesced);
+  m.impl("all_to_all", all_to_all);
   m.impl("all_reduce", all_reduce);
   m.impl("all_reduce_coalesced", all_reduce_coalesced);
   m.impl("wait", wait);
@@ -1011,6 +1051,7 @@ TORCH_LIBRARY_IMPL(dcir, Meta, m) {
   m.impl("all_gather_coalesced", all_gather_coalesced_meta);
   m.impl("reduce_scatter", reduce_scatter_meta);
   m.impl("reduce_scatter_coalesced", reduce_scatter_coalesced_meta);
+  m.impl("all_to_all", all_to_all_meta);
   m.impl("all_reduce", all_reduce_meta);
   m.impl("all_reduce_coalesced", all_reduce_coalesced_meta);
   m.impl("wait", wait_meta);

@@ -90,13 +90,14 @@ def pipeline(config: Config, world: int, training: bool, state_keys: Callable[[]
              passes: Callable[[list[str]], list]) -> list:
     """The passes a captured program goes through: the stage's (with ZeRO++'s
     ``hierarchical`` partitions), the mixed-precision casts, ``quantize`` (ZeRO++'s
-    int8 gathers), ``offload`` and the configured passes for a training step; for a
-    forward without a backward (``@eval``), ``zero3``'s gathers and frees, the casts
-    and ``quantize``."""
+    int8 gathers and reductions), ``offload`` and the configured passes for a training
+    step; for a forward without a backward (``@eval``), ``zero3``'s gathers and frees,
+    the casts and ``quantize``'s int8 gathers."""
     policy = precision.policy_of(config)
-    quantized = [Quantize()] if config.zero_quantized_weights else []
+    weights, grads = config.zero_quantized_weights, config.zero_quantized_gradients
+    quantized = [Quantize(weights=weights, gradients=grads)] if weights or grads else []
     if not training:
-        return [zero3(config, world), *precision.passes(policy), *quantized]
+        return [zero3(config, world), *precision.passes(policy), *([Quantize()] if weights else [])]
     hpz = config.zero_hpz_partition_size
     hierarchical = [Hierarchical()] if hpz is not None and world > hpz else []  # one node: nothing to keep
     return [stage_pass(config, world), *hierarchical, *precision.passes(policy), *quantized,

@@ -91,6 +91,10 @@ class Config:
     #: blocks of 256 with f32 scales (the ``quantize`` pass); shards, optimizer and gradient
     #: reductions stay exact
     zero_quantized_weights: bool = False
+    #: DeepSpeed ZeRO++'s quantized gradients (qgZ): every gradient reduce-scatter moves int8
+    #: rows in blocks of 256 with f32 scales, exchanged all-to-all and summed in f32 on the
+    #: receiving rank (the ``quantize`` pass); shards, optimizer and gathers stay exact
+    zero_quantized_gradients: bool = False
 
     def __post_init__(self):
         given = [k for k in ("mixed_precision", "bf16", "fp16") if getattr(self, k) is not None]
@@ -108,6 +112,9 @@ class Config:
         if self.zero_quantized_weights and self.zero_stage != 3:
             raise _error(f"zero_quantized_weights quantizes ZeRO-3's parameter gathers: give zero_stage 3, not "
                          f"{self.zero_stage}")
+        if self.zero_quantized_gradients and self.zero_stage != 3:
+            raise _error(f"zero_quantized_gradients quantizes ZeRO-3's gradient reductions (ZeRO++'s qgZ): give "
+                         f"zero_stage 3, not {self.zero_stage}")
         if self.mesh is not None and self.zero_stage != 3:
             raise _error(f"the config's mesh shards parameters within a node (HSDP), which is ZeRO-3's: give zero_stage "
                          f"3, not {self.zero_stage}")
@@ -297,7 +304,7 @@ _CHECKS = {"zero_stage": _stage, "passes": _passes, "gradient_accumulation_steps
            "fp16": _precision("check_fp16"), "max_programs": _positive_int,
            "transport": _transport, "nonfinite": _nonfinite, "program_cache": _directory,
            "mesh": _mesh, "zero_hpz_partition_size": _optional_positive_int,
-           "zero_quantized_weights": _bool}
+           "zero_quantized_weights": _bool, "zero_quantized_gradients": _bool}
 
 
 def _error(message: str) -> DcirError:

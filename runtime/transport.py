@@ -151,13 +151,15 @@ def _ring_events(func) -> list[tuple[str, int, int]]:
 
 def _region_bytes(op) -> int:
     """What ``op`` puts in this rank's outbox (``native/dcir_runtime.cpp``): a gather, its
-    shards (one dtype, else it goes over the process group); a reduce-scatter, the chunks
+    shards' bytes (whatever their dtypes); a reduce-scatter or an all-to-all, the chunks
     the other ranks keep. 0: not over shared memory (an all-reduce, another group)."""
     if "group" in op.attrs:
         return 0
     if registry.has_trait(op, registry.GATHERS):
-        types = [v.type for v in op.operands]
-        return sum(t.nbytes for t in types) if len({t.dtype for t in types}) == 1 else 0
+        return sum(v.type.nbytes for v in op.operands)
+    if registry.has_trait(op, registry.EXCHANGES):  # every row but its own
+        t = op.operands[0].type
+        return t.nbytes - t.nbytes // t.shape[0]
     if registry.has_trait(op, registry.SCATTERS):
         shards = [v.type.inner for v in op.results]
         width = max(DTYPE_BYTES[v.type.dtype] for v in op.operands)

@@ -642,6 +642,13 @@ def native_ops(transport: str) -> None:
     d.wait(b)
     d.wait(a)
     assert torch.equal(a, full) and torch.equal(b, full.reshape(-1) * 2)
+    # shards of different dtypes (int8 weights and f32 scales) travel as their own bytes
+    sent = torch.ops.dcir.group_stats(g)[1]
+    a, b = d.all_gather_coalesced([shard.to(torch.int8), shard * 0.5], [2, 5, 10], [2, 1], g, "t")
+    d.wait(b)
+    d.wait(a)
+    assert a.dtype == torch.int8 and torch.equal(a, full.to(torch.int8)) and torch.equal(b, full.reshape(-1) * 0.5)
+    assert torch.ops.dcir.group_stats(g)[1] - sent == shard.numel() * 5, "a mixed-dtype gather was promoted"
     ranks_sum = sum(range(1, world + 1))
     grad = full * (rank + 1)
     assert torch.equal(d.wait(d.reduce_scatter(grad, "avg", g, "t")), flat_shard(full * ranks_sum / world, rank, world))
@@ -652,6 +659,12 @@ def native_ops(transport: str) -> None:
     assert torch.equal(s1, flat_shard(full * ranks_sum, rank, world))
     assert torch.equal(s2, flat_shard(full[0] * ranks_sum, rank, world))
     assert torch.equal(d.wait(d.all_reduce(grad, "avg", g, "t")), full * ranks_sum / world)
+    # all_to_all: row p goes to rank p; row r of the result is what rank r sent (int8 rows, as qgZ sends)
+    rows = (torch.arange(world * 3, device=where).reshape(world, 3) + 10 * rank).to(torch.int8)
+    got = d.wait(d.all_to_all(rows, g, "t"))
+    sent = [(torch.arange(world * 3, device=where).reshape(world, 3) + 10 * r).to(torch.int8)[rank] for r in range(world)]
+    assert got.dtype == torch.int8 and torch.equal(got, torch.stack(sent)), (got, sent)
+    assert torch.equal(d.wait(d.all_to_all(rows.float()[:, :1], g, "t")), torch.stack(sent).float()[:, :1])
     before = runtime_stats()
     x = d.wait(d.all_gather(shard, [2, 5], g, "t"))
     # the gathered buffer, accounted
@@ -740,13 +753,18 @@ def _gather_bytes(module) -> int:
 
 
 def quantized(out: str, steps: int) -> None:
-    """A Llama trained ``steps`` AdamW steps twice from one init, on the same batches:
-    ZeRO-3 in fp32 and with int8 parameter gathers (``zero_quantized_weights``). Rank 0
-    writes both loss curves, the bytes this rank sent over the group per step, and the
-    bytes its gathers moved per micro-step (from each program)."""
+    """A Llama trained ``steps`` AdamW steps three times from one init, on the same
+    batches: ZeRO-3 in fp32, with int8 parameter gathers (``zero_quantized_weights``,
+    over the process group) and with int8 gathers and gradient reductions (also
+    ``zero_quantized_gradients``, over shared memory, with the schedule passes). Rank 0
+    writes the loss curves, the
+    bytes this rank sent per step (either transport counts them), and the bytes its
+    gathers moved per micro-step (from each program)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     runs = {}
-    for name, extra in (("fp32", {}), ("int8", {"zero_quantized_weights": True})):
+    both = {"zero_quantized_weights": True, "zero_quantized_gradients": True, "transport": "auto",
+            "passes": ["prefetch", "unshard", "bucket"]}
+    for name, extra in (("fp32", {}), ("int8", {"zero_quantized_weights": True}), ("int8_grads", both)):
         torch.manual_seed(0)
         engine = dcir.initialize(tiny_llama(), lambda ps: torch.optim.AdamW(ps, lr=3e-3),
                                  config={"timeout_s": 60, "transport": "process_group", **extra},
@@ -762,7 +780,8 @@ def quantized(out: str, steps: int) -> None:
             losses.append(torch.tensor(loss.item()).reshape(1).clone())
         sent = (engine.process_group.traffic()["world"]["bytes"] - before) / steps
         mean = [torch.distributed.all_reduce(x) or x.item() / world for x in losses]
-        runs[name] = {"losses": mean, "bytes_per_step": sent, "gather_bytes": _gather_bytes(engine.ir())}
+        runs[name] = {"losses": mean, "bytes_per_step": sent, "gather_bytes": _gather_bytes(engine.ir()),
+                      "shm": engine.transport_bytes > 0}
     if rank == 0:
         Path(out).write_text(json.dumps(runs, indent=1))
     torch.distributed.barrier()
