@@ -285,11 +285,8 @@ class Planner:
                 self._replanned_captured = self._forced = True
                 self.profile, self.warming = self.profile or Profile(running), None
                 return
-        least = held - _rebuildable(running, host_apart=self.group.device.type != "cpu")
-        advice = (f"recomputing every activation that can be rebuilt, the step fits {format_bytes(least)}: add "
-                  "'recompute' to optimize.passes" if least <= budget else
-                  f"even recomputing every activation that can be rebuilt, the step needs {format_bytes(least)}: "
-                  "raise memory_budget or lower the micro-batch")
+        host_apart = self.group.device.type != "cpu"
+        advice = over_budget_advice(held - _rebuildable(running, host_apart), budget, host_apart)
         raise DcirError(Diagnostic(
             f"rank {self.group.rank} holds {format_bytes(held)} at its peak, over the memory budget of "
             f"{format_bytes(budget)}: {format_bytes(fixed)} whatever the schedule (parameter and gradient shards, "
@@ -306,6 +303,18 @@ def _priced(profiled: dcir.Module, module: dcir.Module, running: dcir.Module, co
     peak = max(memory_peaks(running).values(), default=0)
     raised = max(max(memory_peaks(module).values(), default=0) - peak, 0) / max(peak, 1)
     return before, after, (1 - after.seconds / before.seconds if before.seconds > 0 else 0.0), raised
+
+
+def over_budget_advice(least: int, budget: int, host_apart: bool) -> str:
+    """What an over-budget error advises: the ``least`` the step holds with every
+    activation rebuilt (and, where host memory is apart, every other one moved there),
+    and the passes that do it when that fits ``budget``."""
+    how = ("recomputing every activation that can be rebuilt and offloading the others to host memory"
+           if host_apart else "recomputing every activation that can be rebuilt")
+    passes = "'recompute' and 'offload_activations'" if host_apart else "'recompute'"
+    if least <= budget:
+        return f"{how}, the step fits {format_bytes(least)}: add {passes} to optimize.passes"
+    return f"even {how}, the step needs {format_bytes(least)}: raise memory_budget or lower the micro-batch"
 
 
 def _rebuildable(module: dcir.Module, host_apart: bool) -> int:

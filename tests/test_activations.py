@@ -23,6 +23,7 @@ from dcir.memory import saved_storage
 from dcir.passes.recompute import Recompute, footprint
 from dcir_runtime import native
 from dcir_runtime.launch import launch
+from dcir_runtime.plan import over_budget_advice
 from models import Checkpointed, checkpointed_llama, tiny_llama
 from zoo import LR, criterion, micro_batches, worst_relative
 
@@ -167,6 +168,16 @@ def test_a_budget_only_recompute_meets_says_so():
     with pytest.raises(dcir.DcirError, match=r"recomputing every activation that can be rebuilt, the step fits "
                                              r"[0-9.]+ [KM]iB: add 'recompute' to optimize.passes"):
         _train_engine({"memory_budget": fixed + int(0.8 * peak)}, steps=1)
+
+
+def test_over_a_budget_on_a_gpu_the_advice_counts_offload_too():
+    """Where host memory is apart from the device's, the floor the error gives includes
+    offloading what recompute cannot rebuild, and the advice names both passes."""
+    both = "recomputing every activation that can be rebuilt and offloading the others to host memory"
+    assert over_budget_advice(5 << 20, 6 << 20, host_apart=True) == (
+        f"{both}, the step fits 5.00 MiB: add 'recompute' and 'offload_activations' to optimize.passes")
+    assert over_budget_advice(7 << 20, 6 << 20, host_apart=True) == (
+        f"even {both}, the step needs 7.00 MiB: raise memory_budget or lower the micro-batch")
 
 
 @pytest.mark.parametrize("share", [0.6, "floor"])
