@@ -11,6 +11,7 @@ import argparse
 import importlib.util
 import re
 import sys
+import textwrap
 import time
 import traceback
 from dataclasses import replace
@@ -34,10 +35,15 @@ _EXPECTED = re.compile(r"//\s*expected-(error|note)\s*(@[+-]?\d+|@above|@below)?
 
 
 def _passes_epilog() -> str:
+    """Each pass with the first sentence of its module's docstring, in a column wide
+    enough for the longest name, wrapped under itself."""
+    passes = registry()
+    width = max(map(len, passes)) + 1
     rows = []
-    for name, cls in registry().items():
-        doc = (sys.modules[cls.__module__].__doc__ or "").strip().split("\n", 1)[0]
-        rows.append(f"  {name:<14} {doc}")
+    for name, cls in passes.items():
+        first = " ".join((sys.modules[cls.__module__].__doc__ or "").strip().split("\n\n", 1)[0].split())
+        sentence = first.split(". ", 1)[0].rstrip(".") + "."
+        rows.append(textwrap.fill(sentence, 100, initial_indent=f"  {name:<{width}}", subsequent_indent=" " * (width + 2)))
     return "passes (options in braces: canonicalize{max_iterations=4}; --help-pass NAME for details):\n" + "\n".join(rows) + "\n"
 
 
