@@ -107,6 +107,15 @@ def saver(functions):
     return next((f for f in functions if (r := role(f)) is not None and r.saves), None)
 
 
+def hand_off(functions) -> tuple | None:
+    """The function that saves values and those that take them (``forward`` and its
+    backwards), or None when the module has no such pair: what a pass that changes how
+    saved values travel rewrites."""
+    functions = list(functions)
+    fw, takers = saver(functions), [f for f in functions if takes_saved(f)]
+    return (fw, takers) if fw is not None and takers else None
+
+
 def last_micro_step(functions, name: str):
     """The function that runs in place of the role ``name`` on the last micro-step, when
     the module has one (``backward`` -> ``backward_last``), else the one of role

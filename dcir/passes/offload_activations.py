@@ -168,10 +168,10 @@ class OffloadActivations(Pass):
     budget: Bytes | None = None  # the step's peak to fit, per rank, as the memory model counts it
 
     def run(self, module: Module, stats: Counter, ctx: PlanContext) -> None:
-        fw = roles.saver(module.functions.values())
-        bws = [f for f in module.functions.values() if roles.takes_saved(f)]
-        if fw is None or not bws:
+        pair = roles.hand_off(module.functions.values())
+        if pair is None:
             return
+        fw, bws = pair
         machine = ctx.machine_for(module)
         rewriters = {f.name: Rewriter(f) for f in (fw, *bws)}
         now = footprint(module)
