@@ -71,6 +71,8 @@ def _merge(rewriter: Rewriter, a: Op, b: Op, gather: bool) -> Op | None:
         attrs = _unprofiled(a.attrs)
         if name != registry.coalesced_form(b) or attrs != _unprofiled(b.attrs):
             return None  # a different reduction or group
+        if len({v.type.dtype for v in (*a.operands, *b.operands)}) > 1:
+            return None  # one buffer is summed: another dtype would be converted (gathers move bytes)
         pending, inputs = set(a.results), set(a.operands)
         for op in between:  # a's results must not be waited, nor its inputs freed, before the merged start
             if pending & set(op.operands) or (registry.has_trait(op, registry.FREES) and inputs & set(op.operands)):
