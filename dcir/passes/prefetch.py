@@ -121,9 +121,16 @@ HOIST_GATHERS = Move(
     cost=_gather_cost)
 
 
+def _reduces(op: Op) -> bool:
+    """A collective that reduces, or the exchange of a quantized reduction's rows (qgZ:
+    ``comm.all_to_all``, summed after its wait by ``mem.dequantize_reduce``)."""
+    return registry.has_trait(op, registry.ASYNC) and (
+        registry.has_trait(op, registry.REDUCES) or registry.has_trait(op, registry.EXCHANGES))
+
+
 def _is_reduction_wait(op: Op) -> bool:
     return registry.has_trait(op, registry.WAITS) and all(
-        isinstance(v.owner, Op) and registry.has_trait(v.owner, registry.REDUCES) for v in op.operands)
+        isinstance(v.owner, Op) and _reduces(v.owner) for v in op.operands)
 
 
 def _reduction_start(sweep: Sweep, i: int) -> int:
@@ -131,21 +138,26 @@ def _reduction_start(sweep: Sweep, i: int) -> int:
 
 
 def _wait_group(sweep: Sweep, i: int) -> list[int] | None:
-    """The wait, then the ops right after it that only finish the reduction: the
-    grad.set of its results and the frees of what the reduction read."""
+    """The wait, then the ops right after it that only finish the reduction: the sum of
+    a quantized reduction's rows (``mem.dequantize_reduce``), the grad.set of its
+    results, and the frees of what the reduction read and of the rows once summed."""
     ops = sweep.func.ops
     wait = ops[i]
-    start = ops[_reduction_start(sweep, i)]
     own = sweep.storage
-    inputs = {own.get(v, v) for v in start.operands}
+    inputs = {own.get(v, v) for w in wait.operands for v in w.owner.operands}
     results = set(wait.results)
     group = [i]
     j = i + 1
     while j < len(ops):
         op = ops[j]
-        if registry.has_trait(op, registry.GRADIENT) and set(op.operands) <= results:
+        reads = set(op.operands)
+        if registry.has_trait(op, registry.GRADIENT) and reads <= results:
             group.append(j)
-        elif registry.has_trait(op, registry.FREES) and {own.get(v, v) for v in op.operands} <= inputs:
+        elif registry.has_trait(op, registry.REDUCES) and not registry.has_trait(op, registry.ASYNC) \
+                and reads <= results:
+            group.append(j)
+            results |= set(op.results)
+        elif registry.has_trait(op, registry.FREES) and {own.get(v, v) for v in reads} <= inputs | results:
             group.append(j)
         else:
             break
@@ -189,10 +201,6 @@ def _reduction_done(sweep: Sweep, i: int, group: list[int]) -> int:
     return group[0]
 
 
-def _is_reduction(op: Op) -> bool:
-    return registry.has_trait(op, registry.REDUCES) and registry.has_trait(op, registry.ASYNC)
-
-
 def _reduction_cost(sweep: Sweep, i: int, group: list[int], pos: int) -> tuple[int, int, int]:
     return sum(device_bytes(r) for r in sweep.func.ops[i].results), pos, group[0]
 
@@ -200,7 +208,7 @@ def _reduction_cost(sweep: Sweep, i: int, group: list[int], pos: int) -> tuple[i
 # A reduction starts as soon as its gradient is computed (captured backward graphs
 # compute every gradient before handing any over) ...
 HOIST_REDUCTIONS = Move(
-    "reduce_scatter", anchor=_is_reduction, group=lambda sweep, i: [i], direction="earlier",
+    "reduce_scatter", anchor=_reduces, group=lambda sweep, i: [i], direction="earlier",
     limits=(AFTER_DEPENDENCIES,), cost=_reduction_cost)
 # ... its wait comes once the transfer is done, which frees the full gradient early ...
 RAISE_REDUCTION_WAITS = Move(
