@@ -201,6 +201,26 @@ def _reduction_done(sweep: Sweep, i: int, group: list[int]) -> int:
     return group[0]
 
 
+def _start_group(sweep: Sweep, i: int) -> list[int]:
+    """A reduction's start; a quantized one's (``comm.all_to_all`` of the rows) with the
+    run that begins at the ``mem.quantize`` making them: the all-to-alls of the rows and
+    of their scales and the free of the gradient they were made from, which move together."""
+    ops, own = sweep.func.ops, sweep.storage
+    made_by = ops[i].operands[0].owner
+    j = sweep.position.get(made_by)
+    if not registry.has_trait(ops[i], registry.EXCHANGES) or j is None:
+        return [i]
+    source = {own.get(v, v) for v in made_by.operands}
+    group = [j]
+    for k in range(j + 1, len(ops)):
+        op = ops[k]
+        exchanged = registry.has_trait(op, registry.EXCHANGES) and op.operands[0].owner is made_by
+        if not (exchanged or (registry.has_trait(op, registry.FREES) and {own.get(v, v) for v in op.operands} <= source)):
+            break
+        group.append(k)
+    return group if i in group else [i]
+
+
 def _reduction_cost(sweep: Sweep, i: int, group: list[int], pos: int) -> tuple[int, int, int]:
     return sum(device_bytes(r) for r in sweep.func.ops[i].results), pos, group[0]
 
@@ -208,7 +228,7 @@ def _reduction_cost(sweep: Sweep, i: int, group: list[int], pos: int) -> tuple[i
 # A reduction starts as soon as its gradient is computed (captured backward graphs
 # compute every gradient before handing any over) ...
 HOIST_REDUCTIONS = Move(
-    "reduce_scatter", anchor=_reduces, group=lambda sweep, i: [i], direction="earlier",
+    "reduce_scatter", anchor=_reduces, group=_start_group, direction="earlier",
     limits=(AFTER_DEPENDENCIES,), cost=_reduction_cost)
 # ... its wait comes once the transfer is done, which frees the full gradient early ...
 RAISE_REDUCTION_WAITS = Move(
