@@ -35,13 +35,13 @@ the 80-layer headroom (device memory less held state and that peak) times L/80, 
 parameters sharded over a node's 8 ranks, gradients reduce-scattered there and averaged
 across nodes once per optimizer step) or hierarchical partitions (hpZ, ``zero3{nodes=N},
 hierarchical``: sharded over every rank, the backward gathering node-local partitions
-within the node) or int8 parameter gathers (qwZ, ``quantize``; alone and with hpZ) win
-over flat ZeRO-3: Llama-3-70B and Llama-3-8B on 32, 128 and 1,024 ranks (8 per node), each
+within the node) or int8 parameter gathers (qwZ, ``quantize``; alone and with hpZ) or all
+of ZeRO++ (hpZ, qwZ and int8 gradient reductions, qgZ) win over flat ZeRO-3: Llama-3-70B and Llama-3-8B on 32, 128 and 1,024 ranks (8 per node), each
 program as the stage writes it (no scheduling passes), with its peak memory per rank
 (whether it fits the device) and the bytes one rank sends per optimizer step within its
 node and across nodes (a ring that spans nodes counts as crossing them: the NIC bounds
-it). The choice is the fastest that fits. The simulator prices ``mem.quantize`` and
-``mem.dequantize`` as one dispatch each, so qwZ's rows are optimistic by their compute.
+it). The choice is the fastest that fits. The simulator prices the quantize ops as one
+pass over the bytes they read and write (``mem_bw``).
 
 Usage::
 
@@ -79,11 +79,11 @@ PUBLISHED = {1: 1.18, 16: 1.28}
 
 
 def program(layers: int, world: int, seq: int = 1024, model: dict = LLAMA3_70B, nodes: int = 1,
-            accumulate: int = 1, hpz: int = 0, quantized: bool = False) -> dcir.Module:
+            accumulate: int = 1, hpz: int = 0, quantized: str = "") -> dcir.Module:
     """The model's ZeRO-3 step (``nodes`` > 1: HSDP over ``nodes`` × ``world / nodes``,
     averaging across nodes once per optimizer step of ``accumulate`` micro-steps; ``hpz``:
-    ZeRO-3 with hierarchical partitions over nodes of ``hpz`` ranks; ``quantized``: its
-    parameter gathers in int8, ``quantize``)."""
+    ZeRO-3 with hierarchical partitions over nodes of ``hpz`` ranks; ``quantized`` "w":
+    its parameter gathers in int8, "wg": its gradient reductions too, ``quantize``)."""
     cfg = {**model, "layers": layers}
     text = generate(layers=cfg["layers"], hidden=cfg["hidden"], heads=cfg["heads"], seq=seq, batch=1,
                     world_size=world, kv_heads=cfg["kv_heads"], intermediate=cfg["intermediate"], vocab=cfg["vocab"],
@@ -93,7 +93,7 @@ def program(layers: int, world: int, seq: int = 1024, model: dict = LLAMA3_70B, 
         module.attrs.update({"mesh.nodes": world // hpz, "mesh.local": hpz})
         PassManager([Hierarchical()], verify_each=False).run(module)
     if quantized:
-        PassManager([Quantize()], verify_each=False).run(module)
+        PassManager([Quantize(gradients="g" in quantized)], verify_each=False).run(module)
     if nodes > 1 and accumulate > 1:
         once_per_step(module, Counter(), registry.REDUCES, lambda decl, grad: grad.type, "averaged once")
     return module
@@ -161,9 +161,10 @@ def link_bytes(module: dcir.Module, machine, accumulate: int) -> dict[str, float
 
 
 def schemes(nodes: int, per_node: int) -> list[tuple]:
-    """(name, HSDP's nodes, hpZ's ranks a node, int8 gathers) of each way across nodes."""
-    return [("ZeRO-3", 1, 0, False), ("HSDP", nodes, 0, False), ("hpZ", 1, per_node, False), ("qwZ", 1, 0, True),
-            ("hpZ+qwZ", 1, per_node, True)]
+    """(name, HSDP's nodes, hpZ's ranks a node, what goes in int8: "w" gathers, "wg" also
+    gradient reductions) of each way across nodes; "ZeRO++" is all three of ZeRO++'s."""
+    return [("ZeRO-3", 1, 0, ""), ("HSDP", nodes, 0, ""), ("hpZ", 1, per_node, ""), ("qwZ", 1, 0, "w"),
+            ("hpZ+qwZ", 1, per_node, "w"), ("ZeRO++", 1, per_node, "wg")]
 
 
 def mesh_rows(layers: int | None, machine, worlds=(32, 128, 1024), accumulate=(1, 16)) -> list[dict]:
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hardware", default="h100-ib400", help="a dcir/machines name or a .toml (default h100-ib400)")
     ap.add_argument("--accumulate", default="1,16", help="gradient accumulation steps to predict (default 1,16)")
     ap.add_argument("--mesh", action="store_true",
-                    help="flat ZeRO-3 against HSDP, hpZ and qwZ on 32, 128 and 1,024 ranks, for Llama-3-70B and -8B "
+                    help="flat ZeRO-3 against HSDP, hpZ, qwZ and ZeRO++ on 32, 128 and 1,024 ranks, for Llama-3-70B and -8B "
                          "(--layers then overrides both models' layer counts)")
     ns = ap.parse_args(argv)
     begin = time.perf_counter()

@@ -157,9 +157,12 @@ def analytic_s(op: Op, machine: Machine) -> float:
                                         for v, r in zip(op.operands, op.results)) / machine.copy_bw
     if is_transfer(op):
         return machine.collective_s(ring_kind(op), payload(op), ranks(op, machine), nodes_spanned(op, machine))
-    if not registry.has_trait(op, registry.COMPUTE):
-        return machine.dispatch_s
-    return machine.dispatch_s + max(op_flops(op) / machine.flops, touched_bytes(op) / machine.mem_bw)
+    if registry.has_trait(op, registry.COMPUTE):
+        return machine.dispatch_s + max(op_flops(op) / machine.flops, touched_bytes(op) / machine.mem_bw)
+    if registry.has_trait(op, registry.PURE) and registry.has_trait(op, registry.ALLOCATES):
+        # a cast, a quantization, an accumulation: one pass over what it reads and writes
+        return machine.dispatch_s + touched_bytes(op) / machine.mem_bw
+    return machine.dispatch_s
 
 
 def calibrate(module: Module, machine: Machine | None = None) -> Machine:

@@ -493,19 +493,21 @@ def test_predict_at_scale_runs_quickly(capsys):
 
 
 def test_predict_at_scale_compares_the_ways_across_nodes(capsys):
-    """Per model, ranks and accumulation: flat ZeRO-3, HSDP, hpZ, qwZ and hpZ+qwZ, each
-    with its peak and the bytes a rank sends in and across nodes, and the fastest that fits
-    marked. HSDP carries least across nodes, hpZ moves the backward's gathers into the node,
-    qwZ halves the bf16 gathers."""
+    """Per model, ranks and accumulation: flat ZeRO-3, HSDP, hpZ, qwZ, hpZ+qwZ and ZeRO++
+    (hpZ, qwZ and qgZ), each with its peak and the bytes a rank sends in and across nodes,
+    and the fastest that fits marked. HSDP carries least across nodes, hpZ moves the
+    backward's gathers into the node, qwZ halves the bf16 gathers, qgZ the reductions."""
     from predict_at_scale import main  # benchmarks/ (pytest's pythonpath)
     assert main(["--mesh", "--layers", "2", "--accumulate", "4"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["Llama-3-8B"]]
-    assert len(rows) == 3 * 5  # 32, 128 and 1,024 ranks, five ways each
-    first = {r[3]: r for r in rows[:5]}  # 32 ranks
+    assert len(rows) == 3 * 6  # 32, 128 and 1,024 ranks, six ways each
+    first = {r[3]: r for r in rows[:6]}  # 32 ranks
     across = {name: float(r[8]) for name, r in first.items()}
-    assert across["HSDP"] < across["hpZ+qwZ"] < across["hpZ"] < across["ZeRO-3"] and across["qwZ"] < across["ZeRO-3"]
+    assert across["HSDP"] < across["ZeRO++"] < across["hpZ+qwZ"] < across["hpZ"] < across["ZeRO-3"]
+    assert across["qwZ"] < across["ZeRO-3"]
     assert float(first["ZeRO-3"][7]) == 0 and float(first["hpZ"][7]) > 0  # in the node: only hpZ's and HSDP's
-    assert sum(len(r) == 10 for r in rows[:5]) == 1  # one choice ("<-") among the five
+    assert float(first["ZeRO++"][7]) == float(first["hpZ+qwZ"][7])  # qgZ's reductions span every rank
+    assert sum(len(r) == 10 for r in rows[:6]) == 1  # one choice ("<-") among the six
 
 
 def _trace(waits_us: list[float], compute_us: list[float], predicted_us: list[float] = ()) -> list[dict]:
@@ -580,3 +582,17 @@ def test_a_mesh_prices_each_collective_on_its_own_links():
     assert h["comm.all_gather"] == pytest.approx(w * 1 / 2 / 1e11)  # 1 ring step of 2 in the node
     assert h["comm.all_reduce"] == pytest.approx((w / 2) * 2 * 1 / 2 / 1e9)  # the shard, 2 passes, across
     assert f["comm.all_gather"] == pytest.approx(w * 3 / 4 / 1e9)  # 3 steps of 4, over the NIC
+
+
+def test_a_quantized_reduction_is_priced_by_its_bytes():
+    """qgZ's all-to-all sends a rank's (n - 1) / n of its int8 rows, as a reduce-scatter
+    of the same bytes does; its quantize ops make one pass over what they read and write."""
+    module = dcir.parse((Path(__file__).parent / "golden/passes/quantize.dcir").read_text(), "quantize.dcir")
+    dcir.run_passes(module, "zero3{world_size=2},quantize{block=16,weights=false,gradients=true}")
+    machine = Machine(world_size=2)
+    ops = {op.name: op for op in module.functions["backward"].ops}
+    exchange = [op for op in module.functions["backward"].ops if op.name == "comm.all_to_all"][0]
+    assert analytic_s(exchange, machine) == machine.collective_s("reduce_scatter", 32, 2)
+    for name in ("mem.quantize", "mem.dequantize_reduce"):
+        touched = sum(v.type.nbytes for v in (*ops[name].operands, *ops[name].results))
+        assert analytic_s(ops[name], machine) == pytest.approx(machine.dispatch_s + touched / machine.mem_bw)
