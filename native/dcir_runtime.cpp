@@ -243,11 +243,11 @@ int64_t chunk_of(int64_t numel, int64_t world) { return (numel + world - 1) / wo
 // Over gloo on one host, a transfer goes through the kernel's loopback: copied into a
 // socket and out again by gloo's worker threads, on the cores the ranks compute on.
 // When every rank of a group is on one host, the runtime moves the bytes of its
-// gathers and reduce-scatters through shared memory instead: each rank owns a segment
-// (its outbox) that every rank maps. A collective's start copies this rank's part into
-// its outbox and publishes the op's sequence number; its wait copies (or, for a
-// reduce-scatter, sums in rank order, as the gloo path does) straight out of the peers'
-// outboxes, then acknowledges. One copy in, one out, no kernel, no thread.
+// gathers, reduce-scatters and all-to-alls through shared memory instead: each rank
+// owns a segment (its outbox) that every rank maps. A collective's start copies this
+// rank's part into its outbox and publishes the op's sequence number; its wait copies
+// (or, for a reduce-scatter, sums in rank order, as the gloo path does) straight out of
+// the peers' outboxes, then acknowledges. One copy in, one out, no kernel, no thread.
 //
 // Every rank runs the same program, so its collectives start and are waited in one
 // order everywhere, and the outbox is allocated the same way on every rank: a ring, in

@@ -63,7 +63,7 @@ class Config:
     #: programs kept at once, one per input shape (and mode: training, evaluation), like
     #: Dynamo's recompile limit; a new shape beyond it is an error that says so
     max_programs: int = 8
-    #: how gathers and reduce-scatters move their bytes (``dcir_runtime.transport``):
+    #: how gathers, reduce-scatters and all-to-alls move their bytes (``dcir_runtime.transport``):
     #: ``"auto"`` (shared memory where it can be set up, else the process group),
     #: ``"shared_memory"`` (every rank on one host, a CPU model) or ``"process_group"``
     transport: str = "auto"

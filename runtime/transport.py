@@ -1,5 +1,6 @@
-"""How the runtime's gathers and reduce-scatters move their bytes: over the process group,
-or, when every rank is on one host and the model is on the CPU, through shared memory.
+"""How the runtime's gathers, reduce-scatters and all-to-alls move their bytes: over the
+process group, or, when every rank is on one host and the model is on the CPU, through
+shared memory.
 
 Over gloo, a transfer between two ranks on one host goes through the kernel's loopback:
 gloo's worker threads copy it into a socket and out again, on the same cores the ranks

@@ -3,22 +3,24 @@
 With ``weights`` (the default), every gather of a floating-point shard moves it in int8:
 before the gather each rank quantizes its shard in blocks of ``block`` elements
 (``mem.quantize``: each block scaled by its absolute maximum over 127, the scales in
-f32), gathers the int8 shards and the scales, and after the wait rebuilds the full tensor
-(``mem.dequantize``) in the shard's type. A gather then moves a quarter of an f32 parameter's bytes (half of a bf16
-one's), plus 4 bytes of scale per block (1.6% at 256). Each element of the gathered
-parameter is off by at most half its block's scale, ``absmax / 254``; the parameter
-shards and the optimizer's update stay exact, so the error does not accumulate across
-steps beyond what the forward and backward computed with it.
+f32), gathers the int8 shards and the scales, and after the wait rebuilds the full
+tensor (``mem.dequantize``) in the shard's type. A gather then moves a quarter of an f32
+parameter's bytes (half of a bf16 one's), plus 4 bytes of scale per block (1.6% at 256).
+Each element of the gathered parameter is off by at most half its block's scale,
+``absmax / 254``; the parameter shards and the optimizer's update stay exact, so the
+error does not accumulate across steps beyond what the forward and backward computed
+with it.
 
 With ``gradients``, every reduce-scatter of a floating-point gradient (sum or average)
 moves int8 too, as an all-to-all (ZeRO++'s qgZ, in one level): each rank quantizes its
 gradient in one row per rank's chunk (``mem.quantize {parts}``), sends row ``p`` to rank
 ``p`` (``comm.all_to_all``, and the scales the same way), and sums the rows it received,
-dequantized, in f32 in rank order (``mem.dequantize_reduce``). A rank sends a quarter of
-an f32 reduce-scatter's bytes. Each element of the sum is off by at most the sum over
-the ranks of half their block's scale (``sum_r absmax_r / 254``; an average, that over
-the ranks' count). Collectives already coalesced are left as they are (run it before
-``bucket``).
+dequantized, in f32 in rank order (``mem.dequantize_reduce``). The gradient is freed
+once quantized (when nothing else reads it later), not after the wait. A rank sends a
+quarter of an f32 reduce-scatter's bytes. Each element of the sum is off by at most the
+sum over the ranks of half their block's scale (``sum_r absmax_r / 254``; an average,
+that over the ranks' count). Collectives already coalesced are left as they are (run it
+before ``bucket``).
 
 Before -> after (``block=256``, world size 2)::
 
@@ -37,6 +39,7 @@ Before -> after (``block=256``, world size 2)::
     %g_shard = comm.wait(%g_pending) : shard<f32[4, 8], 2>
   -> (``gradients=true``)
     %g_q, %g_scales = mem.quantize(%g) {block = 256, parts = 2} : i8[2, 16], f32[2, 1]
+    mem.free(%g)
     %g_pending = comm.all_to_all(%g_q) : pending<i8[2, 16]>
     %g_scales_pending = comm.all_to_all(%g_scales) : pending<f32[2, 1]>
     %g_rows, %g_row_scales = comm.wait(%g_pending, %g_scales_pending) : i8[2, 16], f32[2, 1]
@@ -123,7 +126,10 @@ def _free_after(rewriter: Rewriter, func: Function, full: Value, quantize: Op) -
             return  # read again: its free stays where it is
         if mine:
             rest = [v for v in op.operands if v not in mine]
-            rewriter.set_operands(op, rest) if rest else rewriter.erase(op)
+            if rest:
+                rewriter.set_operands(op, rest)
+            else:
+                rewriter.erase(op)
             rewriter.insert_after(quantize, [Op("mem.free", mine)])
             return
 
