@@ -5,7 +5,8 @@ and finish each reduce_scatter late enough to hide its own, within a memory budg
 waits for every gradient's reduce_scatter as soon as it starts: every transfer is on
 the critical path. This pass moves, in schedule order:
 
-* **all_gather starts earlier** (with the ``param.get`` of the shard they read). A
+* **all_gather starts earlier** (with the ``param.get`` of the shard they read, and a
+  quantized gather with the ``mem.quantize`` that makes what it sends). A
   start moves up until the compute before its ``comm.wait`` covers the transfer, by the
   cost model (limit ``transfer hidden``: the transfer starts when the channel is free,
   after the transfers issued before it), and never past
@@ -73,20 +74,30 @@ def _is_gather(op: Op) -> bool:
 
 
 def _gather_group(sweep: Sweep, i: int) -> list[int]:
-    """The start, and the param.get of its shard when the start is its only reader and
-    only shard reads run between them. A read further up stays where it is (a capture
-    may read every shard at the top of the function; taking such a read along would
-    move the group down, not up)."""
+    """The start; right above it, the op that makes everything it sends from what it
+    reads, when it only converts (pure, not compute: ``mem.quantize`` making a quantized
+    gather's int8 shard and scales); and the param.get of each shard read, when the
+    start (or that op) is its only reader and only shard reads run between them. A read
+    further up stays where it is (a capture may read every shard at the top of the
+    function; taking such a read along would move the group down, not up)."""
     ops = sweep.func.ops
     group = [i]
-    for v in ops[i].operands:
+    makers = {v.owner for v in ops[i].operands}
+    if len(makers) == 1 and i > 0 and ops[i - 1] in makers and _converts(ops[i - 1]):
+        group.insert(0, i - 1)
+    top = group[0]
+    for v in ops[top].operands:
         src = v.owner
         j = sweep.position.get(src)
-        if isinstance(src, Op) and registry.has_trait(src, registry.LOADS_STATE) and j is not None and j < i \
+        if isinstance(src, Op) and registry.has_trait(src, registry.LOADS_STATE) and j is not None and j < top \
                 and sweep.graph.out_degree(j) == 1 \
-                and all(registry.has_trait(op, registry.LOADS_STATE) for op in ops[j + 1:i]):
+                and all(registry.has_trait(op, registry.LOADS_STATE) for op in ops[j + 1:top]):
             group.insert(0, j)
     return sorted(group)
+
+
+def _converts(op: Op) -> bool:
+    return registry.has_trait(op, registry.PURE) and not registry.has_trait(op, registry.COMPUTE)
 
 
 def _wait_of(sweep: Sweep, i: int) -> int:
