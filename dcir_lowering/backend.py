@@ -306,8 +306,8 @@ def _lower_op(module: Module, func: Function, op: Op, g: fx.Graph, env: dict, st
     elif op.name == "grad.accumulate":
         env[op.results[0]] = g.call_function(torch.ops.aten.add.Tensor, (env[op.operands[0]], env[op.operands[1]]))
     elif op.name == "mem.quantize":
-        node = g.call_function(_quantize, (env[op.operands[0]], op.attrs["block"])) if "parts" not in op.attrs else \
-            g.call_function(_quantize_rows, (env[op.operands[0]], op.attrs["block"], op.attrs["parts"]))
+        rows = (op.attrs["parts"],) if "parts" in op.attrs else ()  # a reduction's: one row per rank
+        node = g.call_function(_quantize_rows if rows else _quantize, (env[op.operands[0]], op.attrs["block"], *rows))
         env[op.results[0]], env[op.results[1]] = (g.call_function(_item, (node, k)) for k in (0, 1))
     elif op.name == "mem.dequantize":
         env[op.results[0]] = g.call_function(_dequantize, (env[op.operands[0]], env[op.operands[1]], op.attrs["block"],
