@@ -217,7 +217,7 @@ def test_changing_shapes_train_through_dcir_like_aot_eager(name, dynamic, per_sh
     assert max(p.compiles for p in per_shape) >= 2
 
 
-@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+@pytest.mark.parametrize("dynamic", [None, pytest.param(True, marks=pytest.mark.slow)], ids=["automatic", "dynamic"])
 def test_changing_shapes_infer_through_dcir_like_aot_eager(dynamic, per_shape):
     """``model.eval()`` under ``torch.no_grad()``: AOTAutograd's inference graph, one per shape."""
     ids = [torch.randint(0, 128, (rows, seq), generator=torch.Generator().manual_seed(k))

@@ -29,7 +29,7 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case,world", [("transformer_init_fn", 2), ("llama", 3), ("llama_stream", 2),
-                                        ("llama_stream", 3)])
+                                        pytest.param("llama_stream", 3, marks=pytest.mark.slow)])
 def test_a_meta_device_model_trains_like_its_init_on_one_device(case, world, tmp_path, capfd):
     out = tmp_path / "out.json"
     assert launch([WORKER, case, str(out)], world, timeout_s=240, grace_s=5) == 0, capfd.readouterr()
