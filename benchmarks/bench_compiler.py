@@ -28,6 +28,11 @@ AOTAutograd would capture it, sharded ZeRO-3 style across ``world_size`` ranks:
   any view of it), as DCIR's explicit memory model wants (``--free params`` frees only
   gathered parameters and reduced gradients, like ``examples/mlp_zero3.dcir``).
 
+``generate(experts=E, top_k=K)`` writes Mixtral's decoder instead (``_MoE``): each MLP a
+router and ``E`` SwiGLU experts, every token sent to ``K`` of them, routed evenly (a static
+program cannot say where a real batch's tokens go); ``predict_at_scale.py`` uses it for
+Mixtral-8x7B.
+
 Value names follow FX (``%mm_123``, ``%view_45``, ``%pow_3``); the generator is
 deterministic and emits the printer's canonical form. With the defaults an 80-layer
 step is 93,701 ops (1,168 a layer, 261 for embedding, rotary tables, mask, final
@@ -280,10 +285,6 @@ class _Func:
 
 # ---- the model ----------------------------------------------------------------------
 
-LAYER_PARAMS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-
-
 class _Llama:
     def __init__(self, layers, hidden, heads, kv_heads, intermediate, vocab, seq, batch, world_size,
                  param_dtype, compute_dtype, free, micro_batches, offload, nodes=1):
@@ -435,7 +436,8 @@ class _Llama:
         return f.aten("aten._unsafe_view.default", [c], {"size": [B, self.nh, S, hd]}, (cd, (B, self.nh, S, hd)))
 
     def gather_layer(self, f, i):
-        return self._Gathered(self, f, [f"model.layers.{i}.{n}.weight" for n in LAYER_PARAMS])
+        p = f"model.layers.{i}."
+        return self._Gathered(self, f, [n for n in self.shapes if n.startswith(p)])
 
     def layer_forward(self, f, i, W, x, cos, sin, mask, recompute=False):
         """One decoder layer; returns its output and the activations its backward reads.
@@ -489,6 +491,17 @@ class _Llama:
         # MLP block
         n2, s["ln2"] = self.rmsnorm(f, h, W[p + "post_attention_layernorm.weight"], (B, S, H))
         s["x2"] = x2 = f.aten("aten.view.default", [n2], {"size": [N, H]}, (cd, (N, H)))
+        mm = self.mlp_forward(f, p, W, x2, s, recompute)
+        if mm is None:
+            return None, s
+        d = f.aten("aten._unsafe_view.default", [mm], {"size": [B, S, H]}, (cd, (B, S, H)))
+        out = f.aten("aten.add.Tensor", [h, d], (), (cd, (B, S, H)))
+        return out, s
+
+    def mlp_forward(self, f, p, W, x2, s, recompute):
+        """The SwiGLU MLP of ``x2`` ([N, H]): its output [N, H], or None when ``recompute``
+        (the backward's re-run stops at what the backward reads)."""
+        cd, B, S, H, N, I = self.cd, self.B, self.S, self.H, self.N, self.I
         mm = self.linear(f, x2, W[p + "mlp.gate_proj.weight"], H, I)
         s["gate"] = gate = f.aten("aten._unsafe_view.default", [mm], {"size": [B, S, I]}, (cd, (B, S, I)))
         s["silu"] = silu = f.aten("aten.silu.default", [gate], (), (cd, (B, S, I)))
@@ -497,11 +510,8 @@ class _Llama:
         m = f.aten("aten.mul.Tensor", [silu, up], (), (cd, (B, S, I)))
         s["xm"] = xm = f.aten("aten.view.default", [m], {"size": [N, I]}, (cd, (N, I)))
         if recompute:
-            return None, s
-        mm = self.linear(f, xm, W[p + "mlp.down_proj.weight"], I, H)
-        d = f.aten("aten._unsafe_view.default", [mm], {"size": [B, S, H]}, (cd, (B, S, H)))
-        out = f.aten("aten.add.Tensor", [h, d], (), (cd, (B, S, H)))
-        return out, s
+            return None
+        return self.linear(f, xm, W[p + "mlp.down_proj.weight"], I, H)
 
     # -- building blocks (backward) --
     def linear_backward(self, f, g2d, x2d, w, n_in, n_out, pname):
@@ -516,6 +526,23 @@ class _Llama:
         t5 = f.aten("aten.t.default", [t4], (), (cd, (n_out, n_in)))
         self.reduce_grad(f, pname, t5)
         return gx
+
+    def mlp_backward(self, f, p, g2, s, W):
+        """Grad of the MLP's input ([B, S, H]) from its output's ``g2`` ([N, H]); reduce-scatters
+        its weights' grads."""
+        cd, B, S, H, N, I = self.cd, self.B, self.S, self.H, self.N, self.I
+        gm = self.linear_backward(f, g2, s["xm"], W[p + "mlp.down_proj.weight"], I, H, p + "mlp.down_proj.weight")
+        gm = f.aten("aten.view.default", [gm], {"size": [B, S, I]}, (cd, (B, S, I)))
+        g_silu = f.aten("aten.mul.Tensor", [gm, s["up"]], (), (cd, (B, S, I)))
+        g_up = f.aten("aten.mul.Tensor", [gm, s["silu"]], (), (cd, (B, S, I)))
+        g_up = f.aten("aten.view.default", [g_up], {"size": [N, I]}, (cd, (N, I)))
+        gx_u = self.linear_backward(f, g_up, s["x2"], W[p + "mlp.up_proj.weight"], H, I, p + "mlp.up_proj.weight")
+        gx_u = f.aten("aten.view.default", [gx_u], {"size": [B, S, H]}, (cd, (B, S, H)))
+        g_gate = f.aten("aten.silu_backward.default", [g_silu, s["gate"]], (), (cd, (B, S, I)))
+        g_gate = f.aten("aten.view.default", [g_gate], {"size": [N, I]}, (cd, (N, I)))
+        gx_g = self.linear_backward(f, g_gate, s["x2"], W[p + "mlp.gate_proj.weight"], H, I, p + "mlp.gate_proj.weight")
+        gx_g = f.aten("aten.view.default", [gx_g], {"size": [B, S, H]}, (cd, (B, S, H)))
+        return f.aten("aten.add.Tensor", [gx_u, gx_g], (), (cd, (B, S, H)))
 
     def rmsnorm_backward(self, f, gy, saved, w, shape, pname):
         cd, (xf, rs, n), red = self.cd, saved, shape[:-1] + (1,)
@@ -572,18 +599,7 @@ class _Llama:
         Bh = B * nh
         # MLP
         g2 = f.aten("aten.view.default", [g], {"size": [N, H]}, (cd, (N, H)))
-        gm = self.linear_backward(f, g2, s["xm"], W[p + "mlp.down_proj.weight"], I, H, p + "mlp.down_proj.weight")
-        gm = f.aten("aten.view.default", [gm], {"size": [B, S, I]}, (cd, (B, S, I)))
-        g_silu = f.aten("aten.mul.Tensor", [gm, s["up"]], (), (cd, (B, S, I)))
-        g_up = f.aten("aten.mul.Tensor", [gm, s["silu"]], (), (cd, (B, S, I)))
-        g_up = f.aten("aten.view.default", [g_up], {"size": [N, I]}, (cd, (N, I)))
-        gx_u = self.linear_backward(f, g_up, s["x2"], W[p + "mlp.up_proj.weight"], H, I, p + "mlp.up_proj.weight")
-        gx_u = f.aten("aten.view.default", [gx_u], {"size": [B, S, H]}, (cd, (B, S, H)))
-        g_gate = f.aten("aten.silu_backward.default", [g_silu, s["gate"]], (), (cd, (B, S, I)))
-        g_gate = f.aten("aten.view.default", [g_gate], {"size": [N, I]}, (cd, (N, I)))
-        gx_g = self.linear_backward(f, g_gate, s["x2"], W[p + "mlp.gate_proj.weight"], H, I, p + "mlp.gate_proj.weight")
-        gx_g = f.aten("aten.view.default", [gx_g], {"size": [B, S, H]}, (cd, (B, S, H)))
-        gn2 = f.aten("aten.add.Tensor", [gx_u, gx_g], (), (cd, (B, S, H)))
+        gn2 = self.mlp_backward(f, p, g2, s, W)
         gh = self.rmsnorm_backward(f, gn2, s["ln2"], W[p + "post_attention_layernorm.weight"], (B, S, H),
                                    p + "post_attention_layernorm.weight")
         g = f.aten("aten.add.Tensor", [g, gh], (), (cd, (B, S, H)))
@@ -788,20 +804,145 @@ class _Llama:
         return "\n".join(lines) + "\n"
 
 
+class _MoE(_Llama):
+    """Mixtral's decoder: each layer's MLP is a sparse mixture of ``experts`` SwiGLU MLPs
+    (``block_sparse_moe.experts.E.w1/w3/w2``, a router ``block_sparse_moe.gate``), each
+    token sent to its ``top_k`` experts by the router's softmax, their outputs summed with
+    the top-k probabilities renormalized. The routing a real batch takes is data-dependent
+    (torch.where over the router's choice); a static program cannot say it, so this one
+    routes evenly: the tokens sorted by expert, each expert taking ``tokens * top_k /
+    experts`` rows (``aten.sort`` of the choices, then slices of the order), which is what
+    a balanced router (Mixtral's auxiliary loss aims at it) gives and what the FLOPs and
+    bytes of a step depend on. The layer's checkpointed re-run in the backward runs the
+    whole block: the routing weights' gradient needs every expert's output."""
+
+    def __init__(self, *args, experts: int, top_k: int):
+        super().__init__(*args)
+        if not 0 < top_k <= experts or (self.N * top_k) % experts:
+            raise ValueError("top_k is in 1..experts, and tokens × top_k split evenly over the experts")
+        self.E, self.K, self.T = experts, top_k, self.N * top_k // experts
+        for i in range(self.L):
+            p = f"model.layers.{i}."
+            for n in ("gate_proj", "up_proj", "down_proj"):
+                del self.shapes[p + f"mlp.{n}.weight"]
+            self.shapes[p + "block_sparse_moe.gate.weight"] = (experts, self.H)
+            for e in range(experts):
+                q = p + f"block_sparse_moe.experts.{e}."
+                self.shapes.update({q + "w1.weight": (self.I, self.H), q + "w3.weight": (self.I, self.H),
+                                    q + "w2.weight": (self.H, self.I)})
+        # the final norm and lm_head last again, as declared by the model
+        for n in ("model.norm.weight", "lm_head.weight"):
+            self.shapes[n] = self.shapes.pop(n)
+
+    def mlp_forward(self, f, p, W, x2, s, recompute):
+        cd, H, N, E, K, T = self.cd, self.H, self.N, self.E, self.K, self.T
+        logits = self.linear(f, x2, W[p + "block_sparse_moe.gate.weight"], H, E)
+        if cd != "f32":
+            logits = f.aten("aten._to_copy.default", [logits], {"dtype": DT("f32")}, ("f32", (N, E)))
+        s["probs"] = probs = f.aten("aten._softmax.default", [logits], {"dim": 1, "half_to_float": False},
+                                    ("f32", (N, E)))
+        s["topv"], s["topi"] = top, choice = f.aten_multi("aten.topk.default", [probs], {"k": K},
+                                                          [("f32", (N, K)), ("i64", (N, K))], "topk")
+        s["tsum"] = tsum = f.aten("aten.sum.dim_IntList", [top], {"dim": [-1], "keepdim": True}, ("f32", (N, 1)))
+        rw = f.aten("aten.div.Tensor", [top, tsum], (), ("f32", (N, K)))
+        if cd != "f32":
+            rw = f.aten("aten._to_copy.default", [rw], {"dtype": DT(cd)}, (cd, (N, K)))
+        flat_w = f.aten("aten.view.default", [rw], {"size": [N * K]}, (cd, (N * K,)))
+        flat = f.aten("aten.view.default", [choice], {"size": [N * K]}, ("i64", (N * K,)))
+        _, order = f.aten_multi("aten.sort.default", [flat], {}, [("i64", (N * K,)), ("i64", (N * K,))], "sort")
+        s["order"] = order
+        s["token"] = token = f.aten("aten.div.Scalar_mode", [order], {"other": K, "rounding_mode": "floor"},
+                                    ("i64", (N * K,)))
+        out = f.aten("aten.full.default", [], {"size": [N, H], "fill_value": 0.0, "dtype": DT(cd)}, (cd, (N, H)))
+        for e in range(E):
+            span = {"dim": 0, "start": e * T, "end": (e + 1) * T}
+            s[f"pos{e}"] = pos = f.aten("aten.slice.Tensor", [order], span, ("i64", (T,)))
+            s[f"idx{e}"] = idx = f.aten("aten.slice.Tensor", [token], span, ("i64", (T,)))
+            s[f"xe{e}"] = xe = f.aten("aten.index_select.default", [x2, idx], {"dim": 0}, (cd, (T, H)))
+            we = f.aten("aten.index_select.default", [flat_w, pos], {"dim": 0}, (cd, (T,)))
+            s[f"we{e}"] = we = f.aten("aten.unsqueeze.default", [we], {"dim": -1}, (cd, (T, 1)))
+            s[f"d{e}"] = d = self._expert(f, f"{p}block_sparse_moe.experts.{e}.", W, xe, s, e)
+            de = f.aten("aten.mul.Tensor", [d, we], (), (cd, (T, H)))
+            out = f.aten("aten.index_add.default", [out, idx, de], {"dim": 0}, (cd, (N, H)))
+        return out
+
+    def _expert(self, f, q, W, xe, s, e):
+        """One expert's SwiGLU on its ``T`` rows: w2(silu(w1 x) * w3 x)."""
+        cd, H, I, T = self.cd, self.H, self.I, self.T
+        s[f"gate{e}"] = gate = self.linear(f, xe, W[q + "w1.weight"], H, I)
+        s[f"silu{e}"] = silu = f.aten("aten.silu.default", [gate], (), (cd, (T, I)))
+        s[f"up{e}"] = up = self.linear(f, xe, W[q + "w3.weight"], H, I)
+        s[f"xm{e}"] = xm = f.aten("aten.mul.Tensor", [silu, up], (), (cd, (T, I)))
+        return self.linear(f, xm, W[q + "w2.weight"], I, H)
+
+    def mlp_backward(self, f, p, g2, s, W):
+        cd, B, S, H, N, E, K, T = self.cd, self.B, self.S, self.H, self.N, self.E, self.K, self.T
+        gx = f.aten("aten.full.default", [], {"size": [N, H], "fill_value": 0.0, "dtype": DT(cd)}, (cd, (N, H)))
+        g_w = f.aten("aten.full.default", [], {"size": [N * K], "fill_value": 0.0, "dtype": DT(cd)}, (cd, (N * K,)))
+        for e in reversed(range(E)):
+            ge = f.aten("aten.index_select.default", [g2, s[f"idx{e}"]], {"dim": 0}, (cd, (T, H)))
+            gwe = f.aten("aten.mul.Tensor", [ge, s[f"d{e}"]], (), (cd, (T, H)))
+            gwe = f.aten("aten.sum.dim_IntList", [gwe], {"dim": [1]}, (cd, (T,)))
+            g_w = f.aten("aten.index_add.default", [g_w, s[f"pos{e}"], gwe], {"dim": 0}, (cd, (N * K,)))
+            gd = f.aten("aten.mul.Tensor", [ge, s[f"we{e}"]], (), (cd, (T, H)))
+            gxe = self._expert_backward(f, f"{p}block_sparse_moe.experts.{e}.", W, gd, s, e)
+            gx = f.aten("aten.index_add.default", [gx, s[f"idx{e}"], gxe], {"dim": 0}, (cd, (N, H)))
+        g_rw = f.aten("aten.view.default", [g_w], {"size": [N, K]}, (cd, (N, K)))
+        if cd != "f32":
+            g_rw = f.aten("aten._to_copy.default", [g_rw], {"dtype": DT("f32")}, ("f32", (N, K)))
+        g_probs = self._routing_backward(f, g_rw, s)
+        g_logits = f.aten("aten._softmax_backward_data.default", [g_probs, s["probs"]],
+                          {"dim": 1, "input_dtype": DT("f32")}, ("f32", (N, E)))
+        if cd != "f32":
+            g_logits = f.aten("aten._to_copy.default", [g_logits], {"dtype": DT(cd)}, (cd, (N, E)))
+        pname = p + "block_sparse_moe.gate.weight"
+        gx_r = self.linear_backward(f, g_logits, s["x2"], W[pname], H, E, pname)
+        gx = f.aten("aten.add.Tensor", [gx, gx_r], (), (cd, (N, H)))
+        return f.aten("aten.view.default", [gx], {"size": [B, S, H]}, (cd, (B, S, H)))
+
+    def _expert_backward(self, f, q, W, gd, s, e):
+        cd, H, I, T = self.cd, self.H, self.I, self.T
+        gm = self.linear_backward(f, gd, s[f"xm{e}"], W[q + "w2.weight"], I, H, q + "w2.weight")
+        g_silu = f.aten("aten.mul.Tensor", [gm, s[f"up{e}"]], (), (cd, (T, I)))
+        g_up = f.aten("aten.mul.Tensor", [gm, s[f"silu{e}"]], (), (cd, (T, I)))
+        gx_u = self.linear_backward(f, g_up, s[f"xe{e}"], W[q + "w3.weight"], H, I, q + "w3.weight")
+        g_gate = f.aten("aten.silu_backward.default", [g_silu, s[f"gate{e}"]], (), (cd, (T, I)))
+        gx_g = self.linear_backward(f, g_gate, s[f"xe{e}"], W[q + "w1.weight"], H, I, q + "w1.weight")
+        return f.aten("aten.add.Tensor", [gx_u, gx_g], (), (cd, (T, H)))
+
+    def _routing_backward(self, f, g_rw, s):
+        """Grad of the router's probabilities from the renormalized top-k weights' (f32):
+        through ``top / sum(top)``, then scattered back to the chosen experts (topk's backward)."""
+        N, E, K = self.N, self.E, self.K
+        a = f.aten("aten.div.Tensor", [g_rw, s["tsum"]], (), ("f32", (N, K)))
+        b = f.aten("aten.mul.Tensor", [g_rw, s["topv"]], (), ("f32", (N, K)))
+        b = f.aten("aten.sum.dim_IntList", [b], {"dim": [-1], "keepdim": True}, ("f32", (N, 1)))
+        t2 = f.aten("aten.mul.Tensor", [s["tsum"], s["tsum"]], (), ("f32", (N, 1)))
+        b = f.aten("aten.div.Tensor", [b, t2], (), ("f32", (N, 1)))
+        g_top = f.aten("aten.sub.Tensor", [a, b], (), ("f32", (N, K)))
+        zeros = f.aten("aten.full.default", [], {"size": [N, E], "fill_value": 0.0, "dtype": DT("f32")},
+                       ("f32", (N, E)))
+        return f.aten("aten.scatter.src", [zeros, s["topi"], g_top], {"dim": 1}, ("f32", (N, E)))
+
+
 def generate(layers: int = 80, hidden: int = 1024, heads: int = 16, seq: int = 128, batch: int = 1,
              world_size: int = 2, *, kv_heads: int = 4, intermediate: int = 2816, vocab: int = 32000,
              micro_batches: int = 2, offload: bool = True, param_dtype: str = "f32",
-             compute_dtype: str = "bf16", free: str = "all", nodes: int = 1) -> str:
+             compute_dtype: str = "bf16", free: str = "all", nodes: int = 1, experts: int = 0,
+             top_k: int = 2) -> str:
     """DCIR text of a Llama-style decoder's ZeRO-3 training step (see the module docstring).
 
     Deterministic: the same arguments give the same text. ``free`` is ``"all"`` (free
     every tensor after its last use) or ``"params"`` (only gathered parameters and
     reduced gradients). ``nodes`` > 1: HSDP instead, the program ``zero3{nodes=N,
     shard=local}`` writes (parameters sharded over a node's ranks, gathered and
-    reduce-scattered there, each gradient shard averaged across nodes).
+    reduce-scattered there, each gradient shard averaged across nodes). ``experts`` > 0:
+    Mixtral's sparse mixture of experts in place of each MLP (``_MoE``), each token routed
+    to ``top_k`` of them.
     """
-    return _Llama(layers, hidden, heads, kv_heads, intermediate, vocab, seq, batch, world_size,
-                  param_dtype, compute_dtype, free, micro_batches, offload, nodes).module_text()
+    args = (layers, hidden, heads, kv_heads, intermediate, vocab, seq, batch, world_size,
+            param_dtype, compute_dtype, free, micro_batches, offload, nodes)
+    return (_MoE(*args, experts=experts, top_k=top_k) if experts else _Llama(*args)).module_text()
 
 
 def op_count(text_or_module) -> int:

@@ -36,7 +36,9 @@ parameters sharded over a node's 8 ranks, gradients reduce-scattered there and a
 across nodes once per optimizer step) or hierarchical partitions (hpZ, ``zero3{nodes=N},
 hierarchical``: sharded over every rank, the backward gathering node-local partitions
 within the node) or int8 parameter gathers (qwZ, ``quantize``; alone and with hpZ) or all
-of ZeRO++ (hpZ, qwZ and int8 gradient reductions, qgZ) win over flat ZeRO-3: Llama-3-70B and Llama-3-8B on 32, 128 and 1,024 ranks (8 per node), each
+of ZeRO++ (hpZ, qwZ and int8 gradient reductions, qgZ) win over flat ZeRO-3:
+Llama-3-70B, Llama-3-8B and Mixtral-8x7B (``bench_compiler``'s mixture of experts: 8
+experts a layer, 2 per token, routed evenly) on 32, 128 and 1,024 ranks (8 per node), each
 program as the stage writes it (no scheduling passes), with its peak memory per rank
 (whether it fits the device) and the bytes one rank sends per optimizer step within its
 node and across nodes (a ring that spans nodes counts as crossing them: the NIC bounds
@@ -74,8 +76,15 @@ from bench_compiler import generate
 LLAMA3_70B = {"hidden": 8192, "heads": 64, "kv_heads": 8, "intermediate": 28672, "vocab": 128256, "layers": 80}
 #: Llama-3-8B (meta-llama/Meta-Llama-3-8B)
 LLAMA3_8B = {"hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336, "vocab": 128256, "layers": 32}
+#: Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1): 8 experts a layer, each token routed to 2
+MIXTRAL_8X7B = {"hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336, "vocab": 32000, "layers": 32,
+                "experts": 8, "top_k": 2}
 #: DeepCompile over ZeRO-3, Llama-3-70B on 32 H100s, by gradient accumulation steps (the blog's figure)
 PUBLISHED = {1: 1.18, 16: 1.28}
+
+
+#: the models ``--mesh`` predicts, by name
+MODELS = {"Llama-3-70B": LLAMA3_70B, "Llama-3-8B": LLAMA3_8B, "Mixtral-8x7B": MIXTRAL_8X7B}
 
 
 def program(layers: int, world: int, seq: int = 1024, model: dict = LLAMA3_70B, nodes: int = 1,
@@ -87,7 +96,8 @@ def program(layers: int, world: int, seq: int = 1024, model: dict = LLAMA3_70B, 
     cfg = {**model, "layers": layers}
     text = generate(layers=cfg["layers"], hidden=cfg["hidden"], heads=cfg["heads"], seq=seq, batch=1,
                     world_size=world, kv_heads=cfg["kv_heads"], intermediate=cfg["intermediate"], vocab=cfg["vocab"],
-                    micro_batches=1, offload=False, param_dtype="bf16", compute_dtype="bf16", nodes=nodes)
+                    micro_batches=1, offload=False, param_dtype="bf16", compute_dtype="bf16", nodes=nodes,
+                    experts=cfg.get("experts", 0), top_k=cfg.get("top_k", 2))
     module = dcir.parse(text, "llama.dcir")
     if hpz:
         module.attrs.update({"mesh.nodes": world // hpz, "mesh.local": hpz})
@@ -170,7 +180,7 @@ def schemes(nodes: int, per_node: int) -> list[tuple]:
 def mesh_rows(layers: int | None, machine, worlds=(32, 128, 1024), accumulate=(1, 16)) -> list[dict]:
     """Each way across nodes (``schemes``) for each model, world and accumulation."""
     rows = []
-    for model_name, model in (("Llama-3-70B", LLAMA3_70B), ("Llama-3-8B", LLAMA3_8B)):
+    for model_name, model in MODELS.items():
         for world in worlds:
             for n in accumulate:
                 per_node = machine.ranks_per_node
@@ -207,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hardware", default="h100-ib400", help="a dcir/machines name or a .toml (default h100-ib400)")
     ap.add_argument("--accumulate", default="1,16", help="gradient accumulation steps to predict (default 1,16)")
     ap.add_argument("--mesh", action="store_true",
-                    help="flat ZeRO-3 against HSDP, hpZ, qwZ and ZeRO++ on 32, 128 and 1,024 ranks, for Llama-3-70B and -8B "
-                         "(--layers then overrides both models' layer counts)")
+                    help="flat ZeRO-3 against HSDP, hpZ, qwZ and ZeRO++ on 32, 128 and 1,024 ranks, for Llama-3-70B, "
+                         "Llama-3-8B and Mixtral-8x7B (--layers then overrides every model's layer count)")
     ns = ap.parse_args(argv)
     begin = time.perf_counter()
     machine = load(ns.hardware)

@@ -493,14 +493,20 @@ def test_predict_at_scale_runs_quickly(capsys):
 
 
 def test_predict_at_scale_compares_the_ways_across_nodes(capsys):
-    """Per model, ranks and accumulation: flat ZeRO-3, HSDP, hpZ, qwZ, hpZ+qwZ and ZeRO++
+    """Per model (Mixtral's mixture of experts too), ranks and accumulation: flat ZeRO-3, HSDP, hpZ, qwZ, hpZ+qwZ and ZeRO++
     (hpZ, qwZ and qgZ), each with its peak and the bytes a rank sends in and across nodes,
     and the fastest that fits marked. HSDP carries least across nodes, hpZ moves the
     backward's gathers into the node, qwZ halves the bf16 gathers, qgZ the reductions."""
     from predict_at_scale import main  # benchmarks/ (pytest's pythonpath)
     assert main(["--mesh", "--layers", "2", "--accumulate", "4"]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["Llama-3-8B"]]
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    rows = [r for r in lines if r[:1] == ["Llama-3-8B"]]
     assert len(rows) == 3 * 6  # 32, 128 and 1,024 ranks, six ways each
+    moe = [r for r in lines if r[:1] == ["Mixtral-8x7B"]]
+    assert len(moe) == 3 * 6
+    # eight experts a layer: at 2 layers, over twice the dense 8B's bytes across nodes, though
+    # its embedding and head (a quarter of the 8B's vocabulary) are a quarter the size
+    assert float(moe[0][8]) > 2 * float(rows[0][8])
     first = {r[3]: r for r in rows[:6]}  # 32 ranks
     across = {name: float(r[8]) for name, r in first.items()}
     assert across["HSDP"] < across["ZeRO++"] < across["hpZ+qwZ"] < across["hpZ"] < across["ZeRO-3"]
