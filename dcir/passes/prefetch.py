@@ -5,8 +5,9 @@ and finish each reduce_scatter late enough to hide its own, within a memory budg
 waits for every gradient's reduce_scatter as soon as it starts: every transfer is on
 the critical path. This pass moves, in schedule order:
 
-* **all_gather starts earlier** (with the ``param.get`` of the shard they read, and a
-  quantized gather with the ``mem.quantize`` that makes what it sends). A
+* **all_gather starts earlier** (with the ``param.get`` of the shard they read, and the
+  op that makes what it sends from that shard: ``mixed_precision``'s ``mem.cast`` to
+  the compute dtype, ``quantize``'s ``mem.quantize``). A
   start moves up until the compute before its ``comm.wait`` covers the transfer, by the
   cost model (limit ``transfer hidden``: the transfer starts when the channel is free,
   after the transfers issued before it), and never past
