@@ -76,8 +76,9 @@ def _is_gather(op: Op) -> bool:
 
 def _gather_group(sweep: Sweep, i: int) -> list[int]:
     """The start; right above it, the op that makes everything it sends from what it
-    reads, when it only converts (pure, not compute: ``mem.quantize`` making a quantized
-    gather's int8 shard and scales); and the param.get of each shard read, when the
+    reads, when it only converts (pure, not compute: ``mixed_precision``'s ``mem.cast`` of
+    the shard to bf16, ``quantize``'s ``mem.quantize`` making its int8 copy and scales);
+    and the param.get of each shard read, when the
     start (or that op) is its only reader and only shard reads run between them. A read
     further up stays where it is (a capture may read every shard at the top of the
     function; taking such a read along would move the group down, not up)."""
