@@ -42,7 +42,8 @@ experts a layer, 2 per token, routed evenly) on 32, 128 and 1,024 ranks (8 per n
 program as the stage writes it (no scheduling passes), with its peak memory per rank
 (whether it fits the device) and the bytes one rank sends per optimizer step within its
 node and across nodes (a ring that spans nodes counts as crossing them: the NIC bounds
-it). The choice is the fastest that fits. The simulator prices the quantize ops as one
+it). The choice is the planner's, ``dcir.topology.choose``: the fastest that fits, with
+its reason printed under each group of rows. The simulator prices the quantize ops as one
 pass over the bytes they read and write (``mem_bw``).
 
 Usage::
@@ -69,6 +70,7 @@ from dcir.passes import PassManager, parse_pipeline
 from dcir.passes.hierarchical import Hierarchical
 from dcir.passes.quantize import Quantize
 from dcir.sim import held_bytes, runs_per_step, simulate_module
+from dcir.topology import Layout, choose
 
 from bench_compiler import generate
 
@@ -170,44 +172,42 @@ def link_bytes(module: dcir.Module, machine, accumulate: int) -> dict[str, float
     return out
 
 
-def schemes(nodes: int, per_node: int) -> list[tuple]:
-    """(name, HSDP's nodes, hpZ's ranks a node, what goes in int8: "w" gathers, "wg" also
-    gradient reductions) of each way across nodes; "ZeRO++" is all three of ZeRO++'s."""
-    return [("ZeRO-3", 1, 0, ""), ("HSDP", nodes, 0, ""), ("hpZ", 1, per_node, ""), ("qwZ", 1, 0, "w"),
-            ("hpZ+qwZ", 1, per_node, "w"), ("ZeRO++", 1, per_node, "wg")]
+def build(layers: int | None, model: dict, world: int, per_node: int, accumulate: int):
+    """``topology.choose``'s ``build``: ``model``'s generated step laid out each way."""
+    def make(layout: Layout) -> dcir.Module:
+        quantized = "wg" if layout.gradients else "w" if layout.weights else ""
+        return program(layers or model["layers"], world, model=model, nodes=world // per_node if layout.hsdp else 1,
+                       accumulate=accumulate, hpz=per_node if layout.hpz else 0, quantized=quantized)
+    return make
 
 
-def mesh_rows(layers: int | None, machine, worlds=(32, 128, 1024), accumulate=(1, 16)) -> list[dict]:
-    """Each way across nodes (``schemes``) for each model, world and accumulation."""
+def mesh_rows(layers: int | None, machine, worlds=(32, 128, 1024), accumulate=(1, 16)) -> list[tuple]:
+    """(model, world, accumulation, the planner's ``Choice`` over every layout, the bytes
+    each layout's rank sends in and across nodes) for each model, world and accumulation."""
     rows = []
     for model_name, model in MODELS.items():
         for world in worlds:
             for n in accumulate:
-                per_node = machine.ranks_per_node
-                for scheme, nodes, hpz, quantized in schemes(world // per_node, per_node):
-                    module = program(layers or model["layers"], world, model=model, nodes=nodes, accumulate=n,
-                                     hpz=hpz, quantized=quantized)
-                    m = replace(machine, world_size=world, mesh=tuple(module.mesh.items()))
-                    p = simulate_module(module, m, n)
-                    rows.append({"model": model_name, "world": world, "accumulate": n, "scheme": scheme,
-                                 "seconds": p.estimate.seconds, "peak": p.peak_bytes,
-                                 "fits": machine.memory is None or p.peak_bytes <= machine.memory,
-                                 **link_bytes(module, m, n)})
+                modules, make = {}, build(layers, model, world, machine.ranks_per_node, n)
+                choice = choose(lambda layout: modules.setdefault(layout.name, make(layout)),
+                                replace(machine, world_size=world), n, lossy=True)
+                sent = {name: link_bytes(m, replace(machine, world_size=world, mesh=tuple(m.mesh.items())), n)
+                        for name, m in modules.items()}
+                rows.append((model_name, world, n, choice, sent))
     return rows
 
 
-def print_mesh(rows: list[dict]) -> None:
+def print_mesh(rows: list[tuple]) -> None:
     print(f"{'model':>12} {'ranks':>6} {'accum':>6} {'scheme':>8} {'step s':>8} {'peak GiB':>9} {'fits':>5} "
           f"{'in node GB':>11} {'across GB':>10} {'choice':>7}")
-    n = len(schemes(1, 1))
-    for k in range(0, len(rows), n):
-        pair = rows[k:k + n]
-        fitting = [r for r in pair if r["fits"]]
-        best = min(fitting, key=lambda r: r["seconds"])["scheme"] if fitting else "neither"
-        for r in pair:
-            print(f"{r['model']:>12} {r['world']:>6} {r['accumulate']:>6} {r['scheme']:>8} {r['seconds']:>8.3f} "
-                  f"{r['peak'] / 2**30:>9.1f} {'yes' if r['fits'] else 'no':>5} {r['intra'] / 1e9:>11.1f} "
-                  f"{r['cross'] / 1e9:>10.1f} {'<-' if r['scheme'] == best else '':>7}")
+    for model, world, n, choice, sent in rows:
+        for p in choice.priced:
+            s = sent[p.layout.name]
+            print(f"{model:>12} {world:>6} {n:>6} {p.layout.name:>8} {p.seconds:>8.3f} {p.peak / 2**30:>9.1f} "
+                  f"{'yes' if p.fits else 'no':>5} {s['intra'] / 1e9:>11.1f} {s['cross'] / 1e9:>10.1f} "
+                  f"{'<-' if p is choice.chosen else '':>7}")
+        if choice.chosen is not None:
+            print("  why: " + choice.why().splitlines()[0])
 
 
 def main(argv: list[str] | None = None) -> int:

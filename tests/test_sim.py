@@ -514,6 +514,11 @@ def test_predict_at_scale_compares_the_ways_across_nodes(capsys):
     assert float(first["ZeRO-3"][7]) == 0 and float(first["hpZ"][7]) > 0  # in the node: only hpZ's and HSDP's
     assert float(first["ZeRO++"][7]) == float(first["hpZ+qwZ"][7])  # qgZ's reductions span every rank
     assert sum(len(r) == 10 for r in rows[:6]) == 1  # one choice ("<-") among the six
+    # the planner's reason under each group (dcir.topology): 3 models at 3 worlds
+    why = [r for r in lines if r[:1] == ["why:"]]
+    assert len(why) == 9 and all(w[-5:] == ["chosen,", "the", "fastest", "that", "fits"] for w in why), why
+    chosen = [r[3] for r in rows[:6] if len(r) == 10][0]
+    assert why[3][1] == f"{chosen}:", (why[3], chosen)  # Llama-3-8B at 32 ranks: the marked row's way
 
 
 def _trace(waits_us: list[float], compute_us: list[float], predicted_us: list[float] = ()) -> list[dict]:
