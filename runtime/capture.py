@@ -14,19 +14,22 @@ and keeps what it compiles there.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 import dcir
-from dcir.passes.hierarchical import Hierarchical
+from dcir import topology
 from dcir.passes.offload import Offload
 from dcir.passes.quantize import Quantize
 from dcir.passes.zero1 import Zero1
 from dcir.passes.zero2 import Zero2
-from dcir.passes.zero3 import Zero3
+from dcir.passes.zero3 import LOCAL
+from dcir.topology import Layout
 from dcir_lowering.frontend import NotOneGraph, capture as frontend_capture
 from dcir_lowering.outputs import Outputs
 from dcir_runtime import precision
@@ -59,23 +62,13 @@ def source_name(model: torch.nn.Module, world: int) -> str:
     return f"<{type(model).__name__} on {world} ranks>"
 
 
-def stage_pass(config: Config, world: int):
-    """The pass of the configured ZeRO stage."""
+def stage_pass(config: Config, world: int, layout: Layout, per_node: int) -> list:
+    """The passes of the configured ZeRO stage (ZeRO-3's laid across nodes ``layout``'s way)."""
     if config.zero_stage == 1:
-        return Zero1(world_size=world, micro_steps=config.gradient_accumulation_steps)
-    return Zero2(world_size=world) if config.zero_stage == 2 else zero3(config, world)
-
-
-def zero3(config: Config, world: int) -> Zero3:
-    """``zero3`` over every rank; with the config's ``mesh``, HSDP (sharded within each
-    node, averaged across nodes once per optimizer step); with ``zero_hpz_partition_size``,
-    over every rank of a mesh of nodes (for ``hierarchical``)."""
-    if config.mesh is not None:
-        return Zero3(world_size=world, nodes=config.mesh["replicate"], shard="local",
-                     micro_steps=config.gradient_accumulation_steps)
-    if config.zero_hpz_partition_size is not None:
-        return Zero3(world_size=world, nodes=max(1, world // config.zero_hpz_partition_size))
-    return Zero3(world_size=world)
+        return [Zero1(world_size=world, micro_steps=config.gradient_accumulation_steps)]
+    if config.zero_stage == 2:
+        return [Zero2(world_size=world)]
+    return layout.sharding(world, per_node, config.gradient_accumulation_steps)
 
 
 def offload_pass(config: Config, state_keys: Callable[[], list[str]]) -> list:
@@ -87,25 +80,59 @@ def offload_pass(config: Config, state_keys: Callable[[], list[str]]) -> list:
 
 
 def pipeline(config: Config, world: int, training: bool, state_keys: Callable[[], list[str]],
-             passes: Callable[[list[str]], list]) -> list:
-    """The passes a captured program goes through: the stage's (with ZeRO++'s
-    ``hierarchical`` partitions), the mixed-precision casts, ``quantize`` (ZeRO++'s
-    int8 gathers and reductions), ``offload`` and the configured passes for a training
-    step; for a forward without a backward (``@eval``), ``zero3``'s gathers and frees,
-    the casts and ``quantize``'s int8 gathers."""
+             passes: Callable[[list[str]], list], layout: Layout, per_node: int) -> list:
+    """The passes a captured program goes through: the stage's (ZeRO-3's laid across
+    nodes ``layout``'s way: HSDP, hpZ's ``hierarchical`` partitions), the mixed-precision
+    casts, ``quantize`` (ZeRO++'s int8 gathers and reductions), ``offload`` and the
+    configured passes for a training step; for a forward without a backward (``@eval``),
+    the stage's gathers and frees, the casts and ``quantize``'s int8 gathers."""
     policy = precision.policy_of(config)
-    weights, grads = config.zero_quantized_weights, config.zero_quantized_gradients
-    quantized = [Quantize(weights=weights, gradients=grads)] if weights or grads else []
+    stage = stage_pass(config, world, layout, per_node)
     if not training:
-        return [zero3(config, world), *precision.passes(policy), *([Quantize()] if weights else [])]
-    hpz = config.zero_hpz_partition_size
-    hierarchical = [Hierarchical()] if hpz is not None and world > hpz else []  # one node: nothing to keep
-    return [stage_pass(config, world), *hierarchical, *precision.passes(policy), *quantized,
-            *offload_pass(config, state_keys), *passes(config.passes)]
+        return [*stage, *precision.passes(policy), *([Quantize()] if layout.weights else [])]
+    return [*stage, *precision.passes(policy), *layout.quantizing(), *offload_pass(config, state_keys),
+            *passes(config.passes)]
+
+
+def run_pipeline(module: dcir.Module, config: Config, world: int, per_node: int, training: bool,
+                 state_keys: Callable[[], list[str]], passes: Callable[[list[str]], list]) -> None:
+    """``pipeline`` on ``module``, laid across nodes the one way the config gives, or
+    the way the planner chooses among those it leaves open (settings given as
+    ``"auto"``: ``choose_layout``)."""
+    layouts = config.layouts(world)
+    layout = layouts[0] if len(layouts) == 1 else choose_layout(module, config, world, per_node, layouts)
+    dcir.run_passes(module, pipeline(config, world, training, state_keys, passes, layout, per_node))
+
+
+def choose_layout(module: dcir.Module, config: Config, world: int, per_node: int,
+                  layouts: tuple[Layout, ...]) -> Layout:
+    """The fastest of ``layouts`` within the memory budget (default: the device's), each
+    priced on the config's ``machine`` with its stage and casts (``dcir.topology``); the
+    planner's reasons go to standard error, and the choice into the program's
+    ``plan.layout`` attribute. When none fits, the one with the smallest peak."""
+    policy = precision.policy_of(config)
+    micro = config.gradient_accumulation_steps
+
+    def build(layout: Layout) -> dcir.Module:
+        m = module.clone()
+        dcir.run_passes(m, [*stage_pass(config, world, layout, per_node), *precision.passes(policy),
+                            *layout.quantizing()])
+        return m
+
+    machine = replace(config.described_machine(), ranks_per_node=per_node)
+    choice = topology.choose(build, machine, micro, config.memory_budget, lossy=True, layouts=layouts)
+    chosen = choice.chosen or min(choice.priced, key=lambda p: p.peak)
+    if not dist.is_initialized() or dist.get_rank() == 0:  # a region is laid out on every rank alike
+        nodes = world // per_node
+        print(f"dcir: @{module.name} laid across {nodes} node{'s' * (nodes != 1)} of {per_node} "
+              f"rank{'s' * (per_node != 1)}, as priced on {machine.name}:\n  " + choice.why().replace("\n", "\n  "),
+              file=sys.stderr)
+    module.attrs[topology.LAID_OUT] = chosen.layout.name
+    return chosen.layout
 
 
 def compile_step(model: torch.nn.Module, args: tuple, kwargs: dict, *, loss_fn: Callable | None, config: Config,
-                 world: int, training: bool, state_keys: Callable[[], list[str]],
+                 world: int, per_node: int, training: bool, state_keys: Callable[[], list[str]],
                  passes: Callable[[list[str]], list]) -> tuple[str, Outputs]:
     """The step of ``model`` on ``args``/``kwargs`` through the passes, on this rank:
     its text and the structure of the model's output."""
@@ -115,7 +142,7 @@ def compile_step(model: torch.nn.Module, args: tuple, kwargs: dict, *, loss_fn: 
                                            **precision.capture_options(policy))
     except NotOneGraph:
         return REGIONS, None
-    dcir.run_passes(module, pipeline(config, world, training, state_keys, passes))
+    run_pipeline(module, config, world, per_node, training, state_keys, passes)
     return dcir.print(module), outputs
 
 
@@ -135,7 +162,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, *, group: Process
             cached.append(cache.name(model, options["loss_fn"], call, options["config"]))
             entry = cache.load(cached[0])
         if entry is None:
-            text, outputs = compile_step(model, args, kwargs, world=group.world, **options)
+            text, outputs = compile_step(model, args, kwargs, world=group.world,
+                                         per_node=group.mesh.get(LOCAL, group.world), **options)
             entry = Entry(text, outputs.pack() if outputs is not None else "")
             if cache is not None and text != REGIONS:
                 cache.save(cached[0], entry)

@@ -11,9 +11,15 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from dcir.diagnostics import DcirError, Diagnostic
+from dcir.machine import HardwareError, Machine, load as load_machine
 from dcir.memory import parse_bytes
 from dcir.passes import parse_pipeline
+from dcir.topology import LAYOUTS, Layout
 from dcir_runtime import precision
+
+#: a ZeRO++ setting's value that lets the planner choose it (``Config.machine``)
+AUTO = "auto"
+
 
 @dataclass(frozen=True)
 class Config:
@@ -86,15 +92,22 @@ class Config:
     #: torchrun numbers them); parameters stay sharded over every rank, and each rank keeps
     #: its shard of each parameter split over its node from the forward to the backward,
     #: whose gathers then stay within the node (the ``hierarchical`` pass). None: off
-    zero_hpz_partition_size: int | None = None
+    #: ``"auto"``: the ranks of a node (torchrun's ``LOCAL_WORLD_SIZE``) if the planner
+    #: prices hpZ faster within the budget on ``machine`` (``dcir.topology``), else off
+    zero_hpz_partition_size: int | str | None = None
     #: DeepSpeed ZeRO++'s quantized weights (qwZ): every parameter gather moves int8 in
     #: blocks of 256 with f32 scales (the ``quantize`` pass); shards, optimizer and gradient
-    #: reductions stay exact
-    zero_quantized_weights: bool = False
+    #: reductions stay exact. ``"auto"``: if the planner prices them faster on ``machine``
+    zero_quantized_weights: bool | str = False
     #: DeepSpeed ZeRO++'s quantized gradients (qgZ): every gradient reduce-scatter moves int8
     #: rows in blocks of 256 with f32 scales, exchanged all-to-all and summed in f32 on the
-    #: receiving rank (the ``quantize`` pass); shards, optimizer and gathers stay exact
-    zero_quantized_gradients: bool = False
+    #: receiving rank (the ``quantize`` pass); shards, optimizer and gathers stay exact.
+    #: ``"auto"``: if the planner prices them faster on ``machine``
+    zero_quantized_gradients: bool | str = False
+    #: the hardware description (a ``dcir/machines`` name or a ``.toml``, ``dcir.hardware``)
+    #: the ZeRO++ settings given as ``"auto"`` are chosen on: the planner prices each way to
+    #: lay the step across nodes on it and takes the fastest that fits (``dcir.topology``)
+    machine: str | None = None
 
     def __post_init__(self):
         given = [k for k in ("mixed_precision", "bf16", "fp16") if getattr(self, k) is not None]
@@ -115,6 +128,14 @@ class Config:
         if self.zero_quantized_gradients and self.zero_stage != 3:
             raise _error(f"zero_quantized_gradients quantizes ZeRO-3's gradient reductions (ZeRO++'s qgZ): give "
                          f"zero_stage 3, not {self.zero_stage}")
+        auto = self.auto_knobs
+        if auto and self.machine is None:
+            raise _error(f"{' and '.join(auto)} given as \"auto\": the planner chooses by pricing each way to lay the "
+                         f"step across nodes on a machine description: give machine (a dcir/machines name or a .toml)")
+        if self.machine is not None and not auto:
+            raise _error("machine is the description the ZeRO++ settings given as \"auto\" are chosen on, and none "
+                         "is: give zero_hpz_partition_size, zero_quantized_weights or zero_quantized_gradients "
+                         "\"auto\", or leave machine out")
         if self.mesh is not None and self.zero_stage != 3:
             raise _error(f"the config's mesh shards parameters within a node (HSDP), which is ZeRO-3's: give zero_stage "
                          f"3, not {self.zero_stage}")
@@ -123,15 +144,42 @@ class Config:
                          "not 'error'")
 
     @property
-    def topology(self) -> dict | None:
+    def auto_knobs(self) -> list[str]:
+        """The ZeRO++ settings the planner chooses (given as ``"auto"``)."""
+        return [k for k in ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients")
+                if getattr(self, k) == AUTO]
+
+    def topology(self, per_node: int) -> dict | None:
         """The mesh the ranks form and what parameters are sharded over: ``{"replicate": R
         (None: the world over S), "shard": S, "hsdp": True}`` (sharded over the node) or
-        ``"hsdp": False`` (over every rank, hpZ); None: one flat group."""
+        ``"hsdp": False`` (over every rank, hpZ; ``"auto"``: nodes of ``per_node``, the
+        ranks a node runs); None: one flat group."""
         if self.mesh is not None:
             return {**self.mesh, "hsdp": True}
-        if self.zero_hpz_partition_size is not None:
-            return {"replicate": None, "shard": self.zero_hpz_partition_size, "hsdp": False}
+        hpz = self.zero_hpz_partition_size
+        if hpz is not None:
+            return {"replicate": None, "shard": per_node if hpz == AUTO else hpz, "hsdp": False}
         return None
+
+    def described_machine(self) -> Machine | None:
+        """The machine ``machine`` describes (checked when the config was read)."""
+        return None if self.machine is None else load_machine(self.machine)
+
+    def layouts(self, world: int) -> tuple[Layout, ...]:
+        """The ways across nodes this config allows on ``world`` ranks: one, or, with
+        settings given as ``"auto"``, those the planner chooses among (``dcir.topology``)."""
+        def allowed(value, on: bool) -> bool:
+            return value == AUTO or bool(value) == on
+
+        hpz = self.zero_hpz_partition_size
+        fixed_hpz = hpz not in (None, AUTO) and world > hpz  # one node: nothing to keep
+        hsdp = self.mesh is not None
+        return tuple(lay for lay in LAYOUTS
+                     if lay.hsdp == hsdp and (hpz == AUTO or lay.hpz == fixed_hpz)
+                     and allowed(self.zero_quantized_weights, lay.weights)
+                     and allowed(self.zero_quantized_gradients, lay.gradients)) or (
+            Layout("as configured", hsdp=hsdp, hpz=fixed_hpz, weights=bool(self.zero_quantized_weights),
+                   gradients=bool(self.zero_quantized_gradients)),)
 
     @classmethod
     def load(cls, config) -> "Config":
@@ -297,14 +345,39 @@ def _bool(v):
     return v
 
 
+def _or_auto(check):
+    """``check``, or the string ``"auto"`` (the planner chooses: ``Config.machine``)."""
+    def checked(v):
+        if v == AUTO:
+            return v
+        try:
+            return check(v)
+        except ValueError as e:
+            raise ValueError(f"{e}, or \"auto\"") from None
+    return checked
+
+
+def _machine(v):
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v:
+        raise ValueError(f"{v!r}; a dcir/machines name or a .toml path")
+    try:
+        load_machine(v)
+    except HardwareError as e:
+        raise ValueError(str(e)) from None
+    return v
+
+
 _CHECKS = {"zero_stage": _stage, "passes": _passes, "gradient_accumulation_steps": _positive_int,
            "memory_budget": _budget, "timeout_s": _seconds, "inductor": _bool,
            "optimize": _optimize, "offload": _offload, "gradient_clipping": _max_norm,
            "mixed_precision": _precision("check_policy"), "bf16": _precision("check_bf16"),
            "fp16": _precision("check_fp16"), "max_programs": _positive_int,
            "transport": _transport, "nonfinite": _nonfinite, "program_cache": _directory,
-           "mesh": _mesh, "zero_hpz_partition_size": _optional_positive_int,
-           "zero_quantized_weights": _bool, "zero_quantized_gradients": _bool}
+           "mesh": _mesh, "zero_hpz_partition_size": _or_auto(_optional_positive_int),
+           "zero_quantized_weights": _or_auto(_bool), "zero_quantized_gradients": _or_auto(_bool),
+           "machine": _machine}
 
 
 def _error(message: str) -> DcirError:

@@ -43,7 +43,7 @@ from dcir_runtime.capture import source_name
 from dcir_runtime.config import Config
 from dcir_runtime import materialize, programs, transport
 from dcir_runtime.execution import Execution, Installed, RankFailure
-from dcir_runtime.group import ProcessGroup
+from dcir_runtime.group import ProcessGroup, local_world
 from dcir_runtime.plan import Planner
 from dcir_runtime.shards import ShardedParameters, ShardOptimizer, check_scheduler_factory
 from dcir_runtime.trace import Tracer
@@ -122,7 +122,7 @@ class Engine:
                  lr_scheduler: Callable | None = None, start: dict | None = None, device_mesh=None):
         self.model, self.loss_fn = model, loss_fn
         self.device = materialize.device_of(model)
-        self.process_group = ProcessGroup.join(config.timeout_s, self.device, config.topology, device_mesh)
+        self.process_group = ProcessGroup.join(config.timeout_s, self.device, config.topology(local_world()), device_mesh)
         try:
             self._set_up(model, optimizer, config, lr_scheduler, start or {})
         except BaseException as e:  # a half-built engine keeps no shards, and leaves a group it made

@@ -38,6 +38,12 @@ class RankFailure(RuntimeError):
 CAPTURE_TIMEOUT_S = 900
 
 
+def local_world() -> int:
+    """The ranks this rank's node runs: torchrun's ``LOCAL_WORLD_SIZE`` (a world of one
+    when not launched by it)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+
+
 @dataclass(frozen=True)
 class ProcessGroup:
     rank: int

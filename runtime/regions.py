@@ -144,8 +144,9 @@ class RegionStep:
         config = engine.config
         if config.zero_stage == 1:  # reduced at every micro-step: a region that a branch skips in the last
             config = dataclasses.replace(config, gradient_accumulation_steps=1)  # would never reduce its sum
-        dcir.run_passes(module, capture.pipeline(config, engine.world, training and module.role(FORWARD) is not None,
-                                                 engine.optimizer_state_keys, engine.planner.passes))
+        capture.run_pipeline(module, config, engine.world, engine.process_group.mesh.get(LOCAL, engine.world),
+                             training and module.role(FORWARD) is not None, engine.optimizer_state_keys,
+                             engine.planner.passes)
         text = dcir.print(module)
         key = hashlib.sha256(text.encode()).hexdigest()[:16]
         planner = Planner(engine.config, engine.process_group, f"{engine.store_prefix}region-{key}/",

@@ -250,6 +250,10 @@ CASES.update({
                                     {"zero_hpz_partition_size": 2, "gradient_accumulation_steps": 4}),
     "hf_llama_hpz_schedule": (tiny_llama, _llama_batch, lambda out: out.loss,
                               {"zero_hpz_partition_size": 2, "passes": _SCHEDULE}),
+    # the planner's choice on the H100 description (dcir.topology): hpZ, 1.12x ZeRO-3's predicted step
+    "transformer_hpz_auto_accumulate4": (TinyTransformer, _transformer_batch, None,
+                                         {"zero_hpz_partition_size": "auto", "machine": "h100-ib400",
+                                          "gradient_accumulation_steps": 4}),
     # FSDP2's way to ask for it: initialize(mesh=init_device_mesh(..., (2, 2))), no mesh in the config
     "transformer_hsdp_device_mesh": (TinyTransformer, _transformer_batch, None,
                                      {**_HSDP, "gradient_accumulation_steps": 2}),

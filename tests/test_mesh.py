@@ -13,6 +13,7 @@ runtime's counters show what each group carried in each micro-step."""
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -27,11 +28,11 @@ from test_runtime import WORKER
 
 HSDP_CASES = ["transformer_hsdp", "transformer_hsdp_accumulate4", "hf_llama_hsdp_accumulate4_schedule_clip",
               "hf_llama_hsdp_optimize", "breaks_item_hsdp", "transformer_hsdp_device_mesh"]
-HPZ_CASES = ["transformer_hpz_accumulate4", "hf_llama_hpz_schedule"]
+HPZ_CASES = ["transformer_hpz_accumulate4", "hf_llama_hpz_schedule", "transformer_hpz_auto_accumulate4"]
 #: the default tier's share (accumulation 4 under both, the Llama with the schedule passes and
 #: clipping, a DeviceMesh); the slow tier runs the rest
 DEFAULT = {"transformer_hsdp_accumulate4", "hf_llama_hsdp_accumulate4_schedule_clip", "transformer_hsdp_device_mesh",
-           "transformer_hpz_accumulate4"}
+           "transformer_hpz_accumulate4", "transformer_hpz_auto_accumulate4"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -55,6 +56,11 @@ def test_hsdp_and_hpz_on_two_nodes_train_like_one_device(default, tmp_path):
     hpz = [c for c in HPZ_CASES if (c in DEFAULT) == default]
     launches = run_nodes([WORKER, "equivalence", str(out_file), *hsdp, *hpz], nodes=2, per_node=2, timeout_s=480)
     assert all(p.returncode == 0 for p in launches), "\n".join(p.stderr[-3000:] for p in launches)
+    if default:  # the planner says why, on the first node's rank 0 (which compiles)
+        said = launches[0].stderr
+        assert "laid across 2 nodes of 2 ranks, as priced on h100-ib400:" in said, said[-3000:]
+        assert re.search(r"hpZ: \S+ s a step, 1\.\d+x ZeRO-3, peak .*: chosen, the fastest that fits\n"
+                         r"\s+ZeRO-3: \S+ s a step, peak .*: slower", said), said[-3000:]
     results = json.loads(out_file.read_text())
     for case in hsdp:
         r = results[case]
@@ -73,6 +79,8 @@ def test_hsdp_and_hpz_on_two_nodes_train_like_one_device(default, tmp_path):
         r = results[case]
         assert r["max_rel_err"] <= 1e-6, (case, r["worst_param"], r["max_rel_err"])
         assert "mem.shard(" in r["ir"] and 'comm.all_gather' in r["ir"], case
+        # given "auto", the planner priced ZeRO-3 and hpZ on the H100 description and took hpZ
+        assert ('plan.layout = "hpZ"' in r["ir"]) == ("auto" in case), case
         for k, t in enumerate(r["traffic"]):
             assert t["local"]["bytes"] > 0 and t["world"]["bytes"] > 0 and t["nodes"]["collectives"] == 0, (case, k, t)
 

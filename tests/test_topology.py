@@ -1,5 +1,7 @@
 """The planner's choice of a way across nodes (``dcir.topology``), on a captured
-``transformers`` Llama priced on the H100 description."""
+``transformers`` Llama priced on the H100 description, and the Engine settings that ask
+for it (``"auto"`` with a ``machine``). tests/test_mesh.py trains the Engine's choice
+across two "nodes" equal to one device."""
 
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ import torch
 
 import dcir
 from dcir import topology
+from dcir.diagnostics import DcirError
 from dcir.machine import load
 from dcir_lowering.frontend import capture
-from models import tiny_llama
+from dcir_runtime import Config
+from models import mlp, squared, tiny_llama
 
 WORLD, PER_NODE = 32, 8
 
@@ -77,3 +81,61 @@ def test_the_fastest_way_that_fits_is_chosen_and_why(step, machine):
                for line in tight.why().splitlines())
     none = _choose(step, machine, budget=min(peaks.values()) - 1)
     assert none.chosen is None and none.why().splitlines()[0] == "no layout fits the budget"
+
+
+def test_auto_settings_leave_the_planner_the_ways_they_allow():
+    names = lambda config, world=WORLD: [layout.name for layout in Config.load(config).layouts(world)]  # noqa: E731
+    h100 = {"machine": "h100-ib400"}
+    assert names({}) == ["ZeRO-3"]
+    assert names({"zero_hpz_partition_size": 8}) == ["hpZ"]
+    assert names({"zero_hpz_partition_size": 8}, world=8) == ["ZeRO-3"]  # one node: nothing to keep
+    assert names({"zero_hpz_partition_size": "auto", **h100}) == ["ZeRO-3", "hpZ"]
+    assert names({"zero_hpz_partition_size": "auto", "zero_quantized_weights": "auto", **h100}) == [
+        "ZeRO-3", "hpZ", "qwZ", "hpZ+qwZ"]
+    assert names({"zero_hpz_partition_size": 8, "zero_quantized_weights": True,
+                  "zero_quantized_gradients": "auto", **h100}) == ["hpZ+qwZ", "ZeRO++"]
+    # a combination no named way has runs as configured
+    only_grads = Config.load({"zero_quantized_gradients": True}).layouts(WORLD)
+    assert [(lay.hpz, lay.weights, lay.gradients) for lay in only_grads] == [(False, False, True)]
+    assert Config.load({"zero_hpz_partition_size": "auto", **h100}).topology(8) == {
+        "replicate": None, "shard": 8, "hsdp": False}
+
+
+def test_auto_settings_need_a_machine_and_a_machine_needs_them():
+    with pytest.raises(DcirError) as e:
+        Config.load({"zero_hpz_partition_size": "auto", "zero_quantized_weights": "auto"})
+    assert ('zero_hpz_partition_size and zero_quantized_weights given as "auto": the planner chooses by pricing each '
+            "way to lay the step across nodes on a machine description: give machine (a dcir/machines name or a "
+            ".toml)") in str(e.value)
+    with pytest.raises(DcirError) as e:
+        Config.load({"machine": "h100-ib400"})
+    assert ('machine is the description the ZeRO++ settings given as "auto" are chosen on, and none is: give '
+            'zero_hpz_partition_size, zero_quantized_weights or zero_quantized_gradients "auto", or leave machine '
+            "out") in str(e.value)
+    with pytest.raises(DcirError, match=r"bad value for 'machine': cannot read hardware description .*nope\.toml"):
+        Config.load({"zero_hpz_partition_size": "auto", "machine": "nope"})
+    with pytest.raises(DcirError, match=r"bad value for 'machine': 3; a dcir/machines name or a \.toml path"):
+        Config.load({"zero_hpz_partition_size": "auto", "machine": 3})
+    with pytest.raises(DcirError) as e:
+        Config.load({"zero_hpz_partition_size": "sometimes"})
+    assert "bad value for 'zero_hpz_partition_size': 'sometimes'; a positive integer, or null, or \"auto\"" in str(e.value)
+    with pytest.raises(DcirError) as e:
+        Config.load({"zero_quantized_gradients": "maybe"})
+    assert "bad value for 'zero_quantized_gradients': 'maybe'; true or false, or \"auto\"" in str(e.value)
+
+
+def test_an_engine_given_auto_runs_the_way_it_chose(capfd):
+    """One process: quantizing is a candidate (its setting is "auto"), priced on the H100
+    description; at one rank there is nothing to gather, so int8 only adds work."""
+    torch.manual_seed(0)
+    engine = dcir.initialize(mlp(), torch.optim.AdamW, {"zero_quantized_weights": "auto",
+                                                        "machine": "h100-ib400"}, loss_fn=squared)
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        engine.backward(engine(x))
+        engine.step()
+    said = capfd.readouterr().err
+    assert "laid across 1 node of 1 rank, as priced on h100-ib400:\n  ZeRO-3: " in said, said
+    assert re.search(r"\n  qwZ: \S+ s a step, 0\.\d+x ZeRO-3, peak .*: slower", said), said
+    assert said.count("as priced on") == 1  # chosen once, when the step is compiled
+    assert 'plan.layout = "ZeRO-3"' in dcir.print(engine.ir()) and "mem.quantize" not in dcir.print(engine.ir())
