@@ -140,21 +140,26 @@ def test_100m_preset_is_a_134m_parameter_llama_unless_flags_say_otherwise():
 @pytest.mark.slow
 def test_the_activation_benchmark_reports_each_points_allocator_peak(tmp_path, capfd):
     """``bench_activations.py`` on the tiny workload: every point's row has its allocator
-    peak (a second run under the memory profiler), DCIR's budgeted point holds its
-    budget in that count, and the matched-memory lines compare on both figures."""
+    peak (a second run under the memory profiler), DCIR's budgeted points hold their
+    budgets in that count, ``dcir-ckpt``'s budget is ``fsdp2-ckpt``'s allocator peak plus
+    the outbox, and the matched-memory lines compare on both figures."""
     import bench_activations
 
     out = tmp_path / "act.json"
     tiny = ["--layers", "1", "--hidden", "64", "--seq", "256", "--batch", "1", "--vocab", "64", "--steps", "1",
             "--warmup", "5", "--rounds", "1", "--timeout", "300"]
-    code = bench_activations.main([*tiny, "--budgets", "0.9", "--compile-budgets", "", "--json", str(out),
+    code = bench_activations.main([*tiny, "--budgets", "0.9,ckpt", "--compile-budgets", "", "--json", str(out),
                                    "--chart", str(tmp_path / "curve.png")])
     text = capfd.readouterr().out
     assert code == 0, text
-    rows = json.loads(out.read_text())["results"]
-    assert set(rows) == {"dcir-none", "dcir-0.9", "fsdp2", "fsdp2-ckpt"}, text
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert set(rows) == {"dcir-none", "dcir-0.9", "dcir-ckpt", "fsdp2", "fsdp2-ckpt"}, text
     assert all(r["allocated_mib"] > 0 for r in rows.values()), rows
-    assert rows["dcir-0.9"]["allocated_mib"] <= rows["dcir-0.9"]["budget_mib"], rows["dcir-0.9"]
+    for label in ("dcir-0.9", "dcir-ckpt"):
+        assert rows[label]["allocated_mib"] <= rows[label]["budget_mib"], rows[label]
+    outbox = max(a["outbox"] for a in report["probe"]) / 2**20
+    assert rows["dcir-ckpt"]["budget_mib"] == pytest.approx(rows["fsdp2-ckpt"]["allocated_mib"] + outbox, abs=0.01)
     assert "at fsdp2-ckpt's allocator peak" in text and "alloc MiB" in text
 
 
