@@ -125,8 +125,8 @@ def choose_layout(module: dcir.Module, config: Config, world: int, per_node: int
     if not dist.is_initialized() or dist.get_rank() == 0:  # a region is laid out on every rank alike
         nodes = world // per_node
         print(f"dcir: @{module.name} laid across {nodes} node{'s' * (nodes != 1)} of {per_node} "
-              f"rank{'s' * (per_node != 1)}, as priced on {machine.name}:\n  " + choice.why().replace("\n", "\n  "),
-              file=sys.stderr)
+              f"rank{'s' * (per_node != 1)}, as priced on {machine.name}:\n  " + choice.why().replace("\n", "\n  ")
+              + ("" if choice.chosen else f"\n  running {chosen.layout.name}, the smallest peak"), file=sys.stderr)
     module.attrs[topology.LAID_OUT] = chosen.layout.name
     return chosen.layout
 

@@ -17,6 +17,7 @@ from dcir.diagnostics import DcirError
 from dcir.machine import load
 from dcir_lowering.frontend import capture
 from dcir_runtime import Config
+from dcir_runtime.capture import choose_layout
 from models import mlp, squared, tiny_llama
 
 WORLD, PER_NODE = 32, 8
@@ -139,3 +140,13 @@ def test_an_engine_given_auto_runs_the_way_it_chose(capfd):
     assert re.search(r"\n  qwZ: \S+ s a step, 0\.\d+x ZeRO-3, peak .*: slower", said), said
     assert said.count("as priced on") == 1  # chosen once, when the step is compiled
     assert 'plan.layout = "ZeRO-3"' in dcir.print(engine.ir()) and "mem.quantize" not in dcir.print(engine.ir())
+
+
+def test_when_no_way_fits_the_engine_runs_the_smallest_and_says_so(capfd):
+    module, _ = capture(mlp(), (torch.randn(4, 8),), kwargs={}, loss_fn=squared, training=True)
+    config = Config.load({"zero_hpz_partition_size": "auto", "machine": "h100-ib400", "memory_budget": 1})
+    layout = choose_layout(module, config, 4, 2, config.layouts(4))
+    lines = capfd.readouterr().err.splitlines()
+    assert lines[1] == "  no layout fits the budget" and lines[-1] == f"  running {layout.name}, the smallest peak", lines
+    assert len(lines) == 5 and all(line.endswith(": does not fit the budget of 1 B") for line in lines[2:4]), lines
+    assert layout.name == "ZeRO-3" and module.attrs["plan.layout"] == "ZeRO-3"  # hpZ keeps the node's partitions too
