@@ -19,11 +19,7 @@ their united cone runs once. Those are the candidates.
 
 Which ones: cheap cones first (elementwise ops, norms, views: no library kernel, no
 matmul or convolution, whose recompute costs a kernel of its own), the largest
-activation first; then cones with a library kernel, the most bytes freed per second of
-compute run again first (the machine model's op times: the profile's, when the module
-carries one), so a budget takes the cheapest bytes first (attention's probabilities,
-[heads, seq, seq] from one batched matmul, before the same bytes of logits from a
-matmul over the vocabulary); each is taken when the memory model's peak of the
+activation first within each class; each is taken when the memory model's peak of the
 step (``dcir.memory``) goes down with it, or stays while the hand-off shrinks. With ``budget`` the
 pass stops as soon as the peak fits it, and takes matmuls only when the cheap ops
 did not suffice; without one it takes every cheap candidate that lowers the peak
@@ -61,9 +57,7 @@ from dcir import analysis, fusion, roles, signature
 from dcir import ops as registry
 from dcir.activations import RECOMPUTE, draws_random
 from dcir.context import PlanContext
-from dcir.cost import eager_s
 from dcir.ir import UNIT, Function, Module, Op, PendingType, ShardType, Value
-from dcir.machine import Machine
 from dcir.memory import Bytes, device_bytes, saved_storage, step_peak, storage_bases
 from dcir.passes import Pass
 from dcir.rewrite import Rewriter
@@ -247,16 +241,9 @@ def storages(fw: Function) -> list[list[Value]]:
     return list(out.values())
 
 
-#: the orders ``_candidates`` offers: by bytes per second of compute run again, or by bytes
-BY_COST, BY_SIZE = "cost", "size"
-
-
-def _candidates(module: Module, fw: Function, stats: Counter, limit: int, machine: Machine,
-                order: str = BY_COST) -> list[list[Value]]:
+def _candidates(module: Module, fw: Function, stats: Counter, limit: int) -> list[list[Value]]:
     """The saved storages that can be rebuilt: those without a library kernel in their
-    cone first, the largest first; then the others, ``BY_COST`` the most bytes per second
-    of their cone's compute on ``machine`` first, ``BY_SIZE`` the largest first; ties by
-    the fewest ops again."""
+    cone first, then by bytes, the largest first, then by the fewest ops again."""
     saved = set(signature.results(fw, signature.SAVED))
     out = []
     for rets in storages(fw):
@@ -264,11 +251,7 @@ def _candidates(module: Module, fw: Function, stats: Counter, limit: int, machin
         if isinstance(ops, str):
             stats[f"kept: {ops}"] += 1
             continue
-        size = max(map(device_bytes, rets))
-        if _library(ops) and order == BY_COST:
-            out.append((True, -size / max(sum(eager_s(op, machine) for op in ops), 1e-12), len(ops), rets))
-        else:
-            out.append((_library(ops), -size, len(ops), rets))
+        out.append((_library(ops), -max(map(device_bytes, rets)), len(ops), rets))
     return [rets for *_, rets in sorted(out, key=lambda c: c[:3])]
 
 
@@ -313,46 +296,14 @@ class Recompute(Pass):
             return
         fw, bws = pair
         rewriters = {f.name: Rewriter(f) for f in (fw, *bws)}
-        marks = {name: r.checkpoint() for name, r in rewriters.items()}
-        machine = ctx.machine_for(module)
-        tried = Counter()
-        now = self._take(module, fw, bws, rewriters, _candidates(module, fw, tried, self._limit, machine), tried)
-        if self.budget is not None and now[0] > self.budget:
-            # the cheapest bytes first can leave the floor higher (a rebuild takes a value
-            # another cone needed): the largest first reaches the lowest; keep the lower
-            for name, r in rewriters.items():
-                r.rollback(marks[name])
-            by_size = Counter()
-            lower = self._take(module, fw, bws, rewriters,
-                               _candidates(module, fw, by_size, self._limit, machine, BY_SIZE), by_size)
-            if lower < now:
-                tried = by_size
-            else:
-                for name, r in rewriters.items():
-                    r.rollback(marks[name])
-                tried = Counter()
-                now = self._take(module, fw, bws, rewriters, _candidates(module, fw, tried, self._limit, machine),
-                                 tried)
-        stats.update(tried)
-        if self.budget is not None and footprint(module)[0] > self.budget:
-            stats["over budget after every candidate"] += 1
-
-    @property
-    def _limit(self) -> int:
-        return MAX_CONE if self.budget is None else MAX_CONE_BUDGETED
-
-    def _take(self, module: Module, fw: Function, bws: list[Function], rewriters: dict[str, Rewriter],
-              candidates: list[list[Value]], stats: Counter) -> tuple:
-        """Rebuild ``candidates`` in turn, each that lowers the footprint, until the budget
-        fits; returns the footprint."""
         shared: dict[str, dict[Value, Value]] = {bw.name: {} for bw in bws}  # what rebuilds made, to reuse
         now = footprint(module)
-        for rets in candidates:
+        limit = MAX_CONE if self.budget is None else MAX_CONE_BUDGETED
+        for rets in _candidates(module, fw, stats, limit):
             if self.budget is not None and now[0] <= self.budget:
                 break
             saved = set(signature.results(fw, signature.SAVED))
-            ops = (cone(module, fw, rets, saved, self._limit) if saved.issuperset(rets)
-                   else "a value it needs was rebuilt")
+            ops = cone(module, fw, rets, saved, limit) if saved.issuperset(rets) else "a value it needs was rebuilt"
             if isinstance(ops, str):
                 stats[f"kept: {ops}"] += 1
                 continue
@@ -366,4 +317,5 @@ class Recompute(Pass):
             now = footprint(module)
             stats["activations rebuilt"] += 1
             stats["ops run again"] += ran
-        return now
+        if self.budget is not None and now[0] > self.budget:
+            stats["over budget after every candidate"] += 1
