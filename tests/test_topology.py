@@ -92,12 +92,15 @@ def test_auto_settings_leave_the_planner_the_ways_they_allow():
     assert names({"zero_hpz_partition_size": 8}, world=8) == ["ZeRO-3"]  # one node: nothing to keep
     assert names({"zero_hpz_partition_size": "auto", **h100}) == ["ZeRO-3", "hpZ"]
     assert names({"zero_hpz_partition_size": "auto", "zero_quantized_weights": "auto", **h100}) == [
-        "ZeRO-3", "hpZ", "qwZ", "hpZ+qwZ"]
+        "ZeRO-3", "qwZ", "hpZ", "hpZ+qwZ"]
     assert names({"zero_hpz_partition_size": 8, "zero_quantized_weights": True,
                   "zero_quantized_gradients": "auto", **h100}) == ["hpZ+qwZ", "ZeRO++"]
-    # a combination no named way has runs as configured
-    only_grads = Config.load({"zero_quantized_gradients": True}).layouts(WORLD)
-    assert [(lay.hpz, lay.weights, lay.gradients) for lay in only_grads] == [(False, False, True)]
+    # combinations LAYOUTS does not name are named by their parts; HSDP quantizes too
+    assert names({"zero_quantized_gradients": True}) == ["qgZ"]
+    assert names({"mesh": {"replicate": 4, "shard": 8}, "zero_quantized_weights": "auto", **h100}) == [
+        "HSDP", "HSDP+qwZ"]
+    hsdp_q = Config.load({"mesh": {"replicate": 4, "shard": 8}, "zero_quantized_weights": True}).layouts(WORLD)[0]
+    assert (hsdp_q.hsdp, hsdp_q.hpz, hsdp_q.weights, hsdp_q.gradients) == (True, False, True, False)
     assert Config.load({"zero_hpz_partition_size": "auto", **h100}).topology(8) == {
         "replicate": None, "shard": 8, "hsdp": False}
 
@@ -105,14 +108,10 @@ def test_auto_settings_leave_the_planner_the_ways_they_allow():
 def test_auto_settings_need_a_machine_and_a_machine_needs_them():
     with pytest.raises(DcirError) as e:
         Config.load({"zero_hpz_partition_size": "auto", "zero_quantized_weights": "auto"})
-    assert ('zero_hpz_partition_size and zero_quantized_weights given as "auto": the planner chooses by pricing each '
-            "way to lay the step across nodes on a machine description: give machine (a dcir/machines name or a "
-            ".toml)") in str(e.value)
+    assert "zero_hpz_partition_size and zero_quantized_weights" + ' given as "auto": the planner chooses by pricing each way to lay the step across nodes on a machine description: give machine (a dcir/machines name or a .toml)' in str(e.value)  # noqa: E501
     with pytest.raises(DcirError) as e:
         Config.load({"machine": "h100-ib400"})
-    assert ('machine is the description the ZeRO++ settings given as "auto" are chosen on, and none is: give '
-            'zero_hpz_partition_size, zero_quantized_weights or zero_quantized_gradients "auto", or leave machine '
-            "out") in str(e.value)
+    assert 'machine is the description the ZeRO++ settings given as "auto" are chosen on, and none is: give zero_hpz_partition_size, zero_quantized_weights or zero_quantized_gradients "auto", or leave machine out' in str(e.value)  # noqa: E501
     with pytest.raises(DcirError, match=r"bad value for 'machine': cannot read hardware description .*nope\.toml"):
         Config.load({"zero_hpz_partition_size": "auto", "machine": "nope"})
     with pytest.raises(DcirError, match=r"bad value for 'machine': 3; a dcir/machines name or a \.toml path"):
