@@ -71,6 +71,17 @@ LAYOUTS = (Layout("ZeRO-3"), Layout("HSDP", hsdp=True), Layout("hpZ", hpz=True),
            Layout("hpZ+qwZ", hpz=True, weights=True), Layout("ZeRO++", hpz=True, weights=True, gradients=True))
 
 
+def layout(hsdp: bool = False, hpz: bool = False, weights: bool = False, gradients: bool = False) -> Layout:
+    """The way with these settings, named as ``LAYOUTS`` names it, else by its parts
+    (``"HSDP+qwZ"``)."""
+    flags = {"hsdp": hsdp, "hpz": hpz, "weights": weights, "gradients": gradients}
+    for known in LAYOUTS:
+        if all(getattr(known, k) == v for k, v in flags.items()):
+            return known
+    parts = ["HSDP"] * hsdp + ["hpZ"] * hpz + ["qwZ"] * weights + ["qgZ"] * gradients
+    return Layout("+".join(parts), **flags)
+
+
 @dataclass(frozen=True)
 class Priced:
     """A layout's predicted optimizer step: seconds, peak bytes per rank, whether that fits."""

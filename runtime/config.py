@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields
+from itertools import product
 from pathlib import Path
 
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.machine import HardwareError, Machine, load as load_machine
 from dcir.memory import parse_bytes
 from dcir.passes import parse_pipeline
-from dcir.topology import LAYOUTS, Layout
+from dcir.topology import Layout, layout
 from dcir_runtime import precision
 
 #: a ZeRO++ setting's value that lets the planner choose it (``Config.machine``)
@@ -167,19 +168,16 @@ class Config:
 
     def layouts(self, world: int) -> tuple[Layout, ...]:
         """The ways across nodes this config allows on ``world`` ranks: one, or, with
-        settings given as ``"auto"``, those the planner chooses among (``dcir.topology``)."""
-        def allowed(value, on: bool) -> bool:
-            return value == AUTO or bool(value) == on
+        settings given as ``"auto"``, each combination they leave open, the simpler first
+        (``dcir.topology``)."""
+        def either(value) -> tuple[bool, ...]:
+            return (False, True) if value == AUTO else (bool(value),)
 
         hpz = self.zero_hpz_partition_size
-        fixed_hpz = hpz not in (None, AUTO) and world > hpz  # one node: nothing to keep
-        hsdp = self.mesh is not None
-        return tuple(lay for lay in LAYOUTS
-                     if lay.hsdp == hsdp and (hpz == AUTO or lay.hpz == fixed_hpz)
-                     and allowed(self.zero_quantized_weights, lay.weights)
-                     and allowed(self.zero_quantized_gradients, lay.gradients)) or (
-            Layout("as configured", hsdp=hsdp, hpz=fixed_hpz, weights=bool(self.zero_quantized_weights),
-                   gradients=bool(self.zero_quantized_gradients)),)
+        hpzs = (False, True) if hpz == AUTO else (hpz is not None and world > hpz,)  # one node: nothing to keep
+        return tuple(layout(self.mesh is not None, h, w, g)
+                     for h, w, g in product(hpzs, either(self.zero_quantized_weights),
+                                            either(self.zero_quantized_gradients)))
 
     @classmethod
     def load(cls, config) -> "Config":

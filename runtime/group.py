@@ -39,8 +39,8 @@ CAPTURE_TIMEOUT_S = 900
 
 
 def local_world() -> int:
-    """The ranks this rank's node runs: torchrun's ``LOCAL_WORLD_SIZE`` (a world of one
-    when not launched by it)."""
+    """The ranks this rank's node runs: torchrun's ``LOCAL_WORLD_SIZE``; else every rank
+    (``WORLD_SIZE``) or, not launched at all, one."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
 
 
