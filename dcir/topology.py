@@ -127,14 +127,14 @@ def choose(build: Callable[[Layout], Module], machine: Machine, micro_steps: int
     layouts are weighed only with ``lossy``. Ties go to the earlier layout."""
     budget = budget if budget is not None else machine.memory
     priced = []
-    for layout in layouts:
-        if not layout.exact and not lossy:
+    for way in layouts:
+        if not way.exact and not lossy:
             continue
-        module = build(layout)
+        module = build(way)
         on = replace(machine, world_size=module.attrs.get("world_size", machine.world_size),
                      mesh=tuple(module.mesh.items()))
         p = simulate_module(module, on, micro_steps)
-        priced.append(Priced(layout, p.estimate.seconds, p.peak_bytes, budget is None or p.peak_bytes <= budget))
+        priced.append(Priced(way, p.estimate.seconds, p.peak_bytes, budget is None or p.peak_bytes <= budget))
     fitting = [p for p in priced if p.fits]
     return Choice(tuple(priced), min(fitting, key=lambda p: p.seconds, default=None), budget)
 
