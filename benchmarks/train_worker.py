@@ -321,7 +321,7 @@ class Dcir:
         from dcir_runtime.accounting import fixed_bytes, scheduled_bytes
 
         m = self.engine.memory()
-        fixed = fixed_bytes(m, self.engine.shards)
+        fixed = fixed_bytes(m)
         least = self.engine.ir().clone()
         dcir.run_passes(least, [Recompute(budget=1)])
         return {"fixed": fixed, "step_peak": m.step_peak, "outbox": m.transport, "held": fixed + scheduled_bytes(m),

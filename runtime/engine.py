@@ -239,18 +239,14 @@ class Engine:
         the ``offload`` pass may keep in host memory (``ShardOptimizer.state_keys``)."""
         return self._optim.state_keys(self.device)
 
-    def _fixed_bytes(self, m: MemoryStats) -> int:
-        """What a rank holds whatever the schedule (``accounting.fixed_bytes``)."""
-        return fixed_bytes(m, self.shards)
-
     def _pass_budget(self) -> int | None:
         """The memory budget left to a schedule (``Planner.pass_budget``)."""
-        return self.planner.pass_budget(lambda: self._fixed_bytes(self.memory()))
+        return self.planner.pass_budget(lambda: fixed_bytes(self.memory()))
 
     def _after_step(self) -> None:
         """The optimization cycle's turn after an optimizer step (each region's, for a step with graph
         breaks: ``RegionStep.after_step``; it counts this engine's steps, not a checkpoint's), then the budget."""
-        fixed, regions = lambda: self._fixed_bytes(self.memory()), self.programs.regions
+        fixed, regions = lambda: fixed_bytes(self.memory()), self.programs.regions
         if regions is not None:
             regions.after_step(self.execution.steps_run, fixed)
         else:
@@ -261,7 +257,7 @@ class Engine:
                 self.ops.reset_peak()  # the new schedule's gathered peak is measured afresh
         if self.config.memory_budget is not None:
             m = self.memory()
-            self.planner.check_budget(self._fixed_bytes(m), scheduled_bytes(m),
+            self.planner.check_budget(fixed_bytes(m), scheduled_bytes(m),
                                       regions.largest() if regions is not None else self.module)
 
     # ---- the training step -----------------------------------------------------------------------
@@ -366,4 +362,5 @@ class Engine:
         program's replicas, accumulators and step peak, gathered parameters (now, peak), the
         outbox; collectives, bytes sent, seconds blocked in waits (``accounting.MemoryStats``)."""
         return measure(self.shards, self.optimizer, self.state_store, self.model, self.module, self.full_bytes,
-                       self.transport_bytes, self._step_peak(self.module))
+                       self.transport_bytes, self._step_peak(self.module),
+                       self.config.gradient_accumulation_steps > 1 or self.programs.regions is not None)

@@ -107,14 +107,15 @@ class Planner:
 
     def pass_budget(self, fixed_bytes: Callable[[], int]) -> int | None:
         """The memory budget left to a schedule: the configured budget less what this
-        rank holds whatever the schedule (``fixed_bytes()``: shards, gradient shards, optimizer
-        state, buffers; asked only when there is a budget)."""
+        rank holds whatever the schedule (``fixed_bytes()``: shards, optimizer state, buffers,
+        gradient shards where they outlive a backward; asked only when there is a budget)."""
         if self.config.memory_budget is None:
             return None
         fixed = fixed_bytes()
         if fixed + self._budget_cut >= self.config.memory_budget:
             raise DcirError(Diagnostic(
-                f"rank {self.group.rank}: parameter shards, gradient shards, optimizer state and buffers take "
+                f"rank {self.group.rank}: parameter shards, optimizer state and buffers (with gradient shards where they "
+                f"outlive a backward) take "
                 f"{format_bytes(fixed)}, which leaves nothing of the memory budget of "
                 f"{format_bytes(self.config.memory_budget)} for the step's own memory"))
         return self.config.memory_budget - fixed - self._budget_cut
@@ -289,9 +290,10 @@ class Planner:
         advice = over_budget_advice(held - _rebuildable(running, host_apart), budget, host_apart)
         raise DcirError(Diagnostic(
             f"rank {self.group.rank} holds {format_bytes(held)} at its peak, over the memory budget of "
-            f"{format_bytes(budget)}: {format_bytes(fixed)} whatever the schedule (parameter and gradient shards, "
-            f"optimizer state, buffers) and {format_bytes(scheduled)} in the step (saved activations, temporaries, "
-            f"gathered parameters, replicas, accumulators and the shared-memory outbox); {advice}"))
+            f"{format_bytes(budget)}: {format_bytes(fixed)} whatever the schedule (parameter shards, optimizer "
+            f"state, buffers, gradient shards where they outlive a backward) and {format_bytes(scheduled)} in the step "
+            f"(saved activations, temporaries, gathered parameters, the backward's gradient shards, replicas, "
+            f"accumulators and the shared-memory outbox); {advice}"))
 
 
 def _priced(profiled: dcir.Module, module: dcir.Module, running: dcir.Module, context: PlanContext, micro: int):

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 import dcir
 from dcir.layout import ShardLayout
 from dcir_runtime import RankFailure
-from dcir_runtime.accounting import scheduled_bytes
+from dcir_runtime.accounting import fixed_bytes, scheduled_bytes
 from dcir_lowering.calls import flat_shard
 from dcir_runtime.native import runtime_stats
 from models import BreakingNet, EagerLayerNet, InPlaceNet, Tied  # graph breaks; tied, a frozen layer
@@ -427,7 +427,7 @@ def run_case(name: str, rank: int, world: int) -> dict:
             norms.append(engine.last_grad_norm.item())
         if name in SHRINK and engine.steps == SHRINK[name]:
             m = engine.memory()
-            held = engine._fixed_bytes(m) + scheduled_bytes(m)
+            held = fixed_bytes(m) + scheduled_bytes(m)
             engine.config = dataclasses.replace(engine.config, memory_budget=held - 1)
         memory = memory or engine.memory()
         if local:

@@ -156,7 +156,7 @@ def _train_engine(config: dict, steps: int = 4):
         engine.backward(torch.nn.functional.cross_entropy(out.logits.reshape(-1, 128), ids.reshape(-1)))
         engine.step()
         m = engine.memory()
-        held.append((fixed_bytes(m, engine.shards), m.step_peak))
+        held.append((fixed_bytes(m), m.step_peak))
     return engine, held
 
 

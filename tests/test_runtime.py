@@ -269,7 +269,8 @@ def test_user_errors_are_messages_on_every_rank(capfd):
         "error: engine.backward(loss) ran twice for one forward: its backward has run already",
         "error: engine(...) was called after engine.backward(loss) without engine.step(): end each micro-step with engine.step()",
         "MISUSE CHANGED NOTHING: True",
-        " in the step (saved activations, temporaries, gathered parameters, replicas, accumulators and the shared-memory outbox)",  # noqa: E501
+        " whatever the schedule (parameter shards, optimizer state, buffers, gradient shards where they outlive a backward) and ",  # noqa: E501
+        " in the step (saved activations, temporaries, gathered parameters, the backward's gradient shards, replicas, accumulators and the shared-memory outbox)",  # noqa: E501
         "; even recomputing every activation that can be rebuilt, the step needs ",
         ": raise memory_budget or lower the micro-batch",
         "error: /nonexistent/dcir.json: cannot read the config: No such file or directory",
