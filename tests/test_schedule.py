@@ -388,15 +388,16 @@ def test_where_host_memory_is_apart_the_planner_may_offload_activations_instead(
     """On a GPU (a described H100 here) the planner also tries handing activations to the
     backward through host memory within the budget, in place of ``recompute`` and after
     its cheap cones; on a CPU, where host memory is the device's, it never does. On the
-    H100's model a copy at 55 GB/s beside compute beats rebuilding the activations, so
-    within 90% of the step's peak it offloads, and fits."""
+    H100's model a copy at 55 GB/s beside compute beats rebuilding the activations where
+    the budget needs more than recompute's cheapest rebuilds: within 85% of the step's
+    peak it offloads, and fits."""
     from dcir import hardware
     from dcir.context import PlanContext
     from dcir.memory import step_peak
     from dcir.search import best_pipeline, pipelines
 
     m = dcir.parse(llama_zero3)
-    budget = int(step_peak(m) * 0.9)
+    budget = int(step_peak(m) * 0.85)
     spec = f"recompute{{budget={budget}}},prefetch{{budget={budget}}}"
     on_cpu = pipelines(parse_pipeline(spec))
     assert not any(p.name == "offload_activations" for pipe in on_cpu for p in pipe)

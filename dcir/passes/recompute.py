@@ -17,13 +17,15 @@ it (attention's softmax, detached for its own gradient and viewed for the produc
 the values) is one candidate: dropping one of them would free nothing, so all go, and
 their united cone runs once. Those are the candidates.
 
-Which ones: cheap cones first (elementwise ops, norms, views: no library kernel, no
-matmul or convolution, whose recompute costs a kernel of its own), the largest
-activation first within each class; each is taken when the memory model's peak of the
-step (``dcir.memory``) goes down with it, or stays while the hand-off shrinks. With ``budget`` the
-pass stops as soon as the peak fits it, and takes matmuls only when the cheap ops
-did not suffice; without one it takes every cheap candidate that lowers the peak
-and no matmul. Two cones often share ops (a layer's norm feeds its query, key and
+Which ones: without a budget, every cheap cone (elementwise ops, norms, views: no
+library kernel, no matmul or convolution, whose recompute costs a kernel of its own),
+the largest activation first, each taken when the memory model's peak of the step
+(``dcir.memory``) goes down with it, or stays while the hand-off shrinks. With
+``budget``, the most bytes per second of compute run again first (the profile's op
+times where the module carries one), each taken only when the peak goes down, until
+the peak fits; where that order does not reach the budget, the pass starts again in
+the cheap-cones-first order with matmuls after them, which reaches the lowest floor.
+Two cones often share ops (a layer's norm feeds its query, key and
 value projections): a rebuild reads what an earlier one made before its own first use
 instead of running those ops again, when the step's peak is no higher for holding
 them that long; else it runs its whole cone. Statistics say what was rebuilt, how many
@@ -57,7 +59,9 @@ from dcir import analysis, fusion, roles, signature
 from dcir import ops as registry
 from dcir.activations import RECOMPUTE, draws_random
 from dcir.context import PlanContext
+from dcir.cost import eager_s
 from dcir.ir import UNIT, Function, Module, Op, PendingType, ShardType, Value
+from dcir.machine import Machine
 from dcir.memory import Bytes, device_bytes, saved_storage, step_peak, storage_bases
 from dcir.passes import Pass
 from dcir.rewrite import Rewriter
@@ -241,9 +245,17 @@ def storages(fw: Function) -> list[list[Value]]:
     return list(out.values())
 
 
-def _candidates(module: Module, fw: Function, stats: Counter, limit: int) -> list[list[Value]]:
-    """The saved storages that can be rebuilt: those without a library kernel in their
-    cone first, then by bytes, the largest first, then by the fewest ops again."""
+#: the orders ``_candidates`` offers: the fewest seconds run again per byte freed first,
+#: or the cheap cones (no library kernel) first, the largest first
+BY_COST, BY_SIZE = "cost", "size"
+
+
+def _candidates(module: Module, fw: Function, stats: Counter, limit: int, machine: Machine,
+                order: str = BY_SIZE) -> list[list[Value]]:
+    """The saved storages that can be rebuilt, in ``order``: ``BY_COST`` the most bytes per
+    second of their cone's compute on ``machine`` first (the profile's op times where the
+    module carries one); ``BY_SIZE`` those without a library kernel in their cone first,
+    then by bytes, the largest first. Ties: the fewest ops again."""
     saved = set(signature.results(fw, signature.SAVED))
     out = []
     for rets in storages(fw):
@@ -251,13 +263,19 @@ def _candidates(module: Module, fw: Function, stats: Counter, limit: int) -> lis
         if isinstance(ops, str):
             stats[f"kept: {ops}"] += 1
             continue
-        out.append((_library(ops), -max(map(device_bytes, rets)), len(ops), rets))
+        size = max(map(device_bytes, rets))
+        if order == BY_COST:
+            out.append((False, -size / max(sum(eager_s(op, machine) for op in ops), 1e-12), len(ops), rets))
+        else:
+            out.append((_library(ops), -size, len(ops), rets))
     return [rets for *_, rets in sorted(out, key=lambda c: c[:3])]
 
 
 def _try_rebuild(module: Module, fw: Function, bws: list[Function], rets: list[Value], ops: list[Op],
-                 rewriters: dict[str, Rewriter], shared: dict[str, dict[Value, Value]], now: tuple) -> int | None:
-    """Rebuild ``rets`` (``_rebuild``) if that lowers the ``footprint`` from ``now``:
+                 rewriters: dict[str, Rewriter], shared: dict[str, dict[Value, Value]], now: tuple,
+                 peak_only: bool = False) -> int | None:
+    """Rebuild ``rets`` (``_rebuild``) if that lowers the ``footprint`` from ``now`` (with
+    ``peak_only``, its peak: a rebuild that only shrinks the hand-off costs time for nothing):
     reading what earlier rebuilds made where they made it (fewer ops run again, each
     such value held longer) when the step's peak is no higher so, else running the
     whole cone again. Returns the most ops one backward runs again (None: the module is
@@ -274,13 +292,14 @@ def _try_rebuild(module: Module, fw: Function, bws: list[Function], rets: list[V
             r.rollback(marks[name])
         shared.update({name: dict(made) for name, made in before.items()})
 
+    lower = (lambda f: f[0] < now[0]) if peak_only else (lambda f: f < now)
     whole, ran = attempt(reuse=False)
     undo()
     reused, ran_reusing = attempt(reuse=True)
-    if reused < now and reused[0] <= whole[0]:
+    if lower(reused) and reused[0] <= whole[0]:
         return ran_reusing
     undo()
-    if whole < now:
+    if lower(whole):
         return attempt(reuse=False)[1]
     return None
 
@@ -296,10 +315,30 @@ class Recompute(Pass):
             return
         fw, bws = pair
         rewriters = {f.name: Rewriter(f) for f in (fw, *bws)}
+        machine = ctx.machine_for(module)
+        if self.budget is not None:
+            # under a budget, the cheapest bytes first, each taken only where it lowers the
+            # peak; where that does not reach the budget (a rebuild took a value another
+            # cone needed), the order that reaches the floor: cheap cones, largest first
+            marks = {name: r.checkpoint() for name, r in rewriters.items()}
+            by_cost = Counter()
+            if self._take(module, fw, bws, rewriters, machine, by_cost, BY_COST)[0] <= self.budget:
+                stats.update(by_cost)
+                return
+            for name, r in rewriters.items():
+                r.rollback(marks[name])
+        if self._take(module, fw, bws, rewriters, machine, stats, BY_SIZE)[0] > (self.budget or 0) \
+                and self.budget is not None:
+            stats["over budget after every candidate"] += 1
+
+    def _take(self, module: Module, fw: Function, bws: list[Function], rewriters: dict[str, Rewriter],
+              machine: Machine, stats: Counter, order: str) -> tuple:
+        """Rebuild the candidates in ``order`` in turn, each that lowers the footprint (``BY_COST``:
+        the peak), until the budget fits; returns the footprint."""
         shared: dict[str, dict[Value, Value]] = {bw.name: {} for bw in bws}  # what rebuilds made, to reuse
         now = footprint(module)
         limit = MAX_CONE if self.budget is None else MAX_CONE_BUDGETED
-        for rets in _candidates(module, fw, stats, limit):
+        for rets in _candidates(module, fw, stats, limit, machine, order):
             if self.budget is not None and now[0] <= self.budget:
                 break
             saved = set(signature.results(fw, signature.SAVED))
@@ -310,12 +349,11 @@ class Recompute(Pass):
             if self.budget is None and _library(ops):
                 stats["kept: needs a matmul again, and no budget asks for it"] += 1
                 continue
-            ran = _try_rebuild(module, fw, bws, rets, ops, rewriters, shared, now)
+            ran = _try_rebuild(module, fw, bws, rets, ops, rewriters, shared, now, peak_only=order == BY_COST)
             if ran is None:
                 stats["kept: rebuilding it does not lower the peak"] += 1
                 continue
             now = footprint(module)
             stats["activations rebuilt"] += 1
             stats["ops run again"] += ran
-        if self.budget is not None and now[0] > self.budget:
-            stats["over budget after every candidate"] += 1
+        return now
