@@ -153,6 +153,27 @@ def _steps(engine, n: int) -> None:
         engine.step()
 
 
+def test_gradient_shards_are_fixed_only_where_they_outlive_a_backward():
+    """With one backward per optimizer step the gradient shards exist from the reduction
+    that makes each to the optimizer step: the memory model counts them (the backward
+    ends holding every one), so what the rank holds whatever the schedule leaves them
+    out. With accumulation they sit beside the next micro-step's forward: fixed."""
+    from dcir_runtime import initialize
+    from dcir_runtime.accounting import fixed_bytes
+
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
+    one = initialize(_wide_mlp(), optimizer=adamw)
+    _steps(one, 1)
+    m = one.memory()
+    trainable = sum(p.numel() * p.element_size() for p in one.shards.values() if p.requires_grad)
+    assert m.gradients_kept == 0 and fixed_bytes(m) == m.parameters + m.optimizer_state_peak + m.buffers
+    assert timeline(one.ir().functions["backward"]).after[-1] >= trainable
+    accumulating = initialize(_wide_mlp(), optimizer=adamw, config={"gradient_accumulation_steps": 2})
+    _steps(accumulating, 2)
+    m = accumulating.memory()
+    assert m.gradients_kept == trainable and fixed_bytes(m) == m.parameters + trainable + m.optimizer_state_peak + m.buffers
+
+
 def test_the_memory_budget_counts_the_activations_a_step_holds():
     """A 640 MB budget once let a step peak at 1,081 MB: only the runtime's own buffers
     were counted. Now the step's saved activations and temporaries count too (the memory
