@@ -114,10 +114,9 @@ class Planner:
         fixed = fixed_bytes()
         if fixed + self._budget_cut >= self.config.memory_budget:
             raise DcirError(Diagnostic(
-                f"rank {self.group.rank}: parameter shards, optimizer state and buffers (with gradient shards where they "
-                f"outlive a backward) take "
-                f"{format_bytes(fixed)}, which leaves nothing of the memory budget of "
-                f"{format_bytes(self.config.memory_budget)} for the step's own memory"))
+                f"rank {self.group.rank}: parameter shards, optimizer state and buffers (with gradient shards "
+                f"where they outlive a backward) take {format_bytes(fixed)}, which leaves nothing of the memory "
+                f"budget of {format_bytes(self.config.memory_budget)} for the step's own memory"))
         return self.config.memory_budget - fixed - self._budget_cut
 
     def after_step(self, steps: int, running: dcir.Module) -> bool:
