@@ -311,8 +311,9 @@ class Dcir:
 
     def accounting(self) -> dict:
         """What this rank holds as the runtime accounts it, in bytes, for the running program:
-        ``fixed`` whatever the schedule (shards, gradient shards, optimizer state, buffers),
-        ``step_peak`` the memory model's peak of the step, ``outbox`` the shared-memory
+        ``fixed`` whatever the schedule (shards, optimizer state, buffers; gradient shards
+        where they outlive a backward), ``step_peak`` the memory model's peak of the step
+        (a lone backward's gradient shards in it), ``outbox`` the shared-memory
         outbox, ``held`` what ``memory_budget`` is checked against (fixed and the schedule's
         peak), and ``least_step_peak`` the step's peak with every activation ``recompute`` can
         rebuild rebuilt (``recompute{budget=1}`` on the running program)."""
