@@ -319,7 +319,8 @@ class Recompute(Pass):
         if self.budget is not None:
             # under a budget, the cheapest bytes first, each taken only where it lowers the
             # peak; where that does not reach the budget (a rebuild took a value another
-            # cone needed), the order that reaches the floor: cheap cones, largest first
+            # cone needed, or two rebuilds lower the peak only together), the order that
+            # reaches the floor: cheap cones, largest first
             marks = {name: r.checkpoint() for name, r in rewriters.items()}
             by_cost = Counter()
             if self._take(module, fw, bws, rewriters, machine, by_cost, BY_COST)[0] <= self.budget:
@@ -327,8 +328,8 @@ class Recompute(Pass):
                 return
             for name, r in rewriters.items():
                 r.rollback(marks[name])
-        if self._take(module, fw, bws, rewriters, machine, stats, BY_SIZE)[0] > (self.budget or 0) \
-                and self.budget is not None:
+        now = self._take(module, fw, bws, rewriters, machine, stats, BY_SIZE)
+        if self.budget is not None and now[0] > self.budget:
             stats["over budget after every candidate"] += 1
 
     def _take(self, module: Module, fw: Function, bws: list[Function], rewriters: dict[str, Rewriter],
