@@ -308,8 +308,9 @@ def test_memory_is_named_fields_that_read_as_the_mapping_it_was():
     assert isinstance(m, MemoryStats)
     assert m.parameters == m["parameters"] == (8 * 4 + 4) * 4 == m.full_parameters
     assert m.gradients == m.parameters and m.optimizer_state == 0  # before the first step
-    assert list(m)[:3] == ["parameters", "gradients", "optimizer_state"] and len(m) == 18
+    assert list(m)[:3] == ["parameters", "gradients", "optimizer_state"] and len(m) == 19
     assert m.transport == 0  # one rank: no shared-memory outbox
+    assert m.gradients_kept == 0  # one backward per optimizer step: its gradient shards are the step's (step_peak)
     assert m.step_peak == max(peaks(engine.ir()).values()) > m.gathered_peak  # the memory model's, activations too
     assert {**m} == dict(m) and dict(m)["wait_s"] == m.wait_s
     with pytest.raises(KeyError):
