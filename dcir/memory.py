@@ -218,15 +218,25 @@ def timelines(module: Module) -> dict[str, Timeline]:
     ``@forward`` made them, gathered copies of parameters held throughout."""
     saved, kept = saved_storage(module), kept_by_caller(module)
     held = resident(module)
-    out = {}
-    for name, f in module.functions.items():
-        t = timeline(f, saved, kept) if roles.takes_saved(f) else timeline(f)
-        if held:
-            t.entry += held
-            t.during = [x + held for x in t.during]
-            t.after = [x + held for x in t.after]
-        out[name] = t
-    return out
+    return {name: _holding(timeline(f, saved, kept) if roles.takes_saved(f) else timeline(f), held)
+            for name, f in module.functions.items()}
+
+
+def timeline_of(module: Module, name: str) -> Timeline:
+    """``timelines(module)[name]``, without modelling the other functions (a pass that
+    prices candidates for one function asks this for each)."""
+    f = module.functions[name]
+    t = timeline(f, saved_storage(module), kept_by_caller(module)) if roles.takes_saved(f) else timeline(f)
+    return _holding(t, resident(module))
+
+
+def _holding(t: Timeline, held: int) -> Timeline:
+    """``t`` with ``held`` more bytes live throughout (the gathered copies the schedule keeps)."""
+    if held:
+        t.entry += held
+        t.during = [x + held for x in t.during]
+        t.after = [x + held for x in t.after]
+    return t
 
 
 def peaks(module: Module) -> dict[str, int]:

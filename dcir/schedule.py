@@ -29,7 +29,7 @@ from dcir.analysis import dependency_graph
 from dcir.cost import Machine, is_transfer
 from dcir.fusion import FusionMode
 from dcir.ir import Function, Module, Op
-from dcir.memory import storage_bases, timeline, timelines
+from dcir.memory import storage_bases, timeline, timeline_of
 from dcir.rewrite import Rewriter
 from dcir.sim import COLLECTIVE, COPY, lane_of, simulate
 
@@ -159,7 +159,7 @@ def run_moves(module: Module, func: Function, moves: list[Move], machine: Machin
     schedule order against a fresh analysis (stretches priced as ``fusion`` says), then
     applies them together."""
     for move in moves:
-        sweep = Sweep(func, machine, budget, timelines(module)[func.name].during, slack=slack, fusion=fusion)
+        sweep = Sweep(func, machine, budget, timeline_of(module, func.name).during, slack=slack, fusion=fusion)
         limits = move.limits + ((budget_limit(move),) if move.cost is not None and budget is not None else ())
         plan: list[tuple[list[int], int]] = []
         for i, op in enumerate(list(func.ops)):

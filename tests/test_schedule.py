@@ -16,7 +16,7 @@ from dcir.cost import Machine, source
 from dcir.sim import estimate, estimate_module
 from dcir.diagnostics import DcirError
 from dcir.hardware import load
-from dcir.memory import parse_bytes, peaks, timeline
+from dcir.memory import parse_bytes, peaks, resident, timeline, timeline_of, timelines
 from dcir.passes import PassManager, parse_pipeline
 from dcir.passes.prefetch import Prefetch
 from models import tiny_llama
@@ -127,6 +127,20 @@ def test_passes_are_valid_and_within_budget_under_any_profile(llama_zero3, seed)
     PassManager(parse_pipeline(spec)).run(m)
     if budget is not None:
         assert max(peaks(m).values()) <= budget, spec
+
+
+def test_one_functions_timeline_is_the_modules_entry_for_it(llama_zero3):
+    """``timeline_of`` (what bucket and the sweeps ask for each candidate) models one
+    function exactly as ``timelines`` does: the backward's saved values shared as the
+    forward made them, the gathered copies ``unshard`` keeps counted throughout."""
+    m = dcir.parse(llama_zero3)
+    dcir.run_passes(m, "unshard{micro_steps=2}")
+    assert resident(m) > 0
+    every = timelines(m)
+    for name in m.functions:
+        one = timeline_of(m, name)
+        assert (one.entry, one.during, one.after, one.storage) == (every[name].entry, every[name].during,
+                                                                     every[name].after, every[name].storage), name
 
 
 def test_the_schedule_budget_leaves_room_for_the_step(tmp_path):

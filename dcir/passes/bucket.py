@@ -39,7 +39,7 @@ from dcir.context import PlanContext
 from dcir.cost import Machine, note_source, payload
 from dcir.fusion import FusionMode
 from dcir.ir import Function, Module, Op, Value
-from dcir.memory import Bytes, timelines
+from dcir.memory import Bytes, timeline_of
 from dcir.passes import Pass
 from dcir.rewrite import Rewriter
 from dcir.sim import estimate
@@ -124,7 +124,7 @@ class Bucket(Pass):
         """Why a grouping that made the ops ``merged`` is not allowed, or None."""
         if self.max_bytes is not None and any(payload(op) > self.max_bytes for op in merged):
             return "max_bytes"
-        if self.budget is not None and timelines(module)[func.name].peak > self.budget:
+        if self.budget is not None and timeline_of(module, func.name).peak > self.budget:
             return "memory budget"
         return None
 
