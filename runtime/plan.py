@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import sys
 import time
 from typing import Callable
 
@@ -30,7 +31,8 @@ import dcir
 from dcir.context import PlanContext
 from dcir.sim import estimate_module
 from dcir.diagnostics import DcirError, Diagnostic
-from dcir.memory import format_bytes, peaks as memory_peaks
+from dcir.activations import RECOMPUTE
+from dcir.memory import format_bytes, peaks as memory_peaks, step_peak
 from dcir import fusion, search
 from dcir.passes import parse_pipeline
 from dcir.passes.offload_activations import OffloadActivations
@@ -304,6 +306,53 @@ def _priced(profiled: dcir.Module, module: dcir.Module, running: dcir.Module, co
     peak = max(memory_peaks(running).values(), default=0)
     raised = max(max(memory_peaks(module).values(), default=0) - peak, 0) / max(peak, 1)
     return before, after, (1 - after.seconds / before.seconds if before.seconds > 0 else 0.0), raised
+
+
+def fit_first_step(planner: Planner, captured: dcir.Module, fixed: Callable[[], int],
+                   outbox: Callable[[dcir.Module], int] | None) -> dcir.Module:
+    """The first training program: ``captured``, or, with a memory budget and
+    ``recompute`` among the cycle's passes, ``captured`` fitted within the budget before
+    any step runs, so that the first step holds no more than the later ones: its
+    ``recompute`` (and ``offload_activations``, where the cycle has it and host memory is
+    apart), by the memory model and the cost model without a profile. The cycle plans
+    again from profiles, from the captured program. A budget the step cannot meet even
+    with every activation rebuilt is an error here, before the step. ``fixed()``: what
+    the rank will hold whatever the schedule; rank 0 fits, every rank runs its program,
+    and rank 0 says on standard error what it chose and what it costs."""
+    config, group = planner.config, planner.group
+    if config.memory_budget is None or config.optimize is None or \
+            not any(p.name == Recompute.name for p in planner.passes(config.optimize["passes"])):
+        return captured
+    host_apart = group.device.type != "cpu"
+    fits = (Recompute.name, *([OffloadActivations.name] if host_apart else []))
+
+    def fit() -> str:
+        held, box = fixed(), outbox(captured) if outbox is not None else 0
+        budget = config.memory_budget - held - box
+        before = step_peak(captured)
+        if budget <= 0 or before <= budget:
+            return dcir.print(captured)  # within it, or nothing left for the step: the step's check says so
+        module = captured.clone()
+        dcir.run_passes(module, [p for p in planner.passes(config.optimize["passes"], budget) if p.name in fits])
+        after = step_peak(module)
+        if after > budget:
+            raise DcirError(Diagnostic(
+                f"the first step would hold {format_bytes(held + box + after)} at its peak, over the memory budget of "
+                f"{format_bytes(config.memory_budget)}: {format_bytes(held)} whatever the schedule (parameter shards, "
+                f"the optimizer state the step makes, buffers) and {format_bytes(box + after)} in the step; "
+                + over_budget_advice(held + box + after, config.memory_budget, host_apart)))
+        again = sum(RECOMPUTE in op.attrs for _, op in module.ops()) - \
+            sum(RECOMPUTE in op.attrs for _, op in captured.ops())
+        cost = (estimate_module(module, micro_steps=config.gradient_accumulation_steps).seconds
+                - estimate_module(captured, micro_steps=config.gradient_accumulation_steps).seconds)
+        print(f"dcir: the captured step holds {format_bytes(before)} of its own at its peak, over the "
+              f"{format_bytes(budget)} the memory budget leaves it; from the first step, {again} more "
+              f"op{'s' * (again != 1)} run{'s' * (again == 1)} in the backward: {format_bytes(after)}, predicted "
+              f"{cost:+.4f} s a step (the cycle plans again from profiles)", file=sys.stderr)
+        return dcir.print(module)
+
+    return dcir.parse(group.from_rank0(f"{planner.key}fit", fit, "fit the first step within the memory budget"),
+                      planner.source)
 
 
 def over_budget_advice(least: int, budget: int, host_apart: bool) -> str:

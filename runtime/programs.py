@@ -27,8 +27,10 @@ from dcir.ir import TensorType
 from dcir.memory import GRAD_ACC_OF
 from dcir_lowering.program import call_inputs
 from dcir_runtime import transport
+from dcir_runtime.accounting import fixed_bytes
 from dcir_runtime.capture import capture
 from dcir_runtime.execution import Installed
+from dcir_runtime.plan import fit_first_step
 from dcir_runtime.regions import RegionStep
 
 
@@ -169,6 +171,21 @@ def check_collectives(base: dcir.Module, new: dcir.Module) -> None:
         "shapes, or drop the shape-dependent passes (prefetch, bucket) from the config"))
 
 
+def _fixed_at_first_step(engine) -> int:
+    """What ``engine``'s rank will hold whatever the schedule once its first step has run
+    (``fixed_bytes``): before that step, with the optimizer state it will make counted
+    already (a tensor like each trainable shard per per-element state key, at most the
+    offload budget of it on the device)."""
+    m = engine.memory()
+    if m.optimizer_state_peak:
+        return fixed_bytes(m)
+    shards = sum(s.numel() * s.element_size() for s in engine.sharded.trainable().values())
+    state = len(engine.optimizer_state_keys()) * shards
+    if engine.config.offload is not None:
+        state = min(state, engine.config.offload["budget"])
+    return fixed_bytes(m) + state
+
+
 def capture_program(engine, args: tuple, kwargs: dict, k: ProgramKey, training: bool):
     """Capture ``engine``'s program of key ``k``: through rank 0 the first of its mode
     (every rank calls it then); on this rank alone a shape this rank meets later, checked
@@ -189,6 +206,9 @@ def capture_program(engine, args: tuple, kwargs: dict, k: ProgramKey, training: 
         return engine.programs.regions
     first = training and base is None and engine.program is None  # the training program the cycle plans
     plan = engine.planner.resume(captured) if first else None  # the plan a cached cycle took for it
+    if first and plan is None:  # within the memory budget from the first step on
+        plan = fit_first_step(engine.planner, captured.module, lambda: _fixed_at_first_step(engine),
+                              transport.outbox_bytes if engine.transport_bytes else None)
     running = plan or captured.module
     installed = Installed(running, engine.lower(running), captured.outputs)
     matches = fits(installed.module, args, kwargs)

@@ -12,6 +12,7 @@ backward's replay must draw the forward's masks (``rng.get`` / ``rng.set``,
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -212,12 +213,12 @@ def test_over_a_budget_on_a_gpu_the_advice_counts_offload_too():
 
 
 @pytest.mark.parametrize("share", [0.6, "floor"])
-def test_a_memory_budget_the_activations_exceed_is_met_by_recomputing(share):
+def test_a_memory_budget_the_activations_exceed_is_met_by_recomputing(share, capfd):
     """With ``memory_budget`` at 60% of the step's own memory, or at the floor (every
     activation ``recompute`` can rebuild rebuilt), and the optimization cycle allowed to
-    recompute, the captured step that ran over is followed by a plan within the budget
-    (its overshoot is not a plan's error: nothing comes off the budget for it), and
-    training is bit for bit the run without a budget."""
+    recompute, every step is within the budget, the first one too: the captured program
+    is fitted before it runs, by the memory model, and the cycle plans again from a
+    profile within the same budget. Training is bit for bit the run without a budget."""
     free, held = _train_engine({})
     fixed, peak = held[-1]
     if share == "floor":
@@ -226,16 +227,48 @@ def test_a_memory_budget_the_activations_exceed_is_met_by_recomputing(share):
         budget = fixed + footprint(least)[0]
     else:
         budget = fixed + int(share * peak)
+    assert fixed + peak > budget
     engine, planned = _train_engine({"memory_budget": budget,
                                      "optimize": {"passes": ["recompute", "prefetch"], "profile_at": [1]}})
+    assert re.search(r"dcir: the captured step holds [0-9.]+ [KM]iB of its own at its peak, over the [0-9.]+ [KM]iB "
+                     r"the memory budget leaves it; from the first step, [0-9]+ more ops run in the backward",
+                     capfd.readouterr().err)
+    assert all(f + p <= budget for f, p in planned), (planned, budget)  # the first step included
     (cycle,) = engine.optimize_log
-    assert cycle["reason"] == "memory" and cycle["pipeline"].startswith("recompute"), cycle
-    assert cycle["budget"] == budget - fixed, cycle  # the captured step's overshoot is no plan's error
-    assert planned[0][0] + planned[0][1] > budget  # the captured step: over
-    assert all(f + p <= budget for f, p in planned[2:]), (planned, budget)  # planned: within
+    assert cycle["budget"] == budget - fixed and cycle["reason"] != "memory", cycle  # no step went over
     assert any(RECOMPUTE in op.attrs for _, op in engine.ir().ops())
     a, b = free.full_parameters(), engine.full_parameters()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_budget_holds_on_every_rank_from_the_first_step(tmp_path):
+    """World 2: under a budget of 60% of the step's own memory (plus what the ranks hold
+    whatever the schedule) every rank's every step, the first included, is within it,
+    rank 0's fitted program runs on both, and the parameters are bit for bit those of
+    the run without a budget."""
+    native.load()
+    out = tmp_path / "results.json"
+    assert launch([WORKER, str(out), "budget"], 2, timeout_s=300, grace_s=5) == 0
+    r = json.loads(out.read_text())["budget"]
+    assert all(h > r["budget"] for h in r["free"]), r  # without a budget: over it
+    assert all(h <= r["budget"] for h in r["held"]), r
+    assert r["equal"] and r["recomputed"] > 0 and "memory" not in r["log"], r
+
+
+def test_a_budget_the_first_step_cannot_meet_fails_before_it():
+    """Where even every activation rebuilt leaves the step over the budget, the error
+    comes before the first step runs (on a GPU it would run out of memory first), with
+    the smallest budget that would do, as the check after a step gives it."""
+    _, held = _train_engine({}, steps=1)
+    fixed, _ = held[-1]
+    with pytest.raises(dcir.DcirError) as e:
+        _train_engine({"memory_budget": fixed + 1024, "optimize": {"passes": ["recompute"], "profile_at": [1]}},
+                      steps=1)
+    assert " whatever the schedule (parameter shards, the optimizer state the step makes, buffers) and " in str(e.value)
+    assert re.search(r"the first step would hold ([0-9.]+ [KM]iB) at its peak, over the memory budget of [0-9.]+ "
+                     r"[KM]iB: .* in the step; even recomputing every activation that can be rebuilt, the step needs "
+                     r"\1: raise memory_budget", str(e.value)), str(e.value)
+    assert "rank 0 could not fit the first step within the memory budget" in str(e.value)
 
 
 def test_random_ops_run_eagerly_so_compiled_stretches_replay_them():
