@@ -200,7 +200,8 @@ class Config:
         values = {}
         for key, value in config.items():
             if key not in valid:
-                raise _error(f"{where}unknown config key {key!r}; valid keys: {', '.join(valid)}")
+                hint = f": {ELSEWHERE[key]}" if key in ELSEWHERE else ""
+                raise _error(f"{where}unknown config key {key!r}{hint}; valid keys: {', '.join(valid)}")
             try:
                 values[key] = _CHECKS[key](value)
             except (TypeError, ValueError) as e:
@@ -365,6 +366,19 @@ def _machine(v):
     except HardwareError as e:
         raise ValueError(str(e)) from None
     return v
+
+
+#: DeepSpeed config keys DCIR takes elsewhere: where (the error for the key says it)
+ELSEWHERE = {
+    "optimizer": "the optimizer is initialize's optimizer argument, optimizer=lambda ps: torch.optim.AdamW(ps, lr=...)",
+    "scheduler": "the schedule is initialize's lr_scheduler argument, lr_scheduler=lambda opt: LambdaLR(opt, ...)",
+    "zero_optimization": "its settings are top-level keys here: stage is zero_stage, offload_optimizer is "
+                         "offload, zero_hpz_partition_size, zero_quantized_weights and zero_quantized_gradients "
+                         "keep their names",
+    "train_batch_size": "the batch is the tensors each call gets; gradient_accumulation_steps makes micro-steps",
+    "train_micro_batch_size_per_gpu": "the batch is the tensors each call gets; gradient_accumulation_steps makes "
+                                      "micro-steps",
+}
 
 
 _CHECKS = {"zero_stage": _stage, "passes": _passes, "gradient_accumulation_steps": _positive_int,

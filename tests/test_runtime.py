@@ -374,6 +374,18 @@ def test_meta_kernels_trace_the_ops():
 
 @pytest.mark.parametrize("config,message", [
     ({"zero_stag": 3}, "unknown config key 'zero_stag'; valid keys: zero_stage, passes, gradient_accumulation_steps"),
+    # DeepSpeed's keys for what DCIR takes elsewhere: the error says where
+    ({"optimizer": {"type": "AdamW"}}, "unknown config key 'optimizer': the optimizer is initialize's optimizer "
+     "argument, optimizer=lambda ps: torch.optim.AdamW(ps, lr=...); valid keys: zero_stage, "),
+    ({"scheduler": {"type": "WarmupLR"}}, "unknown config key 'scheduler': the schedule is initialize's lr_scheduler "
+     "argument, lr_scheduler=lambda opt: LambdaLR(opt, ...); valid keys: "),
+    ({"zero_optimization": {"stage": 3}}, "unknown config key 'zero_optimization': its settings are top-level keys "
+     "here: stage is zero_stage, offload_optimizer is offload, zero_hpz_partition_size, zero_quantized_weights and "
+     "zero_quantized_gradients keep their names; valid keys: "),
+    ({"train_batch_size": 32}, "unknown config key 'train_batch_size': the batch is the tensors each call gets; "
+     "gradient_accumulation_steps makes micro-steps; valid keys: "),
+    ({"train_micro_batch_size_per_gpu": 4}, "unknown config key 'train_micro_batch_size_per_gpu': the batch is the "
+     "tensors each call gets; gradient_accumulation_steps makes micro-steps; valid keys: "),
     ({"zero_stage": 4}, "bad value for 'zero_stage': 4; valid: 1, 2, 3"),
     ({"zero_stage": True}, "bad value for 'zero_stage': True; valid: 1, 2, 3"),
     ({"offload": {"budget": "1GiB", "pin": True}}, "bad value for 'offload': {'budget': '1GiB', 'pin': True}; an object like"),
