@@ -24,11 +24,15 @@ import torch.distributed as dist
 
 import dcir
 from dcir import topology
+from dcir.memory import step_peak
+from dcir.passes import parse_pipeline
 from dcir.passes.offload import Offload
 from dcir.passes.quantize import Quantize
+from dcir.passes.recompute import Recompute
 from dcir.passes.zero1 import Zero1
 from dcir.passes.zero2 import Zero2
 from dcir.passes.zero3 import LOCAL
+from dcir.sim import held_bytes
 from dcir.topology import Layout
 from dcir_lowering.frontend import NotOneGraph, capture as frontend_capture
 from dcir_lowering.outputs import Outputs
@@ -112,11 +116,18 @@ def choose_layout(module: dcir.Module, config: Config, world: int, per_node: int
     ``plan.layout`` attribute. When none fits, the one with the smallest peak."""
     policy = precision.policy_of(config)
     micro = config.gradient_accumulation_steps
+    # with recompute in the cycle, the first step runs fitted within the budget
+    # (``plan.fit_first_step``): each way is priced as it would run, rebuilding what it must
+    fitted = config.memory_budget is not None and config.optimize is not None and \
+        any(p.name == Recompute.name for p in parse_pipeline(",".join(config.optimize["passes"])))
 
     def build(layout: Layout) -> dcir.Module:
         m = module.clone()
         dcir.run_passes(m, [*stage_pass(config, world, layout, per_node), *precision.passes(policy),
                             *layout.quantizing()])
+        room = config.memory_budget - held_bytes(m) if fitted else 0
+        if 0 < room < step_peak(m):
+            dcir.run_passes(m, [Recompute(budget=room)])
         return m
 
     machine = replace(config.described_machine(), ranks_per_node=per_node)

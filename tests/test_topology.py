@@ -15,6 +15,9 @@ import dcir
 from dcir import topology
 from dcir.diagnostics import DcirError
 from dcir.machine import load
+from dcir.memory import step_peak
+from dcir.passes.recompute import Recompute
+from dcir.sim import held_bytes
 from dcir_lowering.frontend import capture
 from dcir_runtime import Config
 from dcir_runtime.capture import choose_layout
@@ -149,3 +152,29 @@ def test_when_no_way_fits_the_engine_runs_the_smallest_and_says_so(capfd):
     assert lines[1] == "  no layout fits the budget" and lines[-1] == f"  running {layout.name}, the smallest peak", lines
     assert len(lines) == 5 and all(line.endswith(": does not fit the budget of 1 B") for line in lines[2:4]), lines
     assert layout.name == "ZeRO-3" and module.attrs["plan.layout"] == "ZeRO-3"  # hpZ keeps the node's partitions too
+
+
+def test_with_recompute_in_the_cycle_each_way_is_priced_as_it_would_run(capfd):
+    """Under a budget below every way's peak but above what recomputing leaves them,
+    with ``recompute`` in the cycle (which then runs the first step fitted within the
+    budget, ``plan.fit_first_step``), each way is priced rebuilding what it must, and
+    the fastest is chosen; without it, none fits and the smallest peak runs."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (4, 64), generator=torch.Generator().manual_seed(0))
+    module, _ = capture(tiny_llama(), (), kwargs={"input_ids": ids, "labels": ids}, loss_fn=lambda out: out.loss,
+                        training=True)
+    config = Config.load({"zero_hpz_partition_size": "auto", "machine": "h100-ib400"})
+    peaks, floors = [], []
+    for layout in config.layouts(4):
+        m = topology.sharded(module, layout, 4, 2)
+        peaks.append(held_bytes(m) + step_peak(m))
+        dcir.run_passes(m, [Recompute(budget=1)])
+        floors.append(held_bytes(m) + step_peak(m))
+    budget = (max(floors) + min(peaks)) // 2
+    assert max(floors) < budget < min(peaks)
+    for cycle, chosen in (({"passes": ["recompute", "prefetch"]}, True), ({"passes": ["prefetch"]}, False)):
+        tight = Config.load({"zero_hpz_partition_size": "auto", "machine": "h100-ib400", "memory_budget": budget,
+                             "optimize": cycle})
+        choose_layout(module.clone(), tight, 4, 2, tight.layouts(4))
+        said = capfd.readouterr().err
+        assert ("chosen, the fastest that fits" in said) == chosen and ("no layout fits" in said) != chosen, said
