@@ -92,7 +92,8 @@ def measure(shards: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimi
     offload ``store``, if any), the ``model``'s buffers, the buffers the running
     ``module`` keeps (None before capture), the ``transport``'s outbox bytes, the
     running program's ``modelled_peak`` (``step_peak``), and whether the gradient shards
-    outlive the backward that reduces them (``keep_gradients``: accumulation, regions)."""
+    outlive the backward that reduces them (``keep_gradients``: accumulation, but for
+    ZeRO-1's, which reduces in the last micro-step only; regions)."""
     stats = runtime_stats()
     tensors = [t for st in optimizer.state.values() for t in st.values()
                if isinstance(t, torch.Tensor) and t.dim() > 0]

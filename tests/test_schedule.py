@@ -171,7 +171,9 @@ def test_gradient_shards_are_fixed_only_where_they_outlive_a_backward():
     """With one backward per optimizer step the gradient shards exist from the reduction
     that makes each to the optimizer step: the memory model counts them (the backward
     ends holding every one), so what the rank holds whatever the schedule leaves them
-    out. With accumulation they sit beside the next micro-step's forward: fixed."""
+    out. With accumulation they sit beside the next micro-step's forward: fixed; except
+    under ZeRO-1, which sums full gradients in its accumulators (counted as those) and
+    reduces them to shards in the last micro-step's backward alone."""
     from dcir_runtime import initialize
     from dcir_runtime.accounting import fixed_bytes
 
@@ -187,6 +189,11 @@ def test_gradient_shards_are_fixed_only_where_they_outlive_a_backward():
     m = accumulating.memory()
     assert m.gradients_kept == trainable
     assert fixed_bytes(m) == m.parameters + trainable + m.optimizer_state_peak + m.buffers
+    zero1 = initialize(_wide_mlp(), optimizer=adamw, config={"gradient_accumulation_steps": 2, "zero_stage": 1})
+    _steps(zero1, 2)
+    m = zero1.memory()
+    assert m.gradients_kept == 0 and m.gradient_accumulators > 0
+    assert timeline(zero1.ir().functions["backward_last"]).after[-1] >= trainable
 
 
 def test_the_memory_budget_counts_the_activations_a_step_holds():
