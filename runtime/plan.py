@@ -308,14 +308,23 @@ def _priced(profiled: dcir.Module, module: dcir.Module, running: dcir.Module, co
     return before, after, (1 - after.seconds / before.seconds if before.seconds > 0 else 0.0), raised
 
 
+#: the share of the memory budget the first step's fit keeps back: the accounting does not
+#: follow the smallest tensors (0-d optimizer steps, losses, generator states) nor the
+#: allocator's rounding, 0.7% of the budget on the activation benchmark's tiny Llama, where a
+#: fit to the last byte ran over by that in the allocator's count (the cycle's plans, from
+#: profiles, get the whole budget)
+FIRST_STEP_HEADROOM = 0.02
+
+
 def fit_first_step(planner: Planner, captured: dcir.Module, fixed: Callable[[], int],
                    outbox: Callable[[dcir.Module], int] | None) -> dcir.Module:
     """The first training program: ``captured``, or, with a memory budget and
     ``recompute`` among the cycle's passes, ``captured`` fitted within the budget before
     any step runs, so that the first step holds no more than the later ones: its
     ``recompute`` (and ``offload_activations``, where the cycle has it and host memory is
-    apart), by the memory model and the cost model without a profile. The cycle plans
-    again from profiles, from the captured program. A budget the step cannot meet even
+    apart), by the memory model and the cost model without a profile, within the budget
+    less ``FIRST_STEP_HEADROOM`` of it. The cycle plans again from profiles, from the
+    captured program, within the whole budget. A budget the step cannot meet even
     with every activation rebuilt is an error here, before the step. ``fixed()``: what
     the rank will hold whatever the schedule; rank 0 fits, every rank runs its program,
     and rank 0 says on standard error what it chose and what it costs."""
@@ -328,14 +337,15 @@ def fit_first_step(planner: Planner, captured: dcir.Module, fixed: Callable[[], 
 
     def fit() -> str:
         held, box = fixed(), outbox(captured) if outbox is not None else 0
-        budget = config.memory_budget - held - box
+        budget = int(config.memory_budget * (1 - FIRST_STEP_HEADROOM)) - held - box
         before = step_peak(captured)
-        if budget <= 0 or before <= budget:
-            return dcir.print(captured)  # within it, or nothing left for the step: the step's check says so
+        if before <= budget:
+            return dcir.print(captured)
         module = captured.clone()
-        dcir.run_passes(module, [p for p in planner.passes(config.optimize["passes"], budget) if p.name in fits])
+        dcir.run_passes(module, [p for p in planner.passes(config.optimize["passes"], max(budget, 1))
+                                 if p.name in fits])
         after = step_peak(module)
-        if after > budget:
+        if held + box + after > config.memory_budget:  # not even within the whole budget
             raise DcirError(Diagnostic(
                 f"the first step would hold {format_bytes(held + box + after)} at its peak, over the memory budget of "
                 f"{format_bytes(config.memory_budget)}: {format_bytes(held)} whatever the schedule (parameter shards, "
