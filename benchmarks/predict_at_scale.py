@@ -142,7 +142,7 @@ def predict(layers: int, machine, accumulate: int, fit_layers=(2, 3, 4)) -> dict
         small_base = simulate_module(small, machine, accumulate)
         budget = None
         if headroom is not None:
-            budget = small_base.peak_bytes - held_bytes(small) + max(headroom, 0) * n // layers
+            budget = small_base.peak_bytes - held_bytes(small, accumulate) + max(headroom, 0) * n // layers
         after = simulate_module(plan(small, machine, accumulate, budget), machine, accumulate)
         zero3.append(small_base.estimate.seconds)
         planned.append(after.estimate.seconds)

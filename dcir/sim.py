@@ -310,7 +310,8 @@ def simulate_module(module: Module, machine: Machine, micro_steps: int = 1,
     lines = timelines(module)
     peak_fn = max(lines, key=lambda n: lines[n].peak, default="")
     peak = lines[peak_fn].peak if peak_fn else 0
-    return Prediction(machine, runs, calls, total, peak + (held_bytes(module) if state_bytes else 0), peak_fn)
+    return Prediction(machine, runs, calls, total, peak + (held_bytes(module, micro_steps) if state_bytes else 0),
+                      peak_fn)
 
 
 #: AdamW's fp32 tensors per parameter element (exp_avg, exp_avg_sq), when the module does not declare
@@ -318,12 +319,13 @@ def simulate_module(module: Module, machine: Machine, micro_steps: int = 1,
 ADAM_STATES = 2
 
 
-def held_bytes(module: Module) -> int:
+def held_bytes(module: Module, micro_steps: int = 1) -> int:
     """Device bytes of module state, held whatever the schedule: parameter shards and
-    buffers, one gradient shard per trainable parameter (the optimizer reads it after
-    the step's last backward), and optimizer state: declared on the device
-    (``optim.state_of``), else AdamW's (``ADAM_STATES`` fp32 tensors per element, plus
-    an fp32 master copy of parameters that are not fp32)."""
+    buffers, optimizer state (declared on the device, ``optim.state_of``, else AdamW's:
+    ``ADAM_STATES`` fp32 tensors per element, plus an fp32 master copy of parameters
+    that are not fp32), and the gradient shards that outlive a backward
+    (``kept_gradients``). A gradient shard made in the step's only backward is the
+    memory model's, from the reduction that makes it to the backward's end."""
 
     total, declared = 0, False
     for d in module.decls.values():
@@ -332,10 +334,22 @@ def held_bytes(module: Module) -> int:
         declared |= OPTIM_STATE_OF in d.attrs
         if not isinstance(d.type, HostType):
             total += d.type.nbytes
+    kept = kept_gradients(module, micro_steps)
     for d in module.decls.values():
         if not d.trainable:
             continue
-        total += d.type.nbytes  # the gradient shard
+        total += d.type.nbytes if d.name in kept else 0
         if not declared:
             total += 4 * d.type.numel * (ADAM_STATES + (d.type.dtype != "f32"))
     return total
+
+
+def kept_gradients(module: Module, micro_steps: int) -> set[str]:
+    """The trainable parameters whose gradient shard outlives a backward: with more than
+    one micro-step, each one that micro-steps accumulate into, which is every one but
+    those summed in an accumulator and reduced in the last micro-step alone
+    (``dcir.accumulate``: ``zero1``'s, HSDP's)."""
+    if micro_steps <= 1:
+        return set()
+    summed = {d.attrs[GRAD_ACC_OF].name for d in module.decls.values() if GRAD_ACC_OF in d.attrs}
+    return {d.name for d in module.decls.values() if d.trainable and d.name not in summed}

@@ -125,7 +125,7 @@ def choose_layout(module: dcir.Module, config: Config, world: int, per_node: int
         m = module.clone()
         dcir.run_passes(m, [*stage_pass(config, world, layout, per_node), *precision.passes(policy),
                             *layout.quantizing()])
-        room = config.memory_budget - held_bytes(m) if fitted else 0
+        room = config.memory_budget - held_bytes(m, micro) if fitted else 0
         if 0 < room < step_peak(m):
             dcir.run_passes(m, [Recompute(budget=room)])
         return m

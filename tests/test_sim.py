@@ -20,7 +20,9 @@ from dcir.memory import timeline
 from dcir.ops import WAITS, has_trait
 from dcir.passes.zero3 import Zero3
 from dcir.schedule import Sweep
-from dcir.sim import COLLECTIVE, COMPUTE, COPY, estimate, estimate_module, simulate, simulate_module
+from dcir.passes import parse_pipeline
+from dcir.sim import (COLLECTIVE, COMPUTE, COPY, estimate, estimate_module, held_bytes, kept_gradients, simulate,
+                      simulate_module)
 from dcir.trace import MEASURED_ROWS, PREDICTED_ROWS
 from test_schedule import GATHER_AND_COPY  # the same program: a gather beside a host copy
 
@@ -445,6 +447,24 @@ def test_simulate_module_counts_micro_steps_and_held_state():
     one, four = simulate_module(m, Machine(), 1), simulate_module(m, Machine(), 4)
     assert four.estimate.seconds == pytest.approx(4 * one.estimate.seconds)
     assert one.peak_bytes > simulate_module(m, Machine(), 1, state_bytes=False).peak_bytes
+
+
+def test_gradient_shards_are_held_state_only_where_micro_steps_accumulate_into_them():
+    """One backward per optimizer step: its gradient shards are the memory model's (from
+    their reduce-scatter), not held beside the step. Micro-steps accumulating into them
+    (zero3) hold them all step; zero1's, summed in accumulators and reduced in the last
+    micro-step alone, do not."""
+    mlp = dcir.parse((ROOT / "examples" / "mlp.dcir").read_text())
+    shards = {}
+    for passes, micro in (("zero3{world_size=2}", 1), ("zero3{world_size=2, micro_steps=4}", 4),
+                          ("zero1{world_size=2, micro_steps=4}", 4)):
+        m = mlp.clone()
+        dcir.run_passes(m, parse_pipeline(passes))
+        shards[passes] = held_bytes(m, micro) - held_bytes(m, 1)
+        assert kept_gradients(m, 1) == set()
+    trainable = sum(d.type.nbytes for d in m.decls.values() if d.trainable)
+    assert list(shards.values()) == [0, trainable, 0], shards
+    assert trainable == 4 * (16 * 8 + 16 + 4 * 16 + 4) // 2
 
 
 def test_dcir_train_writes_a_perfetto_trace_per_rank(tmp_path, capsys):
