@@ -5,10 +5,13 @@
     python benchmarks/bench_train.py --accumulate 4       # gradient accumulation 4
     python benchmarks/bench_train.py --systems dcir,fsdp2 --init meta --model 100m   # start from meta
     python benchmarks/bench_train.py --malloc keep        # every system with freed memory kept for reuse
+    python benchmarks/bench_train.py --model long         # sequence 1,024; also wide, moe (--model's help)
 
 Every system trains the same HF Llama (from a config, fp32) on the same batches
 (``--model 100m``: 12 layers, hidden 768, MLP 2048, 12 heads, vocabulary 32000,
-134 M parameters, batch 1 of 64 tokens; flags given explicitly win over the preset):
+134 M parameters, batch 1 of 64 tokens; flags given explicitly win over the preset), or
+with ``--experts N`` (``--model moe``) a Mixtral of the same shape, each MLP N experts,
+each token through 2 of them:
 
 * ``dcir``: the Engine, plain ``zero3``, compute run op by op (eager lowering);
 * ``dcir-prefetch``, ``dcir-unshard``, ``dcir-optimized``: the Engine's optimization
@@ -105,9 +108,11 @@ under ``torch.device("meta")`` and ``dcir.initialize`` initializes each rank's s
 FSDP2 runs its recipe (``fully_shard``, ``to_empty``, ``initialize_weights()``);
 DeepSpeed ZeRO-3 builds under ``deepspeed.zero.Init``. ``floor``, ``eager`` (one
 process, nothing sharded) and DeepSpeed ZeRO-1/2 build the model with its values as
-with ``--init real`` (train_worker.py). "x fsdp2 speed" is ``fsdp2``'s median step
-over a row's (above 1: faster than FSDP2), "x fsdp2 RSS" a row's peak RSS over
-``fsdp2``'s, both in the same run; "start RSS MiB" the peak before the first step (building,
+with ``--init real`` (train_worker.py). "x floor" is a row's median step over the
+faster of ``floor`` and ``eager`` (one process, compiled or not); "x fsdp2 speed" is
+the faster FSDP2 row's median step over a row's (``fsdp2`` or ``fsdp2-compile``; above
+1: faster than FSDP2), "x fsdp2 RSS" a row's peak RSS over that row's, all in the same
+run (the report's ``baselines`` and the table's last line say which rows); "start RSS MiB" the peak before the first step (building,
 sharding and initializing the model, and DCIR's capture; the largest rank's); "first
 step s" the time from a rank's process start to the end of its first step (start-up,
 model, capture, first step; the slowest rank's, median over rounds). ``--rss-trace``
@@ -140,9 +145,14 @@ SYSTEMS = ["floor", "eager", "dcir", "dcir-prefetch", "dcir-unshard", "dcir-opti
            "fsdp2-bf16", "fsdp2-ckpt", "fsdp2-compile", "fsdp2-compile-budget", "deepspeed-zero1", "deepspeed-zero2",
            "deepspeed", "deepspeed-offload", "dcir-break", "fsdp2-break"]
 WORKLOAD = [("layers", 6), ("hidden", 256), ("seq", 128), ("batch", 4), ("vocab", 32000), ("accumulate", 1),
-            ("intermediate", 0)]  # intermediate 0: 4 x hidden
-#: ``--model``: workload values that differ from WORKLOAD's defaults
-MODELS = {"default": {}, "100m": {"layers": 12, "hidden": 768, "intermediate": 2048, "seq": 64, "batch": 1}}
+            ("intermediate", 0), ("experts", 0)]  # intermediate 0: 4 x hidden; experts 0: a Llama, N: a Mixtral
+#: ``--model``: workload values that differ from WORKLOAD's defaults; the regimes of training (the
+#: default: per-op overhead and communication; long: compute, the activations; wide: large
+#: matrices; moe: routed experts)
+MODELS = {"default": {}, "100m": {"layers": 12, "hidden": 768, "intermediate": 2048, "seq": 64, "batch": 1},
+          "long": {"layers": 4, "seq": 1024, "vocab": 4096},
+          "wide": {"layers": 2, "hidden": 1024, "vocab": 4096},
+          "moe": {"layers": 4, "seq": 256, "vocab": 4096, "experts": 4, "intermediate": 512}}
 
 
 def _available(system: str, device: str = "cpu") -> str | None:
@@ -260,9 +270,10 @@ def summarize(runs: dict[str, list[dict]], ns) -> dict:
             "first_step_s": _median([r.get("first_step_s") for r in results]),
             "init": results[0].get("init", "real"),  # how this system built the model (floor: always real)
         }
-    floor = rows.get("floor", {}).get("step_s")
-    fsdp2 = rows.get("fsdp2", {}).get("peak_rss_mib")
-    fsdp2_step = rows.get("fsdp2", {}).get("step_s")
+    base = baselines(rows)
+    floor = rows[base["floor"]]["step_s"] if base["floor"] else None
+    fsdp2 = rows[base["fsdp2"]]["peak_rss_mib"] if base["fsdp2"] else None
+    fsdp2_step = rows[base["fsdp2"]]["step_s"] if base["fsdp2"] else None
     for system, row in rows.items():
         row["x_floor"] = row["step_s"] / floor if floor else None
         row["x_fsdp2_speed"] = fsdp2_step / row["step_s"] if fsdp2_step else None
@@ -270,6 +281,18 @@ def summarize(runs: dict[str, list[dict]], ns) -> dict:
         fp32 = rows.get(system.removesuffix("-bf16")) if system.endswith("-bf16") else None
         row["x_fp32"] = row["step_s"] / fp32["step_s"] if fp32 else None
     return rows
+
+
+#: the rows a ratio may be against: the compute floor is the faster of one process compiled and
+#: eager; FSDP2 is its faster fp32 variant, eager or each block compiled (torchtitan's recipe)
+BASELINES = {"floor": ("floor", "eager"), "fsdp2": ("fsdp2", "fsdp2-compile")}
+
+
+def baselines(rows: dict) -> dict[str, str | None]:
+    """Which row each ratio is against (``BASELINES``): the fastest of its candidates
+    that ran, else None."""
+    return {name: min((s for s in among if s in rows), key=lambda s: rows[s]["step_s"], default=None)
+            for name, among in BASELINES.items()}
 
 
 def table(rows: dict, unavailable: dict) -> str:
@@ -295,14 +318,22 @@ def table(rows: dict, unavailable: dict) -> str:
                      f"{sent:>15}{vs32:>8}{rss:>12}{start:>15}{first:>14}")
     for system, why in unavailable.items():
         lines.append(f"{system:<16}  unavailable: {why}")
+    base = baselines(rows)
+    lines.append(f"x floor against {base['floor'] or '-'}, x fsdp2 speed and RSS against {base['fsdp2'] or '-'} "
+                 f"(the faster of {' and '.join(BASELINES['floor'])}, of {' and '.join(BASELINES['fsdp2'])})")
     return "\n".join(lines)
 
 
 def parameters(ns) -> int:
-    """The benchmark Llama's parameter count (built on the meta device: no memory)."""
+    """The benchmark model's parameter count (built on the meta device: no memory)."""
     from train_worker import llama
 
     return sum(p.numel() for p in llama(ns, meta=True).parameters())
+
+
+def family(ns) -> str:
+    """What the benchmark model is: a Llama, or with ``--experts`` a Mixtral."""
+    return f"Mixtral ({ns.experts} experts, top-2)" if ns.experts else "Llama"
 
 
 def workload_of(ns) -> None:
@@ -356,7 +387,10 @@ def parser() -> argparse.ArgumentParser:
     for name, default in WORKLOAD:
         ap.add_argument(f"--{name}", type=int, default=None, help=f"(default {default}, or --model's)")
     ap.add_argument("--model", choices=sorted(MODELS), default="default",
-                    help="a workload preset: 100m is a 134 M-parameter Llama, batch 1 x 64 tokens (default: default)")
+                    help="a workload preset (flags given explicitly win): 100m, a 134 M-parameter Llama, batch 1 x 64 "
+                         "tokens; long, sequence 1,024 (4 layers, vocabulary 4,096); wide, hidden 1,024 (2 layers, "
+                         "vocabulary 4,096); moe, a Mixtral of 4 layers, 4 experts of 512 each, top-2, sequence "
+                         "256, vocabulary 4,096 (default: default)")
     ap.add_argument("--init", choices=("real", "meta"), default="real",
                     help="real: every rank builds the model with its values; meta: the sharded systems build it on "
                          "the meta device and initialize only their shards (default real)")
@@ -412,7 +446,7 @@ def main(argv=None) -> int:
     workload = ", ".join(f"{n} {getattr(ns, n)}" for n, _ in WORKLOAD)
     where = "1 GPU per rank (NCCL)" if ns.device == "cuda" else "1 thread per rank"
     count = parameters(ns)
-    print(f"Llama {count / 1e6:.1f} M parameters ({workload}); init {ns.init}; malloc {ns.malloc}; "
+    print(f"{family(ns)} {count / 1e6:.1f} M parameters ({workload}); init {ns.init}; malloc {ns.malloc}; "
           f"world {ns.world}, {where}; "
           f"{ns.rounds} rounds x {ns.steps} steps (+{ns.warmup} warm-up), interleaved")
     runs: dict[str, list[dict]] = {s: [] for s in runnable}
@@ -438,12 +472,12 @@ def main(argv=None) -> int:
         machine = f"{torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}; {machine}"
     setting = {"world": ns.world, "threads_per_rank": 1, "device": ns.device, "init": ns.init, "malloc": ns.malloc,
                "model": ns.model, "parameters": count}
-    report = {"workload": {n: getattr(ns, n) for n, _ in WORKLOAD} | setting,
+    report = {"workload": {n: getattr(ns, n) for n, _ in WORKLOAD} | setting, "baselines": baselines(rows),
               "rounds": ns.rounds, "steps": ns.steps, "warmup": ns.warmup, "machine": machine,
               "torch": torch.__version__, "seconds": round(time.time() - begin), "results": rows,
               "unavailable": unavailable, "command": "python benchmarks/bench_train.py " + " ".join(argv or sys.argv[1:])}
     Path(ns.json).write_text(json.dumps(report, indent=1))
-    problem = chart(rows, Path(ns.chart), f"Llama {ns.layers} layers, world {ns.world}: median step (x compute floor)")
+    problem = chart(rows, Path(ns.chart), f"{family(ns)} {ns.layers} layers, world {ns.world}: median step (x compute floor)")
     print(f"\n{ns.json}" + (f", {ns.chart}" if problem is None else f"; {problem}"))
     return 0
 

@@ -84,22 +84,29 @@ class Checked(torch.nn.Module):
 
 
 def llama(ns, meta: bool = False, graph_break: bool = False):
-    """The benchmark Llama (seed 0); with ``meta``, built on the meta device (no values);
-    with ``graph_break``, its middle decoder layer behind a finiteness check (``Checked``)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The benchmark Llama (seed 0), or with ``--experts`` N its mixture-of-experts form, a
+    Mixtral of the same shape: each MLP N SwiGLU experts of ``--intermediate``, each token
+    through 2, the router's load-balancing loss added to the loss as transformers' MoE
+    recipes train it. With ``meta``, built on the meta device (no values); with
+    ``graph_break``, its middle decoder layer behind a finiteness check (``Checked``)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=ns.vocab, hidden_size=ns.hidden, intermediate_size=ns.intermediate or ns.hidden * 4,
-        num_hidden_layers=ns.layers, num_attention_heads=ns.hidden // 64, num_key_value_heads=ns.hidden // 64,
-        max_position_embeddings=ns.seq, attn_implementation="eager")
+    shape = dict(vocab_size=ns.vocab, hidden_size=ns.hidden, intermediate_size=ns.intermediate or ns.hidden * 4,
+                 num_hidden_layers=ns.layers, num_attention_heads=ns.hidden // 64, num_key_value_heads=ns.hidden // 64,
+                 max_position_embeddings=ns.seq, attn_implementation="eager")
+    if ns.experts:
+        config, make = MixtralConfig(**shape, num_local_experts=ns.experts, num_experts_per_tok=2,
+                                     output_router_logits=True), MixtralForCausalLM
+    else:
+        config, make = LlamaConfig(**shape), LlamaForCausalLM
     if meta:
         with torch.device("meta"):
-            model = LlamaForCausalLM(config)
+            model = make(config)
     else:
-        model = LlamaForCausalLM(config).to(device(ns))
+        model = make(config).to(device(ns))
     if graph_break:
         middle = ns.layers // 2
         model.model.layers[middle] = Checked(model.model.layers[middle])
@@ -407,6 +414,9 @@ class DeepSpeed:
                 model = llama(ns)
         else:
             model = llama(ns)
+        if ns.experts and stage == 3:  # DeepSpeed's recipe for MoE: each sparse block gathered as one
+            from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+            deepspeed.utils.set_z3_leaf_modules(model, [MixtralSparseMoeBlock])
         if offload:  # its CPU Adam comes from DeepSpeed's optimizer config, not a torch optimizer
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.accelerator.is_available()}
             config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4}}
@@ -497,7 +507,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("system")
     ap.add_argument("out")
     for name, default in [("layers", 6), ("hidden", 256), ("seq", 128), ("batch", 4), ("vocab", 32000),
-                          ("accumulate", 1), ("steps", 6), ("warmup", 5), ("intermediate", 0)]:
+                          ("accumulate", 1), ("steps", 6), ("warmup", 5), ("intermediate", 0), ("experts", 0)]:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--init", choices=("real", "meta"), default="real")

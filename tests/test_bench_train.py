@@ -60,12 +60,21 @@ def test_the_report_pools_the_rounds_and_divides_by_each_baseline():
     alone = bench_train.summarize({"dcir": runs["dcir"], "fsdp2-bf16": runs["dcir-bf16"]}, ns)
     assert alone["dcir"]["x_floor"] is alone["dcir"]["x_fsdp2_speed"] is alone["dcir"]["x_fsdp2_rss"] is None
     assert alone["fsdp2-bf16"]["x_fp32"] is None
+    # the floor is the faster of compiled and eager, FSDP2 its faster variant; RSS against that one
+    rivals = runs | {"eager": [_result([0.5])], "fsdp2-compile": [_result([4.0], rss=(200.0, 150.0))]}
+    best = bench_train.summarize(rivals, ns)
+    assert bench_train.baselines(best) == {"floor": "eager", "fsdp2": "fsdp2-compile"}
+    assert (best["dcir"]["x_floor"], best["dcir"]["x_fsdp2_speed"], best["dcir"]["x_fsdp2_rss"]) == (8.0, 1.0, 3.0)
+    assert best["fsdp2"]["x_fsdp2_speed"] == 0.5 and best["floor"]["x_floor"] == 2.0
+    assert bench_train.table(best, {}).splitlines()[-1] == ("x floor against eager, x fsdp2 speed and RSS against "
+                                                          "fsdp2-compile (the faster of floor and eager, of fsdp2 and "
+                                                          "fsdp2-compile)")
     # the table: sent in MiB per step, "-" for a ratio without its baseline, "n/a" for a missing counter
     text = bench_train.table(rows, {"deepspeed": "not installed"}).splitlines()
     assert "sent MiB/step" in text[0] and "x floor" in text[0]
     dcir_line = next(line for line in text if line.startswith("dcir "))
     assert "3.000" in dcir_line.split() and "4.00" in dcir_line.split()
-    assert text[-1].split() == ["deepspeed", "unavailable:", "not", "installed"]
+    assert text[-2].split() == ["deepspeed", "unavailable:", "not", "installed"]
 
 
 def test_a_tiny_run_writes_the_report_and_the_traces(tmp_path, capfd):
@@ -81,8 +90,9 @@ def test_a_tiny_run_writes_the_report_and_the_traces(tmp_path, capfd):
     report = json.loads(out.read_text())
     rows = report["results"]
     assert set(rows) == {"dcir", "dcir-bf16", "fsdp2"}, text
-    assert set(report) == {"workload", "rounds", "steps", "warmup", "machine", "torch", "seconds", "results",
-                           "unavailable", "command"}
+    assert set(report) == {"workload", "baselines", "rounds", "steps", "warmup", "machine", "torch", "seconds",
+                           "results", "unavailable", "command"}
+    assert report["baselines"] == {"floor": None, "fsdp2": "fsdp2"}
     parameters = 2 * 64 * 64 + 4 * 64 * 64 + 3 * 64 * 256 + 3 * 64  # embeddings and LM head, attention, MLP, 3 norms
     assert report["workload"]["parameters"] == parameters
     assert report["workload"]["init"] == "meta" and "deepcompile" in report["unavailable"]
@@ -134,7 +144,41 @@ def test_100m_preset_is_a_134m_parameter_llama_unless_flags_say_otherwise():
     assert ns.layers == 2 and ns.hidden == 768
     ns = bench_train.parser().parse_args([])
     bench_train.workload_of(ns)
-    assert (ns.layers, ns.hidden, ns.intermediate, ns.batch, ns.seq) == (6, 256, 1024, 4, 128)
+    assert (ns.layers, ns.hidden, ns.intermediate, ns.batch, ns.seq, ns.experts) == (6, 256, 1024, 4, 128, 0)
+
+
+def test_the_regimes_presets_are_the_shapes_they_say():
+    """``--model long``, ``wide`` and ``moe``: sequence 1,024; hidden 1,024; a Mixtral whose
+    layers hold 4 experts of 512 each (top-2), a router each, and its attention and
+    norms as the Llama's."""
+    shapes = {}
+    for preset in ("long", "wide", "moe"):
+        ns = bench_train.parser().parse_args(["--model", preset])
+        bench_train.workload_of(ns)
+        shapes[preset] = (ns.layers, ns.hidden, ns.seq, ns.vocab, ns.intermediate, ns.experts)
+    assert shapes == {"long": (4, 256, 1024, 4096, 1024, 0), "wide": (2, 1024, 128, 4096, 4096, 0),
+                      "moe": (4, 256, 256, 4096, 512, 4)}
+    ns = bench_train.parser().parse_args(["--model", "moe"])
+    bench_train.workload_of(ns)
+    assert bench_train.family(ns) == "Mixtral (4 experts, top-2)"
+    attention, experts, router = 4 * 256 * 256, 4 * 3 * 256 * 512, 4 * 256
+    assert bench_train.parameters(ns) == 2 * 4096 * 256 + 4 * (attention + experts + router + 2 * 256) + 256
+
+
+@pytest.mark.slow
+def test_the_mixture_of_experts_runs_on_every_system_that_trains_it(tmp_path, capfd):
+    """``--experts``: a tiny Mixtral through DCIR, FSDP2 (each block compiled too) and, when
+    installed, DeepSpeed ZeRO-3 (its MoE recipe: each sparse block a leaf)."""
+    systems = ["eager", "dcir", "fsdp2", "fsdp2-compile"]
+    systems += ["deepspeed"] if bench_train._available("deepspeed") is None else []
+    out = tmp_path / "bench.json"
+    code = bench_train.main([*TINY, "--experts", "2", "--intermediate", "32", "--systems", ",".join(systems),
+                             "--json", str(out), "--chart", str(tmp_path / "bench.png")])
+    text = capfd.readouterr().out
+    assert code == 0, text
+    report = json.loads(out.read_text())
+    assert list(report["results"]) == systems and report["workload"]["experts"] == 2, text
+    assert text.startswith("Mixtral (2 experts, top-2)") and report["baselines"]["floor"] == "eager"
 
 
 @pytest.mark.slow
