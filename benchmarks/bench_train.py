@@ -197,10 +197,35 @@ def probe(ns, logs: Path) -> dict:
     return result
 
 
+#: a DCIR row's suffix when it runs over the process-group transport beside the shared-memory one
+#: (``--transport both``)
+OVER_PG = "+pg"
+
+
+def over(system: str, ns) -> tuple[str, argparse.Namespace]:
+    """The worker's system for a row, and the options it runs with: a ``+pg`` row is its
+    DCIR system over the process group; under ``--transport both`` the others run as
+    ``auto`` (shared memory on one CPU host)."""
+    if system.endswith(OVER_PG):
+        return system.removesuffix(OVER_PG), argparse.Namespace(**{**vars(ns), "transport": "process_group"})
+    if ns.transport == "both":
+        return system, argparse.Namespace(**{**vars(ns), "transport": "auto"})
+    return system, ns
+
+
+def rows_of(systems: list[str], transport: str) -> list[str]:
+    """The rows a run measures: each system, and under ``--transport both`` each DCIR
+    system again over the process group, beside it."""
+    both = transport == "both"
+    return [row for s in systems for row in ((s, s + OVER_PG) if both and s.startswith("dcir") else (s,))]
+
+
 def _run(system: str, ns, out: Path, extra: tuple[str, ...] = (), env: dict | None = None) -> dict | None:
-    """One launch of ``system`` (``extra``: more worker arguments; ``env``: more environment)."""
+    """One launch of ``system``, a row (``over``) (``extra``: more worker arguments;
+    ``env``: more environment)."""
     from dcir_runtime.launch import launch
 
+    system, ns = over(system, ns)
     args = [str(HERE / "train_worker.py"), system, str(out), "--steps", str(ns.steps), "--warmup", str(ns.warmup),
             *extra]
     for name, _ in WORKLOAD:
@@ -278,7 +303,7 @@ def summarize(runs: dict[str, list[dict]], ns) -> dict:
         row["x_floor"] = row["step_s"] / floor if floor else None
         row["x_fsdp2_speed"] = fsdp2_step / row["step_s"] if fsdp2_step else None
         row["x_fsdp2_rss"] = row["peak_rss_mib"] / fsdp2 if fsdp2 else None
-        fp32 = rows.get(system.removesuffix("-bf16")) if system.endswith("-bf16") else None
+        fp32 = rows.get(system.replace("-bf16", "", 1)) if "-bf16" in system else None  # dcir-bf16+pg: dcir+pg
         row["x_fp32"] = row["step_s"] / fp32["step_s"] if fp32 else None
     return rows
 
@@ -297,7 +322,7 @@ def baselines(rows: dict) -> dict[str, str | None]:
 
 def table(rows: dict, unavailable: dict) -> str:
     cuda = any(r.get("peak_cuda_mib") is not None for r in rows.values())
-    head = (f"{'system':<16}{'init':<6}{'step s':>9}{'x floor':>9}{'x fsdp2 speed':>15}{'tok/s/rank':>12}{'peak RSS MiB':>14}"
+    head = (f"{'system':<18}{'init':<6}{'step s':>9}{'x floor':>9}{'x fsdp2 speed':>15}{'tok/s/rank':>12}{'peak RSS MiB':>14}"
             + (f"{'peak CUDA MiB':>15}" if cuda else "") + f"{'exposed comm s':>16}{'predicted s':>13}"
             + f"{'sent MiB/step':>15}{'x fp32':>8}{'x fsdp2 RSS':>12}{'start RSS MiB':>15}{'first step s':>14}")
     lines = [head, "-" * len(head)]
@@ -313,11 +338,11 @@ def table(rows: dict, unavailable: dict) -> str:
         rss = f"{r['x_fsdp2_rss']:.3f}" if r.get("x_fsdp2_rss") else "-"
         first = f"{r['first_step_s']:.1f}" if r.get("first_step_s") is not None else "n/a"
         start = f"{r['start_rss_mib']:,.0f}" if r.get("start_rss_mib") is not None else "n/a"
-        lines.append(f"{system:<16}{r.get('init', 'real'):<6}{r['step_s']:>9.3f}{x:>9}{speed:>15}"
+        lines.append(f"{system:<18}{r.get('init', 'real'):<6}{r['step_s']:>9.3f}{x:>9}{speed:>15}"
                      f"{r['tokens_per_s_per_rank']:>12,.0f}{r['peak_rss_mib']:>14,.0f}{gpu}{comm:>16}{pred:>13}"
                      f"{sent:>15}{vs32:>8}{rss:>12}{start:>15}{first:>14}")
     for system, why in unavailable.items():
-        lines.append(f"{system:<16}  unavailable: {why}")
+        lines.append(f"{system:<18}  unavailable: {why}")
     base = baselines(rows)
     lines.append(f"x floor against {base['floor'] or '-'}, x fsdp2 speed and RSS against {base['fsdp2'] or '-'} "
                  f"(the faster of {' and '.join(BASELINES['floor'])}, of {' and '.join(BASELINES['fsdp2'])})")
@@ -398,9 +423,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--trace", action="store_true",
                     help="each DCIR run traces one more step after the measured ones (Chrome JSON per rank in "
                          "bench_train_logs/<system>-<round>-trace/)")
-    ap.add_argument("--transport", choices=TRANSPORTS, default="auto",
+    ap.add_argument("--transport", choices=(*TRANSPORTS, "both"), default="auto",
                     help="the DCIR systems' transport for gathers and reduce-scatters (the Engine's config key "
-                         "'transport'; default auto: shared memory with every rank on one CPU host)")
+                         "'transport'; default auto: shared memory with every rank on one CPU host); both: each "
+                         "DCIR system also runs over the process group, as the row SYSTEM+pg beside it")
     ap.add_argument("--malloc", choices=sorted(MALLOC), default="system",
                     help="system: glibc malloc as configured (large blocks are mapped fresh, and their pages "
                          "faulted in, each time); keep: every system's processes alike keep freed memory for "
@@ -442,7 +468,7 @@ def main(argv=None) -> int:
     unavailable = {s: why for s in systems if (why := _available(s, ns.device))}
     if ns.device == "cpu":
         unavailable["deepcompile"] = "DeepSpeed's compiler needs CUDA (cuda.h); this machine has no GPU"
-    runnable = [s for s in systems if s not in unavailable]
+    runnable = rows_of([s for s in systems if s not in unavailable], ns.transport)
     workload = ", ".join(f"{n} {getattr(ns, n)}" for n, _ in WORKLOAD)
     where = "1 GPU per rank (NCCL)" if ns.device == "cuda" else "1 thread per rank"
     count = parameters(ns)
@@ -460,7 +486,7 @@ def main(argv=None) -> int:
             result = _run(system, ns, out)
             if result:
                 runs[system].append(result)
-                print(f"  round {r + 1}: {system:<16} median step {statistics.median(result['step_s']):.3f} s",
+                print(f"  round {r + 1}: {system:<18} median step {statistics.median(result['step_s']):.3f} s",
                       flush=True)
     rows = summarize(runs, ns)
     print()

@@ -77,6 +77,23 @@ def test_the_report_pools_the_rounds_and_divides_by_each_baseline():
     assert text[-2].split() == ["deepspeed", "unavailable:", "not", "installed"]
 
 
+def test_both_transports_put_each_dcir_rows_process_group_run_beside_it():
+    """``--transport both``: every DCIR system runs again over the process group, as the
+    row ``SYSTEM+pg`` right after it; its worker is the same system with that transport,
+    the others run as ``auto``; a bf16 row over the process group is against fp32's."""
+    ns = bench_train.parser().parse_args(["--transport", "both"])
+    rows = bench_train.rows_of(["floor", "dcir", "dcir-bf16", "fsdp2"], ns.transport)
+    assert rows == ["floor", "dcir", "dcir+pg", "dcir-bf16", "dcir-bf16+pg", "fsdp2"]
+    assert bench_train.rows_of(["dcir", "fsdp2"], "process_group") == ["dcir", "fsdp2"]
+    runs = [(name, opts.transport) for name, opts in (bench_train.over(r, ns) for r in rows)]
+    assert runs == [("floor", "auto"), ("dcir", "auto"), ("dcir", "process_group"), ("dcir-bf16", "auto"),
+                    ("dcir-bf16", "process_group"), ("fsdp2", "auto")]
+    assert ns.transport == "both"  # each run's options are a copy
+    summary = bench_train.summarize({"dcir+pg": [_result([2.0])], "dcir-bf16+pg": [_result([1.0])]},
+                                    argparse.Namespace(batch=2, seq=8, accumulate=1))
+    assert summary["dcir-bf16+pg"]["x_fp32"] == 0.5
+
+
 def test_a_tiny_run_writes_the_report_and_the_traces(tmp_path, capfd):
     """The smallest workload through the runner, the workers and the trace tool: DCIR
     (also in bf16) and FSDP2 built on the meta device, DCIR's step after the measured one
@@ -167,17 +184,19 @@ def test_the_regimes_presets_are_the_shapes_they_say():
 
 @pytest.mark.slow
 def test_the_mixture_of_experts_runs_on_every_system_that_trains_it(tmp_path, capfd):
-    """``--experts``: a tiny Mixtral through DCIR, FSDP2 (each block compiled too) and, when
-    installed, DeepSpeed ZeRO-3 (its MoE recipe: each sparse block a leaf)."""
+    """``--experts``: a tiny Mixtral through DCIR (over both transports), FSDP2 (each block
+    compiled too) and, when installed, DeepSpeed ZeRO-3 (its MoE recipe: each sparse block
+    a leaf)."""
     systems = ["eager", "dcir", "fsdp2", "fsdp2-compile"]
     systems += ["deepspeed"] if bench_train._available("deepspeed") is None else []
     out = tmp_path / "bench.json"
     code = bench_train.main([*TINY, "--experts", "2", "--intermediate", "32", "--systems", ",".join(systems),
-                             "--json", str(out), "--chart", str(tmp_path / "bench.png")])
+                             "--transport", "both", "--json", str(out), "--chart", str(tmp_path / "bench.png")])
     text = capfd.readouterr().out
     assert code == 0, text
     report = json.loads(out.read_text())
-    assert list(report["results"]) == systems and report["workload"]["experts"] == 2, text
+    assert list(report["results"]) == bench_train.rows_of(systems, "both") and report["workload"]["experts"] == 2
+    assert "dcir+pg" in report["results"] and report["results"]["dcir+pg"]["exposed_comm_s"] is not None, text
     assert text.startswith("Mixtral (2 experts, top-2)") and report["baselines"]["floor"] == "eager"
 
 
