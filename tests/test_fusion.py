@@ -116,6 +116,28 @@ def test_a_fused_llama_step_matches_eager(llama_module):
         assert (p.grad - q.grad).abs().max() <= 1e-5 * p.grad.abs().max() + 1e-7, name
 
 
+def test_a_plan_lowered_again_runs_the_stretches_it_compiled(llama_module):
+    """The same module lowered twice in one process (a trial's winning plan, installed
+    again after the program it replaced ran its side) runs the kernels its first
+    lowering compiled, not a second compile: kept by the stretch's code and its inputs'
+    layouts."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (2, 16))
+    module = llama_module.clone()
+    run_passes(module, "fuse")
+    compiled = []
+    for _ in range(2):
+        program = dcir.lower(module, state_of(tiny_llama()))
+        program.train_step(input_ids=ids, labels=ids)
+        compiled.append([m.compiled for m in program.runs["forward"].children() if isinstance(m, stretches._Compiled)])
+    assert compiled[0] and all(a is b for a, b in zip(*compiled, strict=True))
+    stretch = next(m for m in program.runs["forward"].children() if isinstance(m, stretches._Compiled))
+    args = [n for n in stretch.gm.graph.nodes if n.op == "placeholder"]
+    assert not any(n.op == "get_attr" for n in stretch.gm.graph.nodes) and args
+    key = next(k for k, v in stretches._COMPILED.items() if v is stretch.compiled)
+    assert key[0] == stretch.gm.code and len(key[1]) == len(args)
+
+
 _TWO_STRETCHES = """
 module @m attributes {world_size = 2} {
   param @w : shard<f32[64, 64], 2> {trainable}
