@@ -187,6 +187,21 @@ def kept_by_caller(module: Module) -> set[Value]:
     return out
 
 
+def handed_bytes(module: Module) -> int:
+    """Device bytes of ``@forward``'s outputs that are not also saved for a backward, each
+    storage once: what a caller that keeps the model's outputs (a loss computed outside
+    keeps the logits) holds beside the backward, outside the programs' memory."""
+    fw = roles.saver(module.functions.values())
+    if fw is None:
+        return 0
+    bases = storage_bases(fw)
+    own = lambda v: bases.get(v, v)  # noqa: E731
+    saved = {own(v) for v in signature.results(fw, signature.SAVED)}
+    handed = {own(v) for v in signature.results(fw, signature.OUTPUT)} - saved
+    return sum(device_bytes(v) for v in handed if isinstance(v.owner, Op)
+               and not registry.has_trait(v.owner, registry.LOADS_STATE))
+
+
 #: A buffer that holds a gathered copy of a parameter (``unshard`` across micro-steps):
 #: ``buffer @w.unsharded : f32[4, 8] {unshard.of = @w}``. It is the schedule's memory.
 UNSHARD_OF = "unshard.of"

@@ -7,10 +7,12 @@ memory, buffers, the program's replicas and accumulators. See docs/runtime.md.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from dcir.ir import Module
 from dcir.memory import GRAD_ACC_OF, UNSHARD_OF, step_peak
@@ -51,6 +53,9 @@ class MemoryStats(Mapping):
     gradients_kept: int = 0      # gradient shards held beside the whole step, not only from the backward
     #                              that reduces them: micro-steps accumulate into them, or graph-break
     #                              regions' backwards run beside each other's (fixed_bytes counts them)
+    outputs_held: int = 0        # the most bytes of a forward's outputs its caller still held when the
+    #                              backward started (the logits a loss computed outside keeps), beside
+    #                              the whole backward (HandedOut; fixed_bytes counts them)
 
     def __getitem__(self, key: str):
         if key not in self._names():
@@ -72,6 +77,39 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+class HandedOut:
+    """The outputs of an engine's last training forward, held weakly, and ``peak``: the
+    most bytes of them the caller still held when a backward started. The program's
+    memory model ends with its outputs at the forward's end; what the caller keeps of
+    them (the logits, where the loss is computed outside: the loss's own backward has
+    run and let go of what it saved, but ``out.logits`` lives on) is held beside the
+    whole backward, outside any program. An output that is also a saved activation is
+    the program's already."""
+
+    def __init__(self):
+        self.refs: list[tuple[weakref.ref, int, int]] = []  # (tensor, its storage's address, its bytes)
+        self.peak = 0
+
+    def hand(self, out):
+        """``out`` (the model's outputs, or the tensors the caller's structure is rebuilt
+        from: a cache object's too), noted: each storage once."""
+        seen, self.refs = set(), []
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    self.refs.append((weakref.ref(t), storage.data_ptr(), storage.nbytes()))
+        return out
+
+    def backward_starts(self, saved: tuple) -> None:
+        """The backward of the noted forward starts, with its ``saved`` activations."""
+        if self.refs:
+            theirs = {t.untyped_storage().data_ptr() for t in saved if isinstance(t, torch.Tensor)}
+            held = sum(n for ref, ptr, n in self.refs if ref() is not None and ptr not in theirs)
+            self.peak, self.refs = max(self.peak, held), []
+
+
 class StepPeak:
     """``step_peak`` of the program an engine runs, computed once per program."""
 
@@ -87,13 +125,14 @@ class StepPeak:
 
 def measure(shards: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer, store: StateStore | None,
             model: torch.nn.Module, module: Module | None, full_bytes: int, transport: int = 0,
-            modelled_peak: int = 0, keep_gradients: bool = True) -> MemoryStats:
+            modelled_peak: int = 0, keep_gradients: bool = True, outputs_held: int = 0) -> MemoryStats:
     """The accounting of one engine: its ``shards`` and their ``optimizer`` (with its
     offload ``store``, if any), the ``model``'s buffers, the buffers the running
     ``module`` keeps (None before capture), the ``transport``'s outbox bytes, the
     running program's ``modelled_peak`` (``step_peak``), and whether the gradient shards
     outlive the backward that reduces them (``keep_gradients``: accumulation, but for
-    ZeRO-1's, which reduces in the last micro-step only; regions)."""
+    ZeRO-1's, which reduces in the last micro-step only; regions), and the
+    ``outputs_held`` by the caller beside a backward (``HandedOut``)."""
     stats = runtime_stats()
     tensors = [t for st in optimizer.state.values() for t in st.values()
                if isinstance(t, torch.Tensor) and t.dim() > 0]
@@ -113,18 +152,20 @@ def measure(shards: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimi
         collectives=stats.collectives, sent=stats.sent, wait_s=stats.wait_ns / 1e9,
         copy_wait_s=copies.wait_s(), transport=transport,
         activations_host_peak=copies.activation_stats().host_peak, step_peak=modelled_peak,
-        gradients_kept=_bytes(s for s in shards.values() if s.requires_grad) if keep_gradients else 0)
+        gradients_kept=_bytes(s for s in shards.values() if s.requires_grad) if keep_gradients else 0,
+        outputs_held=outputs_held)
 
 
 def fixed_bytes(m: MemoryStats) -> int:
     """What a rank holds whatever the schedule: parameter shards, optimizer state, buffers,
-    and the gradient shards where they are held beside the whole step (``gradients_kept``).
+    the gradient shards where they are held beside the whole step (``gradients_kept``),
+    and the outputs the caller keeps beside a backward (``outputs_held``).
     Otherwise a step's gradient shards are the schedule's: they are released after each
     optimizer step, and the memory model counts each one from the reduction that makes it
     (``grad.set``) to the backward's end. That end holds all of them, as the optimizer
     step does, so counting them here too would count them twice, and before the
     backward they do not exist (measured: 18 MiB of a 139 MiB step, docs/benchmarks.md)."""
-    return m.parameters + m.gradients_kept + m.optimizer_state_peak + m.buffers
+    return m.parameters + m.gradients_kept + m.optimizer_state_peak + m.buffers + m.outputs_held
 
 
 def scheduled_bytes(m: MemoryStats) -> int:

@@ -363,4 +363,5 @@ class Engine:
         outbox; collectives, bytes sent, seconds blocked in waits (``accounting.MemoryStats``)."""
         return measure(self.shards, self.optimizer, self.state_store, self.model, self.module, self.full_bytes,
                        self.transport_bytes, self._step_peak(self.module), self.programs.regions is not None or
-                       (self.config.gradient_accumulation_steps > 1 and self.config.zero_stage != 1))
+                       (self.config.gradient_accumulation_steps > 1 and self.config.zero_stage != 1),
+                       self.execution.handed.peak)

@@ -31,6 +31,7 @@ from dcir.passes.zero3 import LOCAL
 from dcir.roles import EVAL, FORWARD
 from dcir_lowering.outputs import Outputs
 from dcir_lowering.program import Program
+from dcir_runtime.accounting import HandedOut
 from dcir_runtime.config import Config
 from dcir_runtime.group import ProcessGroup, RankFailure
 from dcir_runtime.offload import ABSENT
@@ -83,6 +84,7 @@ class Execution:
         self.half_loaded: str | None = None  # why a failed checkpoint load left the state partly overwritten
         self.last_grad_norm: torch.Tensor | None = None  # what the last clipping measured
         self._pending = None  # the autograd node of the last training forward, until its backward runs
+        self.handed = HandedOut()  # the last training forward's outputs, and what of them its caller keeps
         self._backward_done = False  # this micro-step has had its backward
         self._step_args: tuple = ()
         self._forward_args: tuple = ()
@@ -151,11 +153,11 @@ class Execution:
             out = installed(args, kwargs)
             self._pending = next((t.grad_fn for t in tree_leaves(out)
                                   if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
-            return out
+            return self.handed.hand(out)
         inputs = installed.program.inputs(FORWARD, args, kwargs)
         outputs = _Step.apply(self, installed, self.anchor, *inputs)
         self._pending = next((o.grad_fn for o in outputs if o.grad_fn is not None), None)
-        return installed.outputs.rebuild(list(outputs))
+        return installed.outputs.rebuild(list(self.handed.hand(outputs)))  # each tensor, inside a cache too
 
     def run_forward(self, installed: Installed, inputs) -> tuple[list, tuple]:
         first = self.micro_steps % self.config.gradient_accumulation_steps == 0  # of an optimizer step
@@ -217,7 +219,7 @@ class Execution:
                                        "(call backward once per engine(...) call)"))
         program, saved = ctx.installed.program, ctx.saved
         ctx.saved = None
-        self.backward_started()
+        self.backward_started(saved)
         scale = self.precision.loss_scale()
         given = {k: (g * scale if scale != 1 else g) for k, g in enumerate(grads) if g is not None}
         last = self.boundary_next()
@@ -233,9 +235,12 @@ class Execution:
                 self._step_args = tuple(out or ())
             self.add_grads(out_grads)
 
-    def backward_started(self) -> None:
-        """The last forward's backward runs: the next call starts no new forward before ``step()``."""
+    def backward_started(self, saved: tuple = ()) -> None:
+        """The last forward's backward runs (its ``saved`` activations): the next call
+        starts no new forward before ``step()``; what of its outputs the caller keeps is
+        beside the whole backward (``HandedOut``)."""
         self._pending, self._backward_done = None, True
+        self.handed.backward_starts(saved)
 
     def add_grads(self, grads: dict) -> None:
         """A backward's gradient shards (by FQN), unscaled, added to the shards' ``.grad``."""
@@ -291,32 +296,38 @@ class Execution:
             self.tracer = None
         return True
 
-    @torch.no_grad()
     def clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
-        """The global norm of the shards' gradients (padding is zero and adds nothing),
-        summed across the ranks that hold different shards (under HSDP, a node's) in
-        float64; the gradients scaled by ``max_norm / (norm + 1e-6)`` when that is below 1,
-        as torch's ``clip_grad_norm_`` does."""
-        grads = [s.grad for s in self.shards.values() if s.grad is not None]
-        device = self.group.collective_device()
-        over = self.group.subgroups[LOCAL] if self.group.shards_in_node else None  # None: every rank
-        if norm_type == float("inf"):
-            local = max((g.abs().max().double() for g in grads), default=torch.zeros((), dtype=torch.float64))
-            total = local.reshape(1).to(device)
-            if self.group.shard_world > 1:
-                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=over)
-        else:
-            local = sum((g.double().abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64))
-            total = local.reshape(1).to(device)
-            if self.group.shard_world > 1:
-                dist.all_reduce(total, group=over)
-            total = total.pow(1.0 / norm_type)
-        norm = total[0].to(self.group.device, torch.float32)
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        self.last_grad_norm = norm
-        return norm
+        """The shards' gradients clipped to ``max_norm`` in ``norm_type`` (``clip_shards``)."""
+        self.last_grad_norm = clip_shards(self.shards, self.group, max_norm, norm_type)
+        return self.last_grad_norm
+
+
+@torch.no_grad()
+def clip_shards(shards: dict[str, torch.nn.Parameter], group: ProcessGroup, max_norm: float,
+                norm_type: float) -> torch.Tensor:
+    """The global norm of the ``shards``' gradients (padding is zero and adds nothing),
+    summed across the ranks that hold different shards (under HSDP, a node's) in
+    float64; the gradients scaled by ``max_norm / (norm + 1e-6)`` when that is below 1,
+    as torch's ``clip_grad_norm_`` does."""
+    grads = [s.grad for s in shards.values() if s.grad is not None]
+    device = group.collective_device()
+    over = group.subgroups[LOCAL] if group.shards_in_node else None  # None: every rank
+    if norm_type == float("inf"):
+        local = max((g.abs().max().double() for g in grads), default=torch.zeros((), dtype=torch.float64))
+        total = local.reshape(1).to(device)
+        if group.shard_world > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=over)
+    else:
+        local = sum((g.double().abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64))
+        total = local.reshape(1).to(device)
+        if group.shard_world > 1:
+            dist.all_reduce(total, group=over)
+        total = total.pow(1.0 / norm_type)
+    norm = total[0].to(group.device, torch.float32)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return norm
 
 
 def _reaches(node, target) -> bool:

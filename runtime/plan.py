@@ -109,16 +109,17 @@ class Planner:
 
     def pass_budget(self, fixed_bytes: Callable[[], int]) -> int | None:
         """The memory budget left to a schedule: the configured budget less what this
-        rank holds whatever the schedule (``fixed_bytes()``: shards, optimizer state, buffers,
-        gradient shards where they outlive a backward; asked only when there is a budget)."""
+        rank holds whatever the schedule (``fixed_bytes()``, ``accounting.fixed_bytes``;
+        asked only when there is a budget)."""
         if self.config.memory_budget is None:
             return None
         fixed = fixed_bytes()
         if fixed + self._budget_cut >= self.config.memory_budget:
             raise DcirError(Diagnostic(
                 f"rank {self.group.rank}: parameter shards, optimizer state and buffers (with gradient shards "
-                f"where they outlive a backward) take {format_bytes(fixed)}, which leaves nothing of the memory "
-                f"budget of {format_bytes(self.config.memory_budget)} for the step's own memory"))
+                f"where they outlive a backward, and the outputs the caller keeps) take {format_bytes(fixed)}, which "
+                f"leaves nothing of the memory budget of {format_bytes(self.config.memory_budget)} for the step's own "
+                f"memory"))
         return self.config.memory_budget - fixed - self._budget_cut
 
     def after_step(self, steps: int, running: dcir.Module) -> bool:
@@ -292,7 +293,8 @@ class Planner:
         raise DcirError(Diagnostic(
             f"rank {self.group.rank} holds {format_bytes(held)} at its peak, over the memory budget of "
             f"{format_bytes(budget)}: {format_bytes(fixed)} whatever the schedule (parameter shards, optimizer "
-            f"state, buffers, gradient shards where they outlive a backward) and {format_bytes(scheduled)} in the step "
+            f"state, buffers, gradient shards where they outlive a backward, the outputs the caller keeps) and "
+            f"{format_bytes(scheduled)} in the step "
             f"(saved activations, temporaries, gathered parameters, the backward's gradient shards, replicas, "
             f"accumulators and the shared-memory outbox); {advice}"))
 
@@ -349,7 +351,8 @@ def fit_first_step(planner: Planner, captured: dcir.Module, fixed: Callable[[], 
             raise DcirError(Diagnostic(
                 f"the first step would hold {format_bytes(held + box + after)} at its peak, over the memory budget of "
                 f"{format_bytes(config.memory_budget)}: {format_bytes(held)} whatever the schedule (parameter shards, "
-                f"the optimizer state the step makes, buffers) and {format_bytes(box + after)} in the step; "
+                f"the optimizer state the step makes, buffers, the outputs the caller keeps) and "
+                f"{format_bytes(box + after)} in the step; "
                 + over_budget_advice(held + box + after, config.memory_budget, host_apart)))
         again = sum(RECOMPUTE in op.attrs for _, op in module.ops()) - \
             sum(RECOMPUTE in op.attrs for _, op in captured.ops())

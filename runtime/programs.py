@@ -24,7 +24,7 @@ from dcir import ops as registry
 from dcir import signature
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import TensorType
-from dcir.memory import GRAD_ACC_OF
+from dcir.memory import GRAD_ACC_OF, handed_bytes
 from dcir_lowering.program import call_inputs
 from dcir_runtime import transport
 from dcir_runtime.accounting import fixed_bytes
@@ -171,19 +171,22 @@ def check_collectives(base: dcir.Module, new: dcir.Module) -> None:
         "shapes, or drop the shape-dependent passes (prefetch, bucket) from the config"))
 
 
-def _fixed_at_first_step(engine) -> int:
+def _fixed_at_first_step(engine, captured: dcir.Module) -> int:
     """What ``engine``'s rank will hold whatever the schedule once its first step has run
     (``fixed_bytes``): before that step, with the optimizer state it will make counted
     already (a tensor like each trainable shard per per-element state key, at most the
-    offload budget of it on the device)."""
+    offload budget of it on the device), and ``captured``'s outputs as if the caller kept
+    them all beside the backward (``handed_bytes``; what it keeps is measured from the
+    first backward on, ``accounting.HandedOut``)."""
     m = engine.memory()
+    outputs = max(handed_bytes(captured) - m.outputs_held, 0)
     if m.optimizer_state_peak:
-        return fixed_bytes(m)
+        return fixed_bytes(m) + outputs
     shards = sum(s.numel() * s.element_size() for s in engine.sharded.trainable().values())
     state = len(engine.optimizer_state_keys()) * shards
     if engine.config.offload is not None:
         state = min(state, engine.config.offload["budget"])
-    return fixed_bytes(m) + state
+    return fixed_bytes(m) + state + outputs
 
 
 def capture_program(engine, args: tuple, kwargs: dict, k: ProgramKey, training: bool):
@@ -207,7 +210,7 @@ def capture_program(engine, args: tuple, kwargs: dict, k: ProgramKey, training: 
     first = training and base is None and engine.program is None  # the training program the cycle plans
     plan = engine.planner.resume(captured) if first else None  # the plan a cached cycle took for it
     if first and plan is None:  # within the memory budget from the first step on
-        plan = fit_first_step(engine.planner, captured.module, lambda: _fixed_at_first_step(engine),
+        plan = fit_first_step(engine.planner, captured.module, lambda: _fixed_at_first_step(engine, captured.module),
                               transport.outbox_bytes if engine.transport_bytes else None)
     running = plan or captured.module
     installed = Installed(running, engine.lower(running), captured.outputs)

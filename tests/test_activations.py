@@ -192,6 +192,33 @@ def _train_engine(config: dict, steps: int = 4):
     return engine, held
 
 
+def test_the_outputs_a_loss_outside_keeps_are_held_beside_the_backward():
+    """A loss computed outside keeps the logits through the engine's backward: the rank
+    holds them whatever the schedule (``outputs_held`` in ``fixed_bytes``), as rank 0's
+    first-step fit assumed; a caller that keeps only the loss holds its 4 bytes, and an
+    output that is a saved activation is the program's already."""
+    from dcir.memory import handed_bytes
+    from dcir_runtime.accounting import HandedOut, fixed_bytes
+
+    engine, _ = _train_engine({}, steps=1)
+    m = engine.memory()
+    logits, cache = 4 * 64 * 128 * 4, 2 * 2 * 4 * 2 * 64 * 16 * 4  # the outputs: logits, and keys and values
+    assert m.outputs_held == logits + cache == handed_bytes(engine.ir())  # ``out`` keeps its DynamicCache
+    assert fixed_bytes(m) == m.parameters + m.optimizer_state_peak + m.buffers + logits + cache
+    ids = torch.randint(0, 128, (4, 64))
+    engine(input_ids=ids, labels=ids).loss.backward()  # the outputs go at once, but for the loss
+    engine.step()
+    assert engine.memory().outputs_held == logits + cache  # the most any backward saw
+    fresh = dcir.initialize(tiny_llama(), optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR))
+    loss = fresh(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert fresh.memory().outputs_held == loss.element_size() == 4
+    handed, saved, kept = HandedOut(), torch.ones(8), torch.ones(4)
+    handed.hand((saved, kept, torch.ones(2)))  # the last one the caller let go
+    handed.backward_starts((saved[2:],))  # a view of the saved activation shares its storage
+    assert handed.peak == kept.nbytes == 16
+
+
 def test_a_budget_only_recompute_meets_says_so():
     """Without the cycle, a step over the budget is an error that says what recomputing
     would fit, and how to ask for it."""
@@ -264,7 +291,7 @@ def test_a_budget_the_first_step_cannot_meet_fails_before_it():
     with pytest.raises(dcir.DcirError) as e:
         _train_engine({"memory_budget": fixed + 1024, "optimize": {"passes": ["recompute"], "profile_at": [1]}},
                       steps=1)
-    assert " whatever the schedule (parameter shards, the optimizer state the step makes, buffers) and " in str(e.value)
+    assert " whatever the schedule (parameter shards, the optimizer state the step makes, buffers, the outputs the caller keeps) and " in str(e.value)  # noqa: E501
     assert re.search(r"the first step would hold ([0-9.]+ [KM]iB) at its peak, over the memory budget of [0-9.]+ "
                      r"[KM]iB: .* in the step; even recomputing every activation that can be rebuilt, the step needs "
                      r"\1: raise memory_budget", str(e.value)), str(e.value)

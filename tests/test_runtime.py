@@ -269,7 +269,7 @@ def test_user_errors_are_messages_on_every_rank(capfd):
         "error: engine.backward(loss) ran twice for one forward: its backward has run already",
         "error: engine(...) was called after engine.backward(loss) without engine.step(): end each micro-step with engine.step()",
         "MISUSE CHANGED NOTHING: True",
-        " whatever the schedule (parameter shards, optimizer state, buffers, gradient shards where they outlive a backward) and ",  # noqa: E501
+        " whatever the schedule (parameter shards, optimizer state, buffers, gradient shards where they outlive a backward, the outputs the caller keeps) and ",  # noqa: E501
         " in the step (saved activations, temporaries, gathered parameters, the backward's gradient shards, replicas, accumulators and the shared-memory outbox)",  # noqa: E501
         "; even recomputing every activation that can be rebuilt, the step needs ",
         ": raise memory_budget or lower the micro-batch",
@@ -308,9 +308,10 @@ def test_memory_is_named_fields_that_read_as_the_mapping_it_was():
     assert isinstance(m, MemoryStats)
     assert m.parameters == m["parameters"] == (8 * 4 + 4) * 4 == m.full_parameters
     assert m.gradients == m.parameters and m.optimizer_state == 0  # before the first step
-    assert list(m)[:3] == ["parameters", "gradients", "optimizer_state"] and len(m) == 19
+    assert list(m)[:3] == ["parameters", "gradients", "optimizer_state"] and len(m) == 20
     assert m.transport == 0  # one rank: no shared-memory outbox
     assert m.gradients_kept == 0  # one backward per optimizer step: its gradient shards are the step's (step_peak)
+    assert m.outputs_held == 4  # the loss the engine returned, which backward() was handed
     assert m.step_peak == max(peaks(engine.ir()).values()) > m.gathered_peak  # the memory model's, activations too
     assert {**m} == dict(m) and dict(m)["wait_s"] == m.wait_s
     with pytest.raises(KeyError):
