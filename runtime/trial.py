@@ -7,7 +7,8 @@ and a plan faster on paper can be slower on the machine. So a plan it took goes 
 trial: the plan runs ``steps`` steps, then the program it replaced runs as many again,
 each side after one step that is not counted (the first after a profile or a switch:
 planning, lowering, first calls, compiling; after it a full garbage collection clears
-what the other program left, so no collection falls in a counted step). A step is
+what the other program left, so no collection falls in a counted step, and the ranks
+meet, so no rank's collection falls in another's: ``plan.collect_together``). A step is
 timed from the end of one optimizer step to the end of the next, as a user's loop sees
 it (its data and a loss computed outside included, the same on both sides). The ranks
 agree on each side's median (the largest of the ranks': a step ends when every rank's

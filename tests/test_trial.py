@@ -87,6 +87,33 @@ def test_a_trial_keeps_the_plan_only_when_measured_faster_by_more_than_its_noise
     assert not stays and trial.record["reason"] == "measured slower" and not trial.record["switched"]
 
 
+class _Meetings(_OneRank):
+    """A group that notes each agreement: (value, what it agrees on)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def most(self, value: float, what: str) -> float:
+        self.calls.append((value, what))
+        return value
+
+
+def test_the_ranks_leave_each_sides_first_step_together():
+    """After each side's first step, which is not counted, the ranks collect garbage and
+    meet before the next: one rank's longer collection would be the others' wait in their
+    first counted step, and the trial's noise (30% of the benchmark Mixtral's step)."""
+    group = _Meetings()
+    planner = Planner(Config.load({"optimize": {"passes": ["prefetch"]}}), group, "k", "<t>")
+    planner.trial = Trial(dcir.parse(TWO_GATHERS), dcir.parse(LATE), {}, 2)
+    seen = []
+    for k, seconds in enumerate([9.0, 1.0, 1.0, 9.0, 1.2, 1.2]):
+        planner._try(seconds, 10 + k)
+        seen.append(group.calls.copy())
+    meeting = (0.0, "a plan's trial")
+    assert seen[0] == [meeting] and seen[2] == [meeting] and seen[3] == seen[5][:2] == [meeting, meeting]
+    assert planner.trial is None and len(seen[5]) > 2  # the verdict agreed on the medians and the noise after
+
+
 def test_the_engine_runs_a_trial_and_trains_as_without_one():
     """One process: the cycle after step 2 (the profiled one) plans, the plan runs 1 + 2
     steps, the program it replaced 1 + 2, and the faster stays; the losses are those of an engine that never
