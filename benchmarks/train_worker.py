@@ -259,6 +259,7 @@ class Dcir:
             config["offload"] = {"budget": optimizer_state_bytes(model, world) // 2}
         self.engine = dcir.initialize(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4), config=config,
                                       loss_fn=lambda out: out.loss)
+        self.switched = False  # the last step installed another program (``settled``)
 
     def save_profile(self, path: str) -> None:
         """The last profiled module (prof.* attributes on every op), for dcir-opt, and the
@@ -294,17 +295,20 @@ class Dcir:
         self.engine.load_checkpoint(path, tag="bench")
 
     def micro_step(self, batch):
+        running = self.engine.module
         loss = self.engine(**batch)
         self.engine.backward(loss, scale_wrt_gas=True)  # DeepSpeed's default: divided by the accumulation
         self.engine.step()
+        self.switched = self.engine.module is not running
 
     def settled(self) -> bool:
         """Whether the optimization cycle is done: its last profile planned from, no plan on
-        trial (``runtime.trial``), none waiting to compile before a profile: from here on the
-        program is the one the job keeps."""
+        trial (``runtime.trial``), none waiting to compile before a profile, and the program
+        running has run a step since it was installed (a trial's winner is lowered again:
+        its first step is warm-up too): from here on the program is the one the job keeps."""
         regions = self.engine.programs.regions
         planners = [r.planner for r in regions.regions] if regions is not None else [self.engine.planner]
-        return self.engine.execution.steps_run > max(PROFILE_AT) and \
+        return self.engine.execution.steps_run > max(PROFILE_AT) and not self.switched and \
             all(p.trial is None and p.profile is None and p.warming is None for p in planners)
 
     def wait_s(self) -> float:
