@@ -112,8 +112,9 @@ with ``--init real`` (train_worker.py). "x floor" is a row's median step over th
 faster of ``floor`` and ``eager`` (one process, compiled or not); "x fsdp2 speed" is
 the faster FSDP2 row's median step over a row's (``fsdp2`` or ``fsdp2-compile``; above
 1: faster than FSDP2), "x fsdp2 RSS" a row's peak RSS over that row's, all in the same
-run (the report's ``baselines`` and the table's last line say which rows); "start RSS MiB" the peak before the first step (building,
-sharding and initializing the model, and DCIR's capture; the largest rank's); "first
+run (the report's ``baselines`` and the table's last line say which rows); "start RSS
+MiB" the peak before the first step (building, sharding and initializing the model, and
+DCIR's capture; the largest rank's); "first
 step s" the time from a rank's process start to the end of its first step (start-up,
 model, capture, first step; the slowest rank's, median over rounds). ``--rss-trace``
 makes every rank log its resident and peak memory at each stage (in
@@ -503,7 +504,8 @@ def main(argv=None) -> int:
               "torch": torch.__version__, "seconds": round(time.time() - begin), "results": rows,
               "unavailable": unavailable, "command": "python benchmarks/bench_train.py " + " ".join(argv or sys.argv[1:])}
     Path(ns.json).write_text(json.dumps(report, indent=1))
-    problem = chart(rows, Path(ns.chart), f"{family(ns)} {ns.layers} layers, world {ns.world}: median step (x compute floor)")
+    problem = chart(rows, Path(ns.chart),
+                    f"{family(ns)} {ns.layers} layers, world {ns.world}: median step (x compute floor)")
     print(f"\n{ns.json}" + (f", {ns.chart}" if problem is None else f"; {problem}"))
     return 0
 
