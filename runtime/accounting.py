@@ -8,12 +8,13 @@ memory, buffers, the program's replicas and accumulators. See docs/runtime.md.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, fields
 
 import torch
 from torch.utils._pytree import tree_leaves
 
+from dcir import sim
 from dcir.ir import Module
 from dcir.memory import GRAD_ACC_OF, UNSHARD_OF, step_peak
 from dcir_lowering import copies
@@ -125,14 +126,13 @@ class StepPeak:
 
 def measure(shards: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer, store: StateStore | None,
             model: torch.nn.Module, module: Module | None, full_bytes: int, transport: int = 0,
-            modelled_peak: int = 0, keep_gradients: bool = True, outputs_held: int = 0) -> MemoryStats:
+            modelled_peak: int = 0, kept: Collection[str] = (), outputs_held: int = 0) -> MemoryStats:
     """The accounting of one engine: its ``shards`` and their ``optimizer`` (with its
     offload ``store``, if any), the ``model``'s buffers, the buffers the running
     ``module`` keeps (None before capture), the ``transport``'s outbox bytes, the
-    running program's ``modelled_peak`` (``step_peak``), and whether the gradient shards
-    outlive the backward that reduces them (``keep_gradients``: accumulation, but for
-    ZeRO-1's, which reduces in the last micro-step only; regions), and the
-    ``outputs_held`` by the caller beside a backward (``HandedOut``)."""
+    running program's ``modelled_peak`` (``step_peak``), the shards whose gradients
+    outlive the backward that reduces them (``kept``, by name: ``kept_gradients``), and
+    the ``outputs_held`` by the caller beside a backward (``HandedOut``)."""
     stats = runtime_stats()
     tensors = [t for st in optimizer.state.values() for t in st.values()
                if isinstance(t, torch.Tensor) and t.dim() > 0]
@@ -152,8 +152,18 @@ def measure(shards: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimi
         collectives=stats.collectives, sent=stats.sent, wait_s=stats.wait_ns / 1e9,
         copy_wait_s=copies.wait_s(), transport=transport,
         activations_host_peak=copies.activation_stats().host_peak, step_peak=modelled_peak,
-        gradients_kept=_bytes(s for s in shards.values() if s.requires_grad) if keep_gradients else 0,
+        gradients_kept=_bytes(s for name, s in shards.items() if s.requires_grad and name in kept),
         outputs_held=outputs_held)
+
+
+def kept_gradients(module: Module | None, micro_steps: int, regions: bool, trainable: Collection[str]) -> set[str]:
+    """The ``trainable`` parameters whose gradient shards outlive a backward while a rank
+    runs ``module`` (None: no program yet) in ``micro_steps`` per optimizer step: every one
+    under graph-break ``regions`` (their backwards run beside each other's), else those
+    micro-steps accumulate into, as the simulator prices them (``dcir.sim.kept_gradients``)."""
+    if regions:
+        return set(trainable)
+    return sim.kept_gradients(module, micro_steps) if module is not None else set()
 
 
 def fixed_bytes(m: MemoryStats) -> int:

@@ -38,7 +38,7 @@ import dcir
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir_lowering import backend
 from dcir_runtime import checkpoint, native
-from dcir_runtime.accounting import MemoryStats, StepPeak, fixed_bytes, measure, scheduled_bytes
+from dcir_runtime.accounting import MemoryStats, StepPeak, fixed_bytes, kept_gradients, measure, scheduled_bytes
 from dcir_runtime.capture import source_name
 from dcir_runtime.config import Config
 from dcir_runtime import materialize, programs, transport
@@ -361,7 +361,7 @@ class Engine:
         state (on the device now and at its peak, in host memory), replicated buffers, the
         program's replicas, accumulators and step peak, gathered parameters (now, peak), the
         outbox; collectives, bytes sent, seconds blocked in waits (``accounting.MemoryStats``)."""
+        kept = kept_gradients(self.module, self.config.gradient_accumulation_steps,
+                              self.programs.regions is not None, self.shards)
         return measure(self.shards, self.optimizer, self.state_store, self.model, self.module, self.full_bytes,
-                       self.transport_bytes, self._step_peak(self.module), self.programs.regions is not None or
-                       (self.config.gradient_accumulation_steps > 1 and self.config.zero_stage != 1),
-                       self.execution.handed.peak)
+                       self.transport_bytes, self._step_peak(self.module), kept, self.execution.handed.peak)

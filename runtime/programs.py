@@ -27,7 +27,7 @@ from dcir.ir import TensorType
 from dcir.memory import GRAD_ACC_OF, handed_bytes
 from dcir_lowering.program import call_inputs
 from dcir_runtime import transport
-from dcir_runtime.accounting import fixed_bytes
+from dcir_runtime.accounting import fixed_bytes, kept_gradients
 from dcir_runtime.capture import capture
 from dcir_runtime.execution import Installed
 from dcir_runtime.plan import fit_first_step
@@ -177,16 +177,19 @@ def _fixed_at_first_step(engine, captured: dcir.Module) -> int:
     already (a tensor like each trainable shard per per-element state key, at most the
     offload budget of it on the device), and ``captured``'s outputs as if the caller kept
     them all beside the backward (``handed_bytes``; what it keeps is measured from the
-    first backward on, ``accounting.HandedOut``)."""
+    first backward on, ``accounting.HandedOut``), and the gradient shards that will outlive
+    a backward under it (``kept_gradients``: none are kept before a program runs)."""
     m = engine.memory()
     outputs = max(handed_bytes(captured) - m.outputs_held, 0)
+    trainable = {n: s.numel() * s.element_size() for n, s in engine.sharded.trainable().items()}
+    kept = kept_gradients(captured, engine.config.gradient_accumulation_steps, False, trainable)
+    fixed = fixed_bytes(m) + outputs + max(sum(trainable[n] for n in kept) - m.gradients_kept, 0)
     if m.optimizer_state_peak:
-        return fixed_bytes(m) + outputs
-    shards = sum(s.numel() * s.element_size() for s in engine.sharded.trainable().values())
-    state = len(engine.optimizer_state_keys()) * shards
+        return fixed
+    state = len(engine.optimizer_state_keys()) * sum(trainable.values())
     if engine.config.offload is not None:
         state = min(state, engine.config.offload["budget"])
-    return fixed_bytes(m) + state + outputs
+    return fixed + state
 
 
 def capture_program(engine, args: tuple, kwargs: dict, k: ProgramKey, training: bool):

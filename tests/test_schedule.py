@@ -13,7 +13,7 @@ import torch
 import dcir
 from dcir.context import PlanContext
 from dcir.cost import Machine, source
-from dcir.sim import estimate, estimate_module
+from dcir.sim import estimate, estimate_module, kept_gradients
 from dcir.diagnostics import DcirError
 from dcir.hardware import load
 from dcir.memory import parse_bytes, peaks, resident, timeline, timeline_of, timelines
@@ -194,6 +194,9 @@ def test_gradient_shards_are_fixed_only_where_they_outlive_a_backward():
     m = zero1.memory()
     assert m.gradients_kept == 0 and m.gradient_accumulators > 0
     assert timeline(zero1.ir().functions["backward_last"]).after[-1] >= trainable
+    for engine in (one, accumulating, zero1):  # as the simulator prices the held state (HSDP's accumulators too)
+        kept = kept_gradients(engine.ir(), engine.config.gradient_accumulation_steps)
+        assert engine.memory().gradients_kept == sum(engine.shards[n].numel() * 4 for n in kept)
 
 
 def test_the_memory_budget_counts_the_activations_a_step_holds():
