@@ -8,10 +8,11 @@ without checkpointing, with full checkpointing, and under torch.compile's
 
 The points, each a ``bench_train.py`` system run by its worker (``train_worker.py``):
 
-* ``dcir-none``: ``dcir-optimized`` (``prefetch,unshard,bucket`` planned by the cycle, no
+* ``dcir-none``: ``dcir-fused`` (``prefetch,unshard,bucket,fuse`` planned by the cycle, no
   budget): DCIR without recompute;
-* ``dcir-<F>`` for each of ``--budgets``: ``dcir-recompute`` (``recompute,prefetch,
-  unshard,bucket``) under ``memory_budget`` = what a rank holds whatever the schedule +
+* ``dcir-<F>`` for each of ``--budgets``: ``dcir-recompute-fused`` (``recompute,prefetch,
+  unshard,bucket,fuse``; with ``--op-by-op`` both without ``fuse``: ``dcir-optimized``,
+  ``dcir-recompute``) under ``memory_budget`` = what a rank holds whatever the schedule +
   the shared-memory outbox + F x the step's own memory without recompute, all as plain
   ``dcir`` accounts them on a one-step probe run (``bench_train.memory_budget``); ``min``
   is the step with every activation the ``recompute`` pass can rebuild rebuilt. A
@@ -76,7 +77,8 @@ def points(ns, probe: dict, ckpt_allocated: float | None = None) -> tuple[list[t
     ``ckpt_allocated``: ``fsdp2-ckpt``'s allocator peak (MiB), which the ``ckpt`` budget
     gives DCIR (``ckpt_fraction``)."""
     least = max(a["least_step_peak"] / a["step_peak"] for a in probe["accounted"])
-    run = [("dcir-none", "dcir-optimized", {})]
+    plain, recomputing = ("dcir-optimized", "dcir-recompute") if ns.op_by_op else ("dcir-fused", "dcir-recompute-fused")
+    run = [("dcir-none", plain, {})]
     skipped = {}
     for name in ns.budgets.split(","):
         fraction = ckpt_fraction(probe, ckpt_allocated) if name == "ckpt" else name
@@ -85,7 +87,7 @@ def points(ns, probe: dict, ckpt_allocated: float | None = None) -> tuple[list[t
                                        "every activation recompute can rebuild rebuilt the step keeps "
                                        f"{least:.2f} of its memory")
             continue
-        run.append((f"dcir-{name}", "dcir-recompute", {"activation_budget": fraction}))
+        run.append((f"dcir-{name}", recomputing, {"activation_budget": fraction}))
     run += [("fsdp2", "fsdp2", {}), ("fsdp2-ckpt", "fsdp2-ckpt", {})]
     run += [(f"fsdp2-compile-{b}", "fsdp2-compile-budget", {"compile_budget": float(b)})
             for b in ns.compile_budgets.split(",") if b]
@@ -267,8 +269,11 @@ def parser() -> argparse.ArgumentParser:
     for name, default in WORKLOAD.items():
         ap.add_argument(f"--{name}", type=int, default=default, help=f"(default {default})")
     ap.add_argument("--budgets", default="0.9,0.8,0.6,ckpt,0.4,min",
-                    help="dcir-recompute's --activation-budget values; ckpt: fsdp2-ckpt's allocator peak, measured "
+                    help="dcir-recompute(-fused)'s --activation-budget values; ckpt: fsdp2-ckpt's allocator peak, measured "
                          "first, plus the outbox (default 0.9,0.8,0.6,ckpt,0.4,min)")
+    ap.add_argument("--op-by-op", action="store_true",
+                    help="DCIR's points without fuse (dcir-optimized, dcir-recompute): every op run eagerly, as "
+                         "before 2026-11-29; by default they are dcir-fused and dcir-recompute-fused")
     ap.add_argument("--compile-budgets", default="0.5,0.1",
                     help="fsdp2-compile-budget's activation_memory_budget values (default 0.5,0.1)")
     ap.add_argument("--world", type=int, default=2)
@@ -303,7 +308,8 @@ def main(argv=None) -> int:
     todo, skipped = points(ns, probe, allocated.get("fsdp2-ckpt"))
     print(f"Llama {bench_train.parameters(base) / 1e6:.1f} M parameters (seq {ns.seq}, vocab {ns.vocab}, layers "
           f"{ns.layers}, hidden {ns.hidden}, batch {ns.batch}); world {ns.world}, 1 thread per rank; malloc "
-          f"{ns.malloc}; {ns.rounds} rounds x {ns.steps} steps (+{ns.warmup} warm-up), interleaved")
+          f"{ns.malloc}; {ns.rounds} rounds x {ns.steps} steps (+{ns.warmup} warm-up), interleaved; DCIR's points: "
+          + ", ".join(dict.fromkeys(system for label, system, _ in todo if label.startswith("dcir-"))))
     a = max(probe["accounted"], key=lambda a: a["step_peak"])
     print(f"probe (plain dcir): fixed {a['fixed'] / 2**20:.1f} MiB, step {a['step_peak'] / 2**20:.1f} MiB, outbox "
           f"{a['outbox'] / 2**20:.1f} MiB, step with everything rebuildable recomputed "

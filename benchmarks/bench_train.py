@@ -37,6 +37,8 @@ each token through 2 of them:
   parameters) without recompute, each as plain ``dcir`` accounts it on a one-step probe
   run before the first (``min``: the step's peak with every activation the pass can
   rebuild rebuilt); the budget is the memory model's, not the process's RSS;
+* ``dcir-recompute-fused``: the same with ``fuse`` too (as ``dcir-fused``): the cycle
+  chooses the compiled stretches within the same budget;
 * ``dcir-bf16``: ``dcir`` in mixed precision (the config's ``bf16`` section: bf16
   compute and gathers, fp32 gradient reduction and master weights, docs/config.md);
 * ``fsdp2``: PyTorch FSDP2, ``fully_shard`` per decoder layer and on the root;
@@ -142,9 +144,12 @@ MALLOC = {"system": {},
           "keep": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)},
           "release": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
 SYSTEMS = ["floor", "eager", "dcir", "dcir-prefetch", "dcir-unshard", "dcir-optimized", "dcir-inductor",
-           "dcir-fused", "dcir-zero1", "dcir-zero2", "dcir-offload", "dcir-bf16", "dcir-recompute", "fsdp2", "fsdp2-offload",
+           "dcir-fused", "dcir-zero1", "dcir-zero2", "dcir-offload", "dcir-bf16", "dcir-recompute",
+           "dcir-recompute-fused", "fsdp2", "fsdp2-offload",
            "fsdp2-bf16", "fsdp2-ckpt", "fsdp2-compile", "fsdp2-compile-budget", "deepspeed-zero1", "deepspeed-zero2",
            "deepspeed", "deepspeed-offload", "dcir-break", "fsdp2-break"]
+#: the systems given a memory_budget (``--activation-budget``), whose cycle plans recompute within it
+RECOMPUTING = ("dcir-recompute", "dcir-recompute-fused")
 WORKLOAD = [("layers", 6), ("hidden", 256), ("seq", 128), ("batch", 4), ("vocab", 32000), ("accumulate", 1),
             ("intermediate", 0), ("experts", 0)]  # intermediate 0: 4 x hidden; experts 0: a Llama, N: a Mixtral
 #: ``--model``: workload values that differ from WORKLOAD's defaults; the regimes of training (the
@@ -232,7 +237,7 @@ def _run(system: str, ns, out: Path, extra: tuple[str, ...] = (), env: dict | No
     for name, _ in WORKLOAD:
         args += [f"--{name}", str(getattr(ns, name))]
     args += ["--device", ns.device, "--init", ns.init, "--transport", ns.transport]
-    if system == "dcir-recompute" and ns.activation_budget != "none":
+    if system in RECOMPUTING and ns.activation_budget != "none":
         args += ["--memory-budget", str(memory_budget(probe(ns, out.parent), ns.activation_budget))]
     if system == "fsdp2-compile-budget":
         args += ["--compile-budget", str(ns.compile_budget)]
@@ -436,7 +441,7 @@ def parser() -> argparse.ArgumentParser:
                          "allocated and unmapped when freed (MALLOC_MMAP_THRESHOLD_=65536, which also stops glibc "
                          "raising the threshold), so resident memory follows the live tensors. Default system")
     ap.add_argument("--activation-budget", default="0.6", type=_fraction,
-                    help="dcir-recompute's memory_budget: what a rank holds whatever the schedule and the outbox, "
+                    help="dcir-recompute's and dcir-recompute-fused's memory_budget: what a rank holds whatever the schedule and the outbox, "
                          "plus this fraction of the step's own memory without recompute, as plain dcir accounts "
                          "them on a one-step probe run; 'min': the step with everything rebuildable recomputed; "
                          "'none': no budget (default 0.6)")

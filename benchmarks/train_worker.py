@@ -31,7 +31,8 @@ Every rank also reports its resident high-water mark over the measured steps alo
 (``steps_rss_mib``: ``VmHWM``, reset through ``/proc/self/clear_refs`` before the first
 measured step, so building, capture and compiling are left out) and, for DCIR, what the
 Engine accounts (``accounted``: ``Dcir.accounting``) and each optimization cycle's record.
-``dcir-recompute`` runs the cycle with ``recompute`` under ``--memory-budget`` bytes;
+``dcir-recompute`` runs the cycle with ``recompute`` under ``--memory-budget`` bytes
+(``dcir-recompute-fused`` with ``fuse`` too);
 ``fsdp2-ckpt`` checkpoints every decoder layer, ``fsdp2-compile-budget`` compiles each
 under ``--compile-budget`` (``Fsdp2``). ``--allocated`` (CPU) also reports each rank's
 allocator peak over the first measured step (``allocated``: ``Allocations``), the
@@ -454,7 +455,8 @@ class Floor(_Plain):
 SCHEDULES = {"dcir-prefetch": ("prefetch",), "dcir-unshard": ("unshard",),
              "dcir-optimized": ("prefetch", "unshard", "bucket"),
              "dcir-fused": ("prefetch", "unshard", "bucket", "fuse"),
-             "dcir-recompute": ("recompute", "prefetch", "unshard", "bucket")}
+             "dcir-recompute": ("recompute", "prefetch", "unshard", "bucket"),
+             "dcir-recompute-fused": ("recompute", "prefetch", "unshard", "bucket", "fuse")}
 #: DCIR's other ZeRO stages and offload, each with dcir-optimized's passes: config
 #: merged into the Engine's (dcir-offload's budget is filled in by ``Dcir``)
 ENGINE_FEATURES = {"dcir-zero1": {"zero_stage": 1}, "dcir-zero2": {"zero_stage": 2},
@@ -468,11 +470,9 @@ def make(system: str, ns):
         return Dcir(ns, inductor=False)
     if system == "dcir-inductor":  # dcir-optimized's planned schedule: the two rows differ only in the lowering
         return Dcir(ns, inductor=True, passes=SCHEDULES["dcir-optimized"])
-    if system == "dcir-recompute":  # the cycle plans recompute within --memory-budget (none: 0)
+    if system in SCHEDULES:  # the cycle plans within --memory-budget (none: 0)
         extra = {"memory_budget": ns.memory_budget} if ns.memory_budget else {}
         return Dcir(ns, inductor=False, passes=SCHEDULES[system], extra=extra)
-    if system in SCHEDULES:
-        return Dcir(ns, inductor=False, passes=SCHEDULES[system])
     if system in ENGINE_FEATURES:
         return Dcir(ns, inductor=False, passes=SCHEDULES["dcir-optimized"], extra=ENGINE_FEATURES[system],
                     offload_half=system == "dcir-offload")
@@ -520,7 +520,8 @@ def parser() -> argparse.ArgumentParser:
                     help="DCIR's transport for gathers and reduce-scatters (the Engine's config key)")
     ap.add_argument("--trace", default=None, help="trace one more step after the measured ones into DIR/rank<N>.json")
     ap.add_argument("--memory-budget", type=int, default=0,
-                    help="dcir-recompute: the Engine's memory_budget in bytes per rank (0: none)")
+                    help="the Engine's memory_budget in bytes per rank, for the systems the cycle plans "
+                         "(dcir-recompute and dcir-recompute-fused are given one by bench_train.py; 0: none)")
     ap.add_argument("--allocated", action="store_true",
                     help="measure the first measured step's allocator peak (CPU: under torch's memory profiler, "
                          "on from before the model is built; that run's step times are not representative)")

@@ -11,6 +11,7 @@ backward's replay must draw the forward's masks (``rng.get`` / ``rng.set``,
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 
@@ -20,10 +21,12 @@ import torch
 import dcir
 from activations_worker import CASES
 from dcir.activations import OFFLOAD, RECOMPUTE, recomputed
+from dcir.fusion import FUSE
 from dcir.memory import saved_storage
 from dcir.passes.recompute import Recompute, footprint
 from dcir_runtime import native
 from dcir_runtime.launch import launch
+from dcir_lowering.program import state_of
 from dcir_runtime.plan import over_budget_advice
 from models import Checkpointed, checkpointed_llama, tiny_llama
 from zoo import LR, criterion, micro_batches, worst_relative
@@ -113,6 +116,31 @@ def test_recompute_is_marked_in_the_backward_and_saves_less():
     saved = lambda m: sum(b for _, b in {k: v for k, v in saved_storage(m).values()}.items())  # noqa: E731
     assert saved(checkpointed) < saved(plain) / 3, (saved(checkpointed), saved(plain))
 
+
+
+@pytest.mark.slow  # 34 s (Inductor); the default tier fuses a Llama in tests/test_fusion.py
+def test_recomputed_ops_run_in_the_stretches_fuse_compiles():
+    """``recompute`` and ``fuse`` compose: with every activation the pass can rebuild
+    rebuilt, ``fuse`` compiles stretches of the backward that hold rebuilt ops, and a
+    step matches eager (float sums reassociated by Inductor: its bound). The budgeted
+    benchmark plans take both (docs/benchmarks.md)."""
+    torch.manual_seed(0)
+    ref = tiny_llama()
+    mine = copy.deepcopy(ref)
+    ids = torch.randint(0, 128, (2, 16))
+    module = dcir.compile_to_ir(copy.deepcopy(ref), (), kwargs={"input_ids": ids, "labels": ids.clone()},
+                                loss_fn=lambda o: o.loss)
+    dcir.run_passes(module, [Recompute(budget=1)])
+    dcir.run_passes(module, "fuse")
+    backward = module.functions["backward"].ops
+    assert any(RECOMPUTE in op.attrs and FUSE in op.attrs for op in backward)
+    program = dcir.lower(module, state_of(mine))
+    loss_ref = ref(input_ids=ids, labels=ids).loss
+    loss_ref.backward()
+    loss_mine = program.train_step(input_ids=ids, labels=ids)
+    assert abs(loss_ref.item() - loss_mine.item()) <= 1e-6 * abs(loss_ref.item())
+    for (name, p), (_, q) in zip(ref.named_parameters(), mine.named_parameters()):
+        assert (p.grad - q.grad).abs().max() <= 1e-5 * p.grad.abs().max() + 1e-7, name
 
 def test_a_budget_buys_the_cheapest_bytes_first():
     """Under a budget, ``recompute`` takes the most bytes freed per second of compute

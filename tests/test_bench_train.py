@@ -224,6 +224,7 @@ def test_the_activation_benchmark_reports_each_points_allocator_peak(tmp_path, c
     outbox = max(a["outbox"] for a in report["probe"]) / 2**20
     assert rows["dcir-ckpt"]["budget_mib"] == pytest.approx(rows["fsdp2-ckpt"]["allocated_mib"] + outbox, abs=0.01)
     assert "at fsdp2-ckpt's allocator peak" in text and "alloc MiB" in text
+    assert "DCIR's points: dcir-fused, dcir-recompute-fused" in text  # compiled stretches, unless --op-by-op
 
 
 def test_the_restart_report_holds_the_first_step_against_a_steady_one_and_the_load():
