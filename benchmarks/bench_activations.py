@@ -269,8 +269,8 @@ def parser() -> argparse.ArgumentParser:
     for name, default in WORKLOAD.items():
         ap.add_argument(f"--{name}", type=int, default=default, help=f"(default {default})")
     ap.add_argument("--budgets", default="0.9,0.8,0.6,ckpt,0.4,min",
-                    help="dcir-recompute(-fused)'s --activation-budget values; ckpt: fsdp2-ckpt's allocator peak, measured "
-                         "first, plus the outbox (default 0.9,0.8,0.6,ckpt,0.4,min)")
+                    help="dcir-recompute(-fused)'s --activation-budget values; ckpt: fsdp2-ckpt's allocator peak, "
+                         "measured first, plus the outbox (default 0.9,0.8,0.6,ckpt,0.4,min)")
     ap.add_argument("--op-by-op", action="store_true",
                     help="DCIR's points without fuse (dcir-optimized, dcir-recompute): every op run eagerly, as "
                          "before 2026-11-29; by default they are dcir-fused and dcir-recompute-fused")

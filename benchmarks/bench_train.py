@@ -441,8 +441,8 @@ def parser() -> argparse.ArgumentParser:
                          "allocated and unmapped when freed (MALLOC_MMAP_THRESHOLD_=65536, which also stops glibc "
                          "raising the threshold), so resident memory follows the live tensors. Default system")
     ap.add_argument("--activation-budget", default="0.6", type=_fraction,
-                    help="dcir-recompute's and dcir-recompute-fused's memory_budget: what a rank holds whatever the schedule and the outbox, "
-                         "plus this fraction of the step's own memory without recompute, as plain dcir accounts "
+                    help="dcir-recompute's and dcir-recompute-fused's memory_budget: what a rank holds whatever "
+                         "the schedule and the outbox, plus this fraction of the step's own memory without recompute, as plain dcir accounts "
                          "them on a one-step probe run; 'min': the step with everything rebuildable recomputed; "
                          "'none': no budget (default 0.6)")
     ap.add_argument("--compile-budget", type=float, default=0.5,

@@ -44,15 +44,16 @@ class Timeline:
     after: list[int]           # bytes live after op i (its releases done)
     #: storage -> (bytes, first op it is live at (-1: from entry), last op it is live at)
     storage: dict[Value, tuple[int, int, int]] = field(default_factory=dict)
+    caller: int = 0            # bytes the caller holds beside the entry alone (``CALLER_LOSS``)
 
     @property
     def peak(self) -> int:
-        return max([self.entry, *self.during])
+        return max([self.entry + self.caller, *self.during])
 
     @property
     def peak_op(self) -> int | None:
         """Position of the op at which the peak is reached (None: at entry)."""
-        if not self.during or self.entry >= max(self.during):
+        if not self.during or self.entry + self.caller >= max(self.during):
             return None
         return max(range(len(self.during)), key=lambda i: (self.during[i], -i))
 
@@ -228,12 +229,29 @@ def resident(module: Module) -> int:
     return sum(module.decls[name].full_type.nbytes for name in resident_buffers(module))
 
 
+#: A module attribute: the bytes a loss computed outside the program holds when the
+#: backward starts, beyond the gradients it hands over (``caller.loss_bytes = 67108864``):
+#: cross-entropy's saved log-softmax and the log-softmax's gradient are live when the
+#: logits' gradient reaches the backward. The runtime measures what the caller hands over
+#: from the first backward on and writes it here (``dcir_runtime.accounting.HandedOut``);
+#: the memory model adds it to the entry of each function that takes saved values.
+CALLER_LOSS = "caller.loss_bytes"
+
+
+def beside_caller(module: Module, running: Module) -> Module:
+    """``module`` (what a plan starts from) told what ``running``'s caller holds beside
+    the backward's entry (``CALLER_LOSS``); returned."""
+    if CALLER_LOSS in running.attrs:
+        module.attrs[CALLER_LOSS] = running.attrs[CALLER_LOSS]
+    return module
+
+
 def timelines(module: Module) -> dict[str, Timeline]:
     """The memory model of every function of ``module``, saved values shared as
     ``@forward`` made them, gathered copies of parameters held throughout."""
     saved, kept = saved_storage(module), kept_by_caller(module)
     held = resident(module)
-    return {name: _holding(timeline(f, saved, kept) if roles.takes_saved(f) else timeline(f), held)
+    return {name: _holding(timeline(f, saved, kept) if roles.takes_saved(f) else timeline(f), held, module)
             for name, f in module.functions.items()}
 
 
@@ -242,15 +260,18 @@ def timeline_of(module: Module, name: str) -> Timeline:
     prices candidates for one function asks this for each)."""
     f = module.functions[name]
     t = timeline(f, saved_storage(module), kept_by_caller(module)) if roles.takes_saved(f) else timeline(f)
-    return _holding(t, resident(module))
+    return _holding(t, resident(module), module)
 
 
-def _holding(t: Timeline, held: int) -> Timeline:
-    """``t`` with ``held`` more bytes live throughout (the gathered copies the schedule keeps)."""
+def _holding(t: Timeline, held: int, module: Module) -> Timeline:
+    """``t`` with ``held`` more bytes live throughout (the gathered copies the schedule keeps),
+    and, for a function that takes saved values, what ``module``'s caller holds beside its
+    entry (``CALLER_LOSS``)."""
     if held:
         t.entry += held
         t.during = [x + held for x in t.during]
         t.after = [x + held for x in t.after]
+    t.caller = int(module.attrs.get(CALLER_LOSS, 0)) if roles.takes_saved(t.func) else 0
     return t
 
 

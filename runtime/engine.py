@@ -38,7 +38,8 @@ import dcir
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir_lowering import backend
 from dcir_runtime import checkpoint, native
-from dcir_runtime.accounting import MemoryStats, StepPeak, fixed_bytes, kept_gradients, measure, scheduled_bytes
+from dcir_runtime.accounting import (MemoryStats, StepPeak, fixed_bytes, kept_gradients, measure, note_caller,
+                                     scheduled_bytes)
 from dcir_runtime.capture import source_name
 from dcir_runtime.config import Config
 from dcir_runtime import materialize, programs, transport
@@ -250,6 +251,7 @@ class Engine:
         if regions is not None:
             regions.after_step(self.execution.steps_run, fixed)
         else:
+            note_caller(self.module, self.execution.handed.loss_bytes)  # the cycle plans with it
             module = self.planner.cycle(self.execution.steps_run, self.module, fixed,
                                         transport.outbox_bytes if self.transport_bytes else None)
             if module is not None:

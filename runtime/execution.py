@@ -219,7 +219,7 @@ class Execution:
                                        "(call backward once per engine(...) call)"))
         program, saved = ctx.installed.program, ctx.saved
         ctx.saved = None
-        self.backward_started(saved)
+        self.backward_started(saved, grads)
         scale = self.precision.loss_scale()
         given = {k: (g * scale if scale != 1 else g) for k, g in enumerate(grads) if g is not None}
         last = self.boundary_next()
@@ -235,12 +235,13 @@ class Execution:
                 self._step_args = tuple(out or ())
             self.add_grads(out_grads)
 
-    def backward_started(self, saved: tuple = ()) -> None:
-        """The last forward's backward runs (its ``saved`` activations): the next call
-        starts no new forward before ``step()``; what of its outputs the caller keeps is
-        beside the whole backward (``HandedOut``)."""
+    def backward_started(self, saved: tuple = (), grads: tuple = ()) -> None:
+        """The last forward's backward runs (its ``saved`` activations, the ``grads`` of its
+        outputs): the next call starts no new forward before ``step()``; what of its
+        outputs the caller keeps is beside the whole backward, and what its loss holds
+        beside the backward's entry (``HandedOut``)."""
         self._pending, self._backward_done = None, True
-        self.handed.backward_starts(saved)
+        self.handed.backward_starts(saved, grads)
 
     def add_grads(self, grads: dict) -> None:
         """A backward's gradient shards (by FQN), unscaled, added to the shards' ``.grad``."""

@@ -32,7 +32,7 @@ from dcir.context import PlanContext
 from dcir.sim import estimate_module
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.activations import RECOMPUTE
-from dcir.memory import format_bytes, peaks as memory_peaks, step_peak
+from dcir.memory import beside_caller, format_bytes, peaks as memory_peaks, step_peak
 from dcir import fusion, search
 from dcir.passes import parse_pipeline
 from dcir.passes.offload_activations import OffloadActivations
@@ -193,7 +193,7 @@ class Planner:
         # the captured schedule carries every profile so far, combined: per op the median
         # of the profiles that ran it (a collective the plan had merged keeps the figures
         # of the runs before), so one noisy profile does not flip the plan
-        base = dcir.parse(self.base_text, self.source)
+        base = beside_caller(dcir.parse(self.base_text, self.source), running)
         self.captured_peak = self.captured_peak or memory_peaks(base)
         record: dict = {"step": steps, "measured_peak": peaks, "captured_peak": self.captured_peak,
                         "predicted_peak_profiled": memory_peaks(running)}

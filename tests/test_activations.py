@@ -247,6 +247,31 @@ def test_the_outputs_a_loss_outside_keeps_are_held_beside_the_backward():
     assert handed.peak == kept.nbytes == 16
 
 
+def test_a_loss_outside_is_counted_beside_the_backwards_entry():
+    """A loss computed outside holds, when the logits' gradient reaches the backward, its
+    log-softmax and that one's gradient: from the first backward on the running program
+    says so (``caller.loss_bytes``: twice the gradients handed over), and the memory
+    model counts it at the entry of the backward alone, in the step's peak too. A loss
+    inside the model hands over the loss's gradient alone."""
+    from dcir.memory import CALLER_LOSS, step_peak, timelines
+    from dcir_runtime.accounting import LOSS_COPIES
+
+    engine, _ = _train_engine({}, steps=1)
+    module, logits = engine.ir(), 4 * 64 * 128 * 4
+    assert module.attrs[CALLER_LOSS] == LOSS_COPIES * logits
+    lines = timelines(module)
+    assert lines["backward"].caller == LOSS_COPIES * logits and lines["forward"].caller == 0
+    assert lines["backward"].peak >= lines["backward"].entry + LOSS_COPIES * logits
+    assert engine.memory().step_peak == step_peak(module)
+    del module.attrs[CALLER_LOSS]
+    assert engine.memory().step_peak == step_peak(module)  # the accounting follows the program's word
+    inside = dcir.initialize(tiny_llama(), optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR))
+    ids = torch.randint(0, 128, (4, 64))
+    inside(input_ids=ids, labels=ids).loss.backward()
+    inside.step()
+    assert inside.ir().attrs[CALLER_LOSS] == LOSS_COPIES * 4
+
+
 def test_a_budget_only_recompute_meets_says_so():
     """Without the cycle, a step over the budget is an error that says what recomputing
     would fit, and how to ask for it."""
