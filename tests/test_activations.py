@@ -29,6 +29,7 @@ from dcir_runtime.launch import launch
 from dcir_lowering.program import state_of
 from dcir_runtime.plan import over_budget_advice
 from models import Checkpointed, checkpointed_llama, tiny_llama
+from test_fusion import assert_step_matches_eager
 from zoo import LR, criterion, micro_batches, worst_relative
 
 WORKER = str(__import__("pathlib").Path(__file__).resolve().parent / "activations_worker.py")
@@ -134,13 +135,7 @@ def test_recomputed_ops_run_in_the_stretches_fuse_compiles():
     dcir.run_passes(module, "fuse")
     backward = module.functions["backward"].ops
     assert any(RECOMPUTE in op.attrs and FUSE in op.attrs for op in backward)
-    program = dcir.lower(module, state_of(mine))
-    loss_ref = ref(input_ids=ids, labels=ids).loss
-    loss_ref.backward()
-    loss_mine = program.train_step(input_ids=ids, labels=ids)
-    assert abs(loss_ref.item() - loss_mine.item()) <= 1e-6 * abs(loss_ref.item())
-    for (name, p), (_, q) in zip(ref.named_parameters(), mine.named_parameters()):
-        assert (p.grad - q.grad).abs().max() <= 1e-5 * p.grad.abs().max() + 1e-7, name
+    assert_step_matches_eager(ref, mine, dcir.lower(module, state_of(mine)), ids)
 
 def test_a_budget_buys_the_cheapest_bytes_first():
     """Under a budget, ``recompute`` takes the most bytes freed per second of compute
