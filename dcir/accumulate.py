@@ -17,8 +17,8 @@ from typing import Callable
 
 from dcir import analysis, roles
 from dcir import ops as registry
+from dcir.buffers import GRAD_ACC_OF
 from dcir.ir import Decl, Function, Module, Op, ShardType, SymbolRef, Type, Value
-from dcir.memory import GRAD_ACC_OF
 from dcir.rewrite import Rewriter
 
 

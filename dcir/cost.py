@@ -20,6 +20,16 @@ Costs per op come from the profile when the op carries one (``prof.time_us``, se
 
 * a host copy (``mem.offload``, ``mem.reload``): its bytes over ``Machine.copy_bw``.
 
+* compute in a compiled stretch (``dcir.fusion``: where the lowering cuts stretches, and
+  which it compiles): its share of the stretch's measured time (``prof.compiled_us``)
+  where the profile has it (``stretch_seconds``). A stretch not yet measured: the matmuls
+  and convolutions take their eager time (Inductor calls the same library kernels), the
+  ops it fuses take ``Machine.fused_share`` of theirs, and the stretch pays
+  ``Machine.compiled_call_s`` once (a call into compiled code, its guards and its result
+  handling). Both figures are a machine's (``dcir/machines/*.toml``, ``[compiler]``;
+  ``docs/simulator.md``). ``fused_seconds`` prices one function's compute ops, each
+  stretch compiled or not.
+
 The simulation of a schedule is ``dcir.sim``'s: a compute lane (the ops in order), a
 collective lane and a copy lane; ``sim.estimate`` is its summary. The estimate says where
 its numbers came from: ``profile``, ``analytic`` or ``profile+analytic``.
@@ -30,9 +40,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from dcir import fusion
 from dcir import mesh as meshes
 from dcir import ops as registry
-from dcir.ir import Module, Op, PendingType, ShardType, TensorType
+from dcir.fusion import FusionMode
+from dcir.ir import Function, Module, Op, PendingType, ShardType, TensorType
 from dcir.machine import Machine, load
 from dcir.memory import device_bytes
 
@@ -255,6 +267,45 @@ def op_seconds(op: Op, machine: Machine) -> tuple[float, bool]:
     if t is not None:
         return t * 1e-6, True
     return analytic_s(op, machine), False
+
+
+def fused_seconds(func: Function, machine: Machine, module: Module | None = None,
+                  mode: FusionMode = FusionMode.AS_LOWERED) -> dict[int, float]:
+    """Per compute op of ``func``, its seconds as the function will run under ``mode``
+    (``dcir.fusion.FusionMode``): a stretch runs compiled when an op of it is marked, or,
+    ``CHOOSING``, when that is faster. Empty when nothing is marked or chosen
+    (``AS_LOWERED``): the ops' own profiled times then hold."""
+    choose = mode is FusionMode.CHOOSING
+    if mode is FusionMode.AS_LOWERED and not fusion.marked(func):
+        return {}
+    out = {i: eager_s(op, machine) for i, op in enumerate(func.ops) if fusion.is_compute(op)}
+    for stretch in fusion.candidates(func, module):
+        if not choose and not any(fusion.FUSE in func.ops[i].attrs for i in stretch):
+            continue
+        compiled = stretch_seconds(func, stretch, machine)
+        if choose and sum(compiled.values()) >= sum(out[i] for i in stretch):
+            continue
+        out.update(compiled)
+    return out
+
+
+def stretch_seconds(func: Function, stretch: list[int], machine: Machine) -> dict[int, float]:
+    """Per op of ``stretch``, its seconds when the stretch runs compiled: its measured
+    share of a compiled run (``prof.compiled_us``), else the model of a compiled stretch
+    (module docstring); the call's fixed cost goes to the first op when no op of the
+    stretch was measured (a measured share holds its part of it)."""
+    out, any_measured = {}, False
+    for i in stretch:
+        op = func.ops[i]
+        t = compiled_us(op) if machine.use_profile else None
+        any_measured |= t is not None
+        if t is not None:
+            out[i] = t * 1e-6
+        else:
+            out[i] = eager_s(op, machine) * (machine.fused_share if fusion.fusible(op) else 1.0)
+    if not any_measured and stretch:
+        out[stretch[0]] += machine.compiled_call_s
+    return out
 
 
 @dataclass

@@ -21,16 +21,8 @@ This module is that choice's model, at the IR's level:
   naming each node's kind as ``_kind`` names each op's. Only stretches with ``MIN_OPS`` ops Inductor could fuse are compiled at all;
 * an op marked ``lower.fused`` runs in a compiled stretch (the ``fuse`` pass marks them; a
   stretch is compiled when its ops are marked);
-* ``seconds`` prices one function's compute ops, each stretch compiled or not: a
-  compiled op at its share of its compiled stretch's measured time
-  (``prof.compiled_us``) where the profile has it, else by the model below; every
-  other op at its eager time.
 
-The model of a compiled stretch not yet measured: the matmuls and convolutions take
-their eager time (Inductor calls the same library kernels), the ops it fuses take
-``Machine.fused_share`` of theirs, and the stretch pays ``Machine.compiled_call_s``
-once (a call into compiled code, its guards and its result handling). Both figures
-are a machine's (``dcir/machines/*.toml``, ``[compiler]``; ``docs/simulator.md``).
+What a compiled stretch costs is the cost model's (``dcir.cost.fused_seconds``).
 """
 
 from __future__ import annotations
@@ -41,9 +33,8 @@ from typing import Callable, Iterable
 from dcir import ops as registry
 from dcir.activations import draws_random
 from dcir.analysis import view_bases
-from dcir.cost import compiled_us, eager_s
+from dcir.buffers import OPTIM_STATE_OF
 from dcir.ir import UNIT, Function, Module, Op
-from dcir.memory import OPTIM_STATE_OF
 from dcir.roles import BACKWARD, BACKWARD_LAST, EVAL, FORWARD
 
 #: the op attribute (a flag) that marks an op of a compiled stretch
@@ -202,7 +193,7 @@ def marked(func: Function) -> bool:
 
 
 class FusionMode(Enum):
-    """How the simulator prices a function's stretches of compute (``seconds``); a
+    """How the simulator prices a function's stretches of compute (``dcir.cost.fused_seconds``); a
     planning context carries one (``dcir.context.PlanContext``)."""
 
     #: as the lowering will run it: compiled where marked; a function with no marks at
@@ -217,42 +208,3 @@ class FusionMode(Enum):
     #: ``fuse`` pass will choose: the passes before it (bucket, prefetch, unshard) then
     #: plan for the compute that will run
     CHOOSING = "choosing"
-
-
-def seconds(func: Function, machine, module: Module | None = None,
-            mode: FusionMode = FusionMode.AS_LOWERED) -> dict[int, float]:
-    """Per compute op of ``func``, its seconds as the function will run (module
-    docstring) under ``mode``: a stretch runs compiled when an op of it is marked, or,
-    ``CHOOSING``, when that is faster. Empty when nothing is marked or chosen
-    (``AS_LOWERED``): the ops' own profiled times then hold."""
-    choose = mode is FusionMode.CHOOSING
-    if mode is FusionMode.AS_LOWERED and not marked(func):
-        return {}
-    out = {i: eager_s(op, machine) for i, op in enumerate(func.ops) if is_compute(op)}
-    for stretch in candidates(func, module):
-        if not choose and not any(FUSE in func.ops[i].attrs for i in stretch):
-            continue
-        compiled = stretch_seconds(func, stretch, machine)
-        if choose and sum(compiled.values()) >= sum(out[i] for i in stretch):
-            continue
-        out.update(compiled)
-    return out
-
-
-def stretch_seconds(func: Function, stretch: list[int], machine) -> dict[int, float]:
-    """Per op of ``stretch``, its seconds when the stretch runs compiled: its measured
-    share of a compiled run (``prof.compiled_us``), else the model
-    (module docstring); the call's fixed cost goes to the first op when no op of the
-    stretch was measured (a measured share holds its part of it)."""
-    out, any_measured = {}, False
-    for i in stretch:
-        op = func.ops[i]
-        t = compiled_us(op) if machine.use_profile else None
-        any_measured |= t is not None
-        if t is not None:
-            out[i] = t * 1e-6
-        else:
-            out[i] = eager_s(op, machine) * (machine.fused_share if fusible(op) else 1.0)
-    if not any_measured and stretch:
-        out[stretch[0]] += machine.compiled_call_s
-    return out

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from dcir import ops as registry
 from dcir import roles, signature
 from dcir.analysis import view_bases
+from dcir.buffers import GRAD_ACC_OF, UNSHARD_OF
 from dcir.ir import Function, HostType, Module, Op, PendingType, Value
 
 
@@ -201,21 +202,6 @@ def handed_bytes(module: Module) -> int:
     handed = {own(v) for v in signature.results(fw, signature.OUTPUT)} - saved
     return sum(device_bytes(v) for v in handed if isinstance(v.owner, Op)
                and not registry.has_trait(v.owner, registry.LOADS_STATE))
-
-
-#: A buffer that holds a gathered copy of a parameter (``unshard`` across micro-steps):
-#: ``buffer @w.unsharded : f32[4, 8] {unshard.of = @w}``. It is the schedule's memory.
-UNSHARD_OF = "unshard.of"
-
-#: A buffer that sums a parameter's full gradient across micro-steps (``zero1``):
-#: ``buffer @w.grad_acc : f32[4, 8] {grad_acc.of = @w}``. It is the schedule's memory too.
-GRAD_ACC_OF = "grad_acc.of"
-
-#: A buffer that holds one of a parameter's optimizer state tensors (``offload``), on the
-#: device (``shard<...>``) or in host memory (``host<shard<...>>``):
-#: ``buffer @w.exp_avg : host<shard<f32[4, 8], 2>> {optim.state_of = @w, optim.key = "exp_avg"}``.
-#: State is the optimizer's, not the schedule's; ``offload`` accounts for it.
-OPTIM_STATE_OF, OPTIM_KEY = "optim.state_of", "optim.key"
 
 
 def resident_buffers(module: Module) -> list[str]:

@@ -27,8 +27,9 @@ from pathlib import Path
 from dcir import ops as registry
 from dcir import signature
 from dcir.activations import OFFLOAD, RECOMPUTE
+from dcir.buffers import GRAD_ACC_OF, UNSHARD_OF
 from dcir.ir import Function, Module, Op, Value
-from dcir.memory import GRAD_ACC_OF, UNSHARD_OF, storage_bases, timelines
+from dcir.memory import storage_bases, timelines
 
 CATEGORIES = ("parameters", "gradients", "optimizer state", "saved activations", "offloaded activations",
               "recomputed", "temporaries")

@@ -35,11 +35,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from dcir import ops as registry, roles
-from dcir.cost import (LAUNCH, Estimate, Machine, calibrate, is_host_copy, is_transfer, op_seconds, outside_s,
-                       pack_s, unpack_s)
-from dcir.fusion import FusionMode, seconds as fused_seconds
+from dcir.buffers import GRAD_ACC_OF, OPTIM_STATE_OF, UNSHARD_OF
+from dcir.cost import (LAUNCH, Estimate, Machine, calibrate, fused_seconds, is_host_copy, is_transfer, op_seconds,
+                       outside_s, pack_s, unpack_s)
+from dcir.fusion import FusionMode
 from dcir.ir import Function, HostType, Module, Op
-from dcir.memory import GRAD_ACC_OF, OPTIM_STATE_OF, UNSHARD_OF, timelines
+from dcir.memory import timelines
 
 COMPUTE, COLLECTIVE, COPY = "compute", "collective", "copy"
 LANES = (COMPUTE, COLLECTIVE, COPY)
@@ -184,7 +185,7 @@ def simulate(func: Function, machine: Machine, stalls: bool = True, module: Modu
     block (the compute lane as it would run were every transfer hidden, the target the
     scheduling moves aim for). A transfer that overlaps compute slows it, and is slowed,
     by ``machine.overlap_share`` (``_Lanes``). Compute in a compiled stretch costs what
-    ``dcir.fusion.seconds`` says under ``fusion`` (``module``, when given, tells its cuts
+    ``dcir.cost.fused_seconds`` says under ``fusion`` (``module``, when given, tells its cuts
     exactly)."""
     run = Run(func)
     fused = fused_seconds(func, machine, module, fusion)

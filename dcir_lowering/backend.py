@@ -47,9 +47,9 @@ import torch.fx as fx
 from dcir import aten, custom_ops, fusion, roles
 from dcir.activations import OFFLOAD
 from dcir.analysis import view_bases
+from dcir.buffers import GRAD_ACC_OF, OPTIM_KEY, OPTIM_STATE_OF
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Function, Module, Op, ShardType, Source
-from dcir.memory import GRAD_ACC_OF, OPTIM_KEY, OPTIM_STATE_OF
 from dcir.ops import GATHERS, OPS, REDUCES, SCATTERS, SCHEMA, WAITS, has_trait
 from dcir.printer import locate
 from dcir.shapes import call_arguments, torch_dtype

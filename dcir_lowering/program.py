@@ -15,8 +15,8 @@ import torch
 import torch.fx as fx
 
 from dcir import signature
+from dcir.buffers import GRAD_ACC_OF, UNSHARD_OF
 from dcir.ir import Function, Module, ShardType
-from dcir.memory import GRAD_ACC_OF, UNSHARD_OF
 from dcir.roles import BACKWARD, BACKWARD_LAST, EVAL, FORWARD, STEP, UNSHARD
 from dcir.shapes import torch_dtype
 

@@ -15,8 +15,9 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from dcir import sim
+from dcir.buffers import GRAD_ACC_OF, UNSHARD_OF
 from dcir.ir import Module
-from dcir.memory import CALLER_LOSS, GRAD_ACC_OF, UNSHARD_OF, step_peak
+from dcir.memory import CALLER_LOSS, step_peak
 from dcir_lowering import copies
 from dcir_runtime.native import runtime_stats
 from dcir_runtime.offload import StateStore

@@ -35,8 +35,8 @@ import weakref
 
 import torch
 
+from dcir.buffers import OPTIM_KEY, OPTIM_STATE_OF
 from dcir.ir import HostType
-from dcir.memory import OPTIM_KEY, OPTIM_STATE_OF
 from dcir_lowering import copies
 from dcir_lowering.copies import Pending
 

@@ -22,9 +22,10 @@ from torch.utils._pytree import tree_flatten
 import dcir
 from dcir import ops as registry
 from dcir import signature
+from dcir.buffers import GRAD_ACC_OF
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import TensorType
-from dcir.memory import GRAD_ACC_OF, handed_bytes
+from dcir.memory import handed_bytes
 from dcir_lowering.program import call_inputs
 from dcir_runtime import transport
 from dcir_runtime.accounting import fixed_bytes, kept_gradients

@@ -53,10 +53,10 @@ from dataclasses import dataclass, replace
 
 from dcir import analysis
 from dcir import ops as registry
+from dcir.buffers import GRAD_ACC_OF
 from dcir.context import PlanContext
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.dtypes import is_float, parse_dtype
-from dcir.memory import GRAD_ACC_OF
 from dcir.ir import DTYPE_BYTES, DType, Function, Module, Op, PendingType, ShardType, TensorType, Type, Value
 from dcir.passes import Pass
 from dcir.passes.free import FreePlacer

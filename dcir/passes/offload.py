@@ -83,11 +83,11 @@ from dataclasses import dataclass
 
 from dcir import analysis, roles, signature
 from dcir import ops as registry
+from dcir.buffers import OPTIM_KEY, OPTIM_STATE_OF
 from dcir.context import PlanContext
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.ir import Decl, Function, HostType, Module, Op, PendingType, SymbolRef, Value
-from dcir.memory import (OPTIM_KEY, OPTIM_STATE_OF, Bytes, device_bytes, format_bytes, kept_by_caller, saved_storage,
-                         timeline)
+from dcir.memory import Bytes, device_bytes, format_bytes, kept_by_caller, saved_storage, timeline
 from dcir.passes import Pass
 from dcir.rewrite import Rewriter
 

@@ -57,10 +57,11 @@ from dataclasses import dataclass
 
 from dcir import analysis, roles, signature
 from dcir import ops as registry
+from dcir.buffers import UNSHARD_OF
 from dcir.context import PlanContext
 from dcir.cost import Machine, note_source, op_seconds
 from dcir.ir import Decl, Function, Module, Op, PendingType, SymbolRef, Value
-from dcir.memory import UNSHARD_OF, Bytes, storage_bases, timelines
+from dcir.memory import Bytes, storage_bases, timelines
 from dcir.passes import Pass
 from dcir.passes.free import place_frees
 from dcir.rewrite import Rewriter
