@@ -21,8 +21,11 @@ This module is that choice's model, at the IR's level:
   naming each node's kind as ``_kind`` names each op's. Only stretches with ``MIN_OPS`` ops Inductor could fuse are compiled at all;
 * an op marked ``lower.fused`` runs in a compiled stretch (the ``fuse`` pass marks them; a
   stretch is compiled when its ops are marked);
+* ``compiled`` names the stretches the lowering compiles: those with a marked op.
 
-What a compiled stretch costs is the cost model's (``dcir.cost.fused_seconds``).
+What a compiled stretch costs is the cost model's (``dcir.cost.fused_seconds``); what
+it holds, the memory model's (``dcir.memory``: a stretch keeps its inputs until it
+returns, and a release the lowering moves to its end comes that late).
 """
 
 from __future__ import annotations
@@ -185,6 +188,13 @@ def candidates(func: Function, module: Module | None = None) -> list[list[int]]:
     if func.role not in ROLES:
         return []
     return [s for s in stretches(func, module) if compilable(func, s)]
+
+
+def compiled(func: Function, module: Module | None = None) -> list[list[int]]:
+    """The stretches of ``func`` the lowering compiles: the candidates with a marked op."""
+    if not marked(func):
+        return []
+    return [s for s in candidates(func, module) if any(FUSE in func.ops[i].attrs for i in s)]
 
 
 def marked(func: Function) -> bool:

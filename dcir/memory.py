@@ -14,6 +14,9 @@ they come from. For one function:
   function's arguments (the caller's, unless the function frees them), except the
   saved values a backward takes: they are handed over (a boxed call), and go after
   their last use;
+* a compiled stretch (``dcir.fusion.compiled``: ops marked ``lower.fused``) runs as one
+  call: storage it reads from before it, and storage a ``mem.free`` within it releases,
+  goes when the call returns, after the stretch's last op;
 * state (``param.get``: parameter shards, buffers) is not the schedule's: it is held
   whatever the order, so it is not counted.
 
@@ -29,7 +32,7 @@ import re
 from dataclasses import dataclass, field
 
 from dcir import ops as registry
-from dcir import roles, signature
+from dcir import fusion, roles, signature
 from dcir.analysis import view_bases
 from dcir.buffers import GRAD_ACC_OF, UNSHARD_OF
 from dcir.ir import Function, HostType, Module, Op, PendingType, Value
@@ -77,17 +80,18 @@ def storage_bases(func: Function) -> dict[Value, Value]:
 
 
 def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None = None,
-             kept: set[Value] = frozenset()) -> Timeline:
+             kept: set[Value] = frozenset(), module: Module | None = None) -> Timeline:
     """The memory model of ``func`` as scheduled. ``arg_storage`` says, for arguments,
     which storage each is part of and its size (arguments with the same storage key
     share it); by default every argument is its own storage of its type's size.
-    ``kept``: saved arguments whose storage the caller holds anyway (``kept_by_caller``)."""
+    ``kept``: saved arguments whose storage the caller holds anyway (``kept_by_caller``).
+    ``module``, when given, tells the optimizer-state store's reads apart in the cuts
+    of the compiled stretches (``dcir.fusion.stretches``)."""
     bases = storage_bases(func)
     args = _arg_storages(func, arg_storage or {}, bases)
     # a view's base, and through an argument that shares an earlier one's storage, that one
     own = lambda v: bases.get(bases.get(v, v), bases.get(v, v))  # noqa: E731
     n = len(func.ops)
-    state: set[Value] = set()      # storage of module state: not the schedule's
     allocated: dict[Value, int] = {}
     last: dict[Value, int] = {}
     freed_at: dict[Value, int] = {}
@@ -107,10 +111,7 @@ def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None
                 freed_at.setdefault(own(v), i)
         if d is not None and d.has(registry.GRADIENT):
             held.update(own(v) for v in op.operands)
-        if d is not None and d.has(registry.LOADS_STATE):
-            state.update(op.results)
-            continue
-        if d is None or not d.has(registry.ALLOCATES):
+        if d is None or d.has(registry.LOADS_STATE) or not d.has(registry.ALLOCATES):  # state: not the schedule's
             continue
         for r in op.results:
             if own(r) is r:
@@ -121,10 +122,13 @@ def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None
     releases: list[list[Value]] = [[] for _ in range(n)]
     size = {**allocated, **args}
     storage = {}
+    returns_at = _compiled_returns(func, module)
     for v in list(allocated) + list(args):
         released = v in freed_at or (v not in held and (v not in args or v in handed))
         end = freed_at.get(v, last.get(v, 0)) if released else n - 1  # an unused handed value: at once
         if released:
+            first, returned = returns_at.get(end, (end, end))  # a compiled stretch's: when it returns
+            end = returned if born.get(v, -1) < first or v in freed_at else end
             releases[end].append(v)
         storage[v] = (size[v], born.get(v, -1), end)
     live = entry = sum(args.values())
@@ -134,6 +138,19 @@ def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None
         live += allocs[i] - sum(size[v] for v in releases[i])
         after.append(live)
     return Timeline(func, entry, during, after, storage)
+
+
+def _compiled_returns(func: Function, module: Module | None) -> dict[int, tuple[int, int]]:
+    """For each position inside a compiled stretch (``dcir.fusion.compiled``) but its
+    last op: (the stretch's first op, its last op). A stretch is one call: what it reads
+    from before it is held until the call returns, and so is what a ``mem.free`` within
+    it releases (the lowering moves the free to its end, and a value made inside for the
+    free is one of the call's results); what it makes and only uses inside, it drops itself."""
+    out = {}
+    for stretch in fusion.compiled(func, module):
+        first, last = min(stretch), max(stretch)
+        out.update({i: (first, last) for i in range(first, last)})
+    return out
 
 
 def _arg_storages(func: Function, arg_storage: dict, bases: dict[Value, Value]) -> dict[Value, int]:
@@ -237,7 +254,8 @@ def timelines(module: Module) -> dict[str, Timeline]:
     ``@forward`` made them, gathered copies of parameters held throughout."""
     saved, kept = saved_storage(module), kept_by_caller(module)
     held = resident(module)
-    return {name: _holding(timeline(f, saved, kept) if roles.takes_saved(f) else timeline(f), held, module)
+    return {name: _holding(timeline(f, saved, kept, module) if roles.takes_saved(f) else timeline(f, module=module),
+                           held, module)
             for name, f in module.functions.items()}
 
 
@@ -245,7 +263,8 @@ def timeline_of(module: Module, name: str) -> Timeline:
     """``timelines(module)[name]``, without modelling the other functions (a pass that
     prices candidates for one function asks this for each)."""
     f = module.functions[name]
-    t = timeline(f, saved_storage(module), kept_by_caller(module)) if roles.takes_saved(f) else timeline(f)
+    t = timeline(f, saved_storage(module), kept_by_caller(module), module) if roles.takes_saved(f) \
+        else timeline(f, module=module)
     return _holding(t, resident(module), module)
 
 

@@ -5,6 +5,7 @@ the passes before ``fuse`` plan with it."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import dcir
 from dcir import fusion
 from dcir.context import PlanContext
 from dcir.cost import COMPILED, Machine
+from dcir.memory import peaks
 from dcir.passes import run_passes
 from dcir.sim import estimate
 from dcir_lowering import backend, stretches
@@ -20,6 +22,7 @@ from dcir_lowering.calls import OP_INDEX
 from dcir_lowering.program import state_of
 from models import tiny_llama
 from test_backend import train_side_by_side
+from test_schedule import COMPILED_STRETCH
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +124,22 @@ def assert_step_matches_eager(ref, mine, program, ids) -> None:
     for (name, p), (_, q) in zip(ref.named_parameters(), mine.named_parameters()):
         assert (p.grad - q.grad).abs().max() <= 1e-5 * p.grad.abs().max() + 1e-7, name
 
+
+def test_under_a_budget_fuse_keeps_eager_a_stretch_that_would_hold_too_much():
+    """Compiled, neg..sum is one call that holds %a and %b until it returns (6 x 16 KiB
+    live, against 4 op by op): faster, so ``fuse`` compiles it, except under a budget
+    that the held buffers would break."""
+    timed = COMPILED_STRETCH.replace(" {lower.fused}", "")
+    timed = re.sub(r"(aten\.(neg|exp|tanh|sum)\.default\(%\w+\))",
+                   r"\1 {prof.compiled_us = 10.0, prof.time_us = 100.0}", timed)
+    kib16 = 64 * 64 * 4
+    free = run_passes(dcir.parse(timed), "fuse")
+    assert fusion.marked(free.functions["forward"]) and peaks(free)["forward"] == 6 * kib16
+    budgeted = run_passes(dcir.parse(timed), f"fuse{{budget={5 * kib16}}}")
+    assert not fusion.marked(budgeted.functions["forward"]) and peaks(budgeted)["forward"] == 4 * kib16
+    # a budget the eager plan already breaks leaves the walk within the peak it started from
+    over = run_passes(dcir.parse(timed), f"fuse{{budget={3 * kib16}}}")
+    assert not fusion.marked(over.functions["forward"])
 
 def test_a_plan_lowered_again_runs_the_stretches_it_compiled(llama_module):
     """The same module lowered twice in one process (a trial's winning plan, installed

@@ -19,6 +19,12 @@ that joins two stretches into one compiled call is seen as paying for that too.
 Only the forward, backward and evaluation functions are compiled (the step's
 optimizer runs eagerly); a stretch needs at least two ops Inductor could fuse.
 
+A compiled stretch is one call: it holds what it reads until it returns, and a release
+inside it comes at its end (``dcir.memory``). With ``budget`` (the planner gives it the
+memory budget, as it gives ``recompute``), a stretch is compiled only where its
+function's peak stays within the budget, or within the peak the walk started from when
+that is higher: a plan fitted to a budget op by op stays within it compiled.
+
 Before -> after (golden ``fuse.dcir``): relu and neg ran compiled in 8 + 2 us against
 40 + 10 op by op, so they stay compiled; add and mul (after a matmul) ran compiled in
 88 us against 84, so they run eagerly and lose their compiled figures::
@@ -42,6 +48,7 @@ from dcir.context import PlanContext
 from dcir.cost import COMPILED, note_source
 from dcir.fusion import FusionMode
 from dcir.ir import Module
+from dcir.memory import Bytes, timeline_of
 from dcir.passes import Pass
 from dcir.rewrite import Rewriter
 from dcir.sim import estimate
@@ -51,6 +58,7 @@ from dcir.sim import estimate
 class Fuse(Pass):
     name = "fuse"
     chooses_fusion = True
+    budget: Bytes | None = None  # the step's peak to stay within, per rank, as the memory model counts it
 
     def run(self, module: Module, stats: Counter, ctx: PlanContext) -> None:
         machine = ctx.machine_for(module)
@@ -63,10 +71,15 @@ class Fuse(Pass):
                 if fusion.FUSE in op.attrs:
                     rewriter.set_attr(op, fusion.FUSE)
             best = _score(func, machine, module, mode)
+            limit = None if self.budget is None else max(self.budget, timeline_of(module, func.name).peak)
             for stretch in fusion.candidates(func, module):
                 mark = rewriter.checkpoint()
                 for i in stretch:
                     rewriter.set_attr(func.ops[i], fusion.FUSE, fusion.UNIT)
+                if limit is not None and timeline_of(module, func.name).peak > limit:
+                    rewriter.rollback(mark)
+                    stats["fuse: stretches kept eager (over the memory budget)"] += 1
+                    continue
                 score = _score(func, machine, module, mode)
                 if score < best:
                     best = score
