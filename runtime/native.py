@@ -4,7 +4,8 @@
 installed torch into ``~/.cache/dcir/native/<torch version>/<variant>`` (or under
 ``$DCIR_CACHE``) and loads it, which registers ``torch.ops.dcir.*``. It rebuilds only
 when the source, the flags or torch change; concurrent processes wait for one build
-(the extension builder's lock).
+(``_exclusive``: a lock the kernel drops when its holder dies, so a build killed
+midway never leaves the next process waiting on torch's own lock file).
 
 Which variant is built, ``cpu`` (gloo) or ``cuda`` (adds NCCL through c10d, CUDA
 streams and events, pinned host memory), is ``$DCIR_NATIVE_BUILD``:
@@ -21,12 +22,14 @@ streams and events, pinned host memory), is ``$DCIR_NATIVE_BUILD``:
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import os
 import re
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -159,20 +162,53 @@ def load(verbose: bool = False, *, variant: str | None = None, werror: bool = Fa
     lib = build / "dcir_native.so"
     before = lib.stat().st_mtime if lib.exists() else None
     begin = time.perf_counter()
-    cpp_extension.load(
-        name="dcir_native",
-        sources=[str(SOURCE)],
-        extra_cflags=flags,
-        with_cuda=chosen == "cuda",
-        build_directory=str(build),
-        is_python_module=False,
-        verbose=verbose,
-    )
+    with _exclusive(build):
+        cpp_extension.load(
+            name="dcir_native",
+            sources=[str(SOURCE)],
+            extra_cflags=flags,
+            with_cuda=chosen == "cuda",
+            build_directory=str(build),
+            is_python_module=False,
+            verbose=verbose,
+        )
     rebuilt = not lib.exists() or before is None or lib.stat().st_mtime != before
     _loaded = BuildInfo(chosen, reason, nccl, build, time.perf_counter() - begin if rebuilt else None)
     if rebuilt:
         print(f"{_loaded} in {_loaded.built_s:.1f} s", file=sys.stderr)
     return _loaded
+
+
+#: seconds a process waits for another's build before it says so
+WAIT_NOTE_S = 30.0
+
+
+@contextmanager
+def _exclusive(build: Path, note_after_s: float = WAIT_NOTE_S):
+    """One process at a time in ``build``'s ``cpp_extension.load``. torch's builder
+    guards a build with a ``lock`` file that a killed build leaves behind, and every
+    later load then waits on it forever, silently. This lock (``flock``) goes with its
+    holder's death, so while it is held, a ``lock`` file is stale: it is removed, and
+    said. A wait longer than ``note_after_s`` is said once too."""
+    with open(build / "build.flock", "w") as f:
+        start, noted = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not noted and time.monotonic() - start > note_after_s:
+                    print(f"dcir native runtime: waiting for another process's build in {build}", file=sys.stderr)
+                    noted = True
+                time.sleep(0.2)
+        stale = build / "lock"
+        if stale.exists():
+            stale.unlink()
+            print(f"dcir native runtime: removed {stale}, left by a build that was killed", file=sys.stderr)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def build_info() -> BuildInfo | None:

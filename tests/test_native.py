@@ -1,8 +1,10 @@
-"""The C++ runtime's build switch (``$DCIR_NATIVE_BUILD``) and its c10d calls."""
+"""The C++ runtime's build switch (``$DCIR_NATIVE_BUILD``), its build lock and its c10d calls."""
 
 from __future__ import annotations
 
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -57,3 +59,27 @@ def test_no_deprecated_c10d_call_outside_the_fallbacks():
             end = source.find("\n}\n", functions.get(enclosing, 0))
             assert allowed is not None and enclosing == allowed and m.start() < end, \
                 f"native/dcir_runtime.cpp calls the deprecated c10d {name} at offset {m.start()}"
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_not_waited_on(tmp_path, capsys):
+    (tmp_path / "lock").write_text("")  # torch's builder's lock: its holder died mid-build
+    with native._exclusive(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    assert f"dcir native runtime: removed {tmp_path / 'lock'}, left by a build that was killed" in capsys.readouterr().err
+
+
+def test_a_process_waiting_for_anothers_build_says_so(tmp_path, capsys):
+    entered = threading.Event()
+
+    def second():
+        with native._exclusive(tmp_path, note_after_s=0.2):
+            entered.set()
+
+    with native._exclusive(tmp_path):  # the build under way
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        time.sleep(1.0)
+        assert not entered.is_set()
+    waiter.join(timeout=10)
+    assert entered.is_set()
+    assert f"dcir native runtime: waiting for another process's build in {tmp_path}" in capsys.readouterr().err
