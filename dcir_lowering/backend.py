@@ -59,7 +59,7 @@ from dcir_lowering.calls import (OP_INDEX, _grad_set, _item, _rng_get, _rng_set,
                                  _dequantize, _dequantize_reduce, _quantize, _quantize_rows, _take_shard, _unbox)
 from dcir_lowering.program import Program, constants, device_of, gathered_copies
 from dcir_lowering.state_store import OPTIMIZER_STATE, OptimizerStateStore
-from dcir_lowering.stretches import compile_compute
+from dcir_lowering.stretches import compile_compute, reshaping
 
 
 def lower_function(module: Module, name: str, group: str | dict | None = None,
@@ -390,13 +390,16 @@ def lower(module: Module, state: dict, *, inductor: bool = False, group: str | d
     graphs = {f.role: lower_function(module, f.name, group, in_state, store_prefix)
               for f in module.functions.values() if f.role is not None}
 
+    compiles = inductor or any(fusion.marked(f) for f in module.functions.values())
+
     def compiled(role: str, gm):
-        if role not in fusion.ROLES:
+        if role not in fusion.ROLES or not compiles:
             return gm
         if inductor:
             return compile_compute(gm)
         func = module.role(role)
         marked = {i for i, op in enumerate(func.ops) if fusion.FUSE in op.attrs}
-        return compile_compute(gm, marked) if marked else gm
+        # a function with nothing compiled may read what another's compiled stretch laid out
+        return compile_compute(gm, marked) if marked else reshaping(gm)
 
     return Program(module, state, graphs, {role: compiled(role, gm) for role, gm in graphs.items()}, device)

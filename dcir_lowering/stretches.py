@@ -62,7 +62,7 @@ def compile_compute(gm: fx.GraphModule, only: set[int] | None = None) -> fx.Grap
     there is nothing to fuse, and the call would cost more than it saves. With ``only``
     (positions of IR ops: those the ``fuse`` pass marked), only a stretch that runs one
     of them is compiled (``dcir.fusion`` cuts the IR as this function cuts the graph)."""
-    arranged = fx.GraphModule(gm, _arrange(gm.graph))
+    arranged = fx.GraphModule(gm, _reshaped(_arrange(gm.graph)))
     runtime: set = set()
     part: dict = {}
     compute_parts: dict[int, int] = {}  # stretch -> its ops Inductor could fuse
@@ -154,8 +154,35 @@ WARM_RUNS = 4
 _COMPILED: dict[tuple, object] = {}
 COMPILED_KEPT = 4096
 
-#: the views a compiled stretch reshapes instead (``_Compiled``)
+#: the views a program that compiles any stretch runs as reshapes (``reshaping``)
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def reshaping(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with its views run as reshapes, on a copy of its graph (``gm`` stays as it
+    is: the profiler runs it). A compiled stretch's results are laid out as Inductor lays
+    them out, then made contiguous (``_Compiled``), where eager's may be permuted (a
+    pointwise result keeps its input's permuted strides). An ``aten.view`` the IR has of
+    such a value, or of a transpose of it, held for eager's layout and can fail for the
+    other, in a stretch run as it is or in another function (the backward reading a
+    saved value a compiled forward made). A reshape is the view where the strides allow
+    one and a copy where not; the captured graphs are functional, so a copy changes no
+    value. Inductor traces with meta strides, which can differ from eager's too (a
+    ``cat`` with an empty operand keeps the other's permuted strides on meta), so a
+    compiled stretch's own views are reshapes for the same reason. ``lower`` runs every
+    function of a program that compiles any stretch so (``compile_compute`` cuts a
+    reshaped copy)."""
+    return fx.GraphModule(gm, _reshaped(gm.graph))
+
+
+def _reshaped(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` whose ``_VIEWS`` are reshapes (``reshaping``)."""
+    out = fx.Graph()
+    out.output(out.graph_copy(graph, {}))
+    for n in out.nodes:
+        if n.target in _VIEWS:
+            n.target = torch.ops.aten.reshape.default
+    return out
 
 
 class _Compiled(torch.nn.Module):
@@ -165,14 +192,9 @@ class _Compiled(torch.nn.Module):
 
     Straight to Inductor, not ``torch.compile``: Dynamo would check its guards on every
     call (about 15 us on this CPU, hundreds of stretches a step) for a graph that has no
-    Python to trace. Inductor may lay a result out differently from eager (a pointwise
-    result keeps its input's permuted strides); a later stretch that ``aten.view``s it,
-    as the IR says, then fails. Every view of a contiguous tensor is valid, and the
-    captured graphs are functional, so a copy changes no value (``contiguous`` copies
-    only what is not). For the same reason the stretch's own ``aten.view``s are
-    reshapes: Inductor traces with meta strides, which can differ from eager's (a
-    ``cat`` with an empty operand keeps the other's permuted strides on meta, a
-    contiguous result in eager), and a view the eager strides allow would fail there.
+    Python to trace. Inductor may lay a result out differently from eager; the results
+    are made contiguous (``contiguous`` copies only what is not), and the program's views
+    are reshapes (``reshaping``), so that no view depends on either layout.
 
     Each call is timed (``times``: the profiler prices the stretch's ops from them). The
     first run of a compiled kernel loads it, which took up to 10 times its later runs
@@ -187,10 +209,6 @@ class _Compiled(torch.nn.Module):
 
     def __init__(self, gm: fx.GraphModule):
         super().__init__()
-        for n in gm.graph.nodes:  # the same values; see the class's docstring
-            if n.target in _VIEWS:
-                n.target = torch.ops.aten.reshape.default
-        gm.recompile()
         self.gm, self.compiled = gm, None
         # the IR ops it runs (its placeholders carry the meta of the ops that made its inputs)
         self.ops = sorted({n.meta[OP_INDEX] for n in gm.graph.nodes if n.op == "call_function" and OP_INDEX in n.meta})

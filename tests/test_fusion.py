@@ -94,6 +94,43 @@ def test_the_lowering_compiles_the_marked_stretches_only(llama_module):
     assert len(compiled) == 1 and set(chosen) <= set(compiled[0]), compiled
 
 
+PERMUTED_SAVED = """
+module @m {
+  param @w : f32[8, 16] {trainable}
+  func @forward(%x: f32[16, 8] {input}) -> (f32[] {output}, f32[8, 16] {saved}) role forward {
+    %w = param.get @w : f32[8, 16]
+    %xt = aten.t.default(%x) : f32[8, 16]
+    %m = aten.mul.Tensor(%xt, %xt) {lower.fused} : f32[8, 16]
+    %h = aten.tanh.default(%m) {lower.fused} : f32[8, 16]
+    %hw = aten.mul.Tensor(%h, %w) {lower.fused} : f32[8, 16]
+    %loss = aten.sum.default(%hw) {lower.fused} : f32[]
+    return %loss, %h
+  }
+  func @backward(%h: f32[8, 16] {saved}, %tangent: f32[] {grad = 0}) role backward {
+    %ht = aten.t.default(%h) : f32[16, 8]
+    %flat = aten.view.default(%ht) {size = [128]} : f32[128]
+    %back = aten.view.default(%flat) {size = [16, 8]} : f32[16, 8]
+    %g = aten.t.default(%back) : f32[8, 16]
+    %gw = aten.mul.Tensor(%g, %tangent) : f32[8, 16]
+    grad.set @w(%gw)
+    return
+  }
+}
+"""
+
+
+def test_a_function_run_eagerly_views_what_a_compiled_one_laid_out():
+    """Eager, %h keeps %xt's permuted strides, so the backward's view of its transpose
+    holds; the compiled forward hands %h over contiguous, where that view would fail.
+    Every function of a program that compiles a stretch runs its views as reshapes."""
+    x, w = torch.randn(16, 8), torch.randn(8, 16)
+    steps = []
+    for text in (PERMUTED_SAVED.replace(" {lower.fused}", ""), PERMUTED_SAVED):
+        program = dcir.lower(dcir.parse(text), {"w": w.clone()})
+        steps.append((program.train_step(x), program.state["w"].grad))
+    assert any(isinstance(m, stretches._Compiled) for m in program.runs["forward"].children())
+    torch.testing.assert_close(steps[1], steps[0], rtol=1e-5, atol=1e-6)
+
 def test_training_with_fused_stretches_matches_eager():
     """The fuse pass on the captured program (analytic costs), lowered: the marked
     stretches run through Inductor (float sums reassociated: the Inductor bound)."""
