@@ -161,17 +161,15 @@ _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 def reshaping(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` with its views run as reshapes, on a copy of its graph (``gm`` stays as it
     is: the profiler runs it). A compiled stretch's results are laid out as Inductor lays
-    them out, then made contiguous (``_Compiled``), where eager's may be permuted (a
-    pointwise result keeps its input's permuted strides). An ``aten.view`` the IR has of
-    such a value, or of a transpose of it, held for eager's layout and can fail for the
-    other, in a stretch run as it is or in another function (the backward reading a
-    saved value a compiled forward made). A reshape is the view where the strides allow
-    one and a copy where not; the captured graphs are functional, so a copy changes no
-    value. Inductor traces with meta strides, which can differ from eager's too (a
-    ``cat`` with an empty operand keeps the other's permuted strides on meta), so a
-    compiled stretch's own views are reshapes for the same reason. ``lower`` runs every
-    function of a program that compiles any stretch so (``compile_compute`` cuts a
-    reshaped copy)."""
+    them out (``_Compiled``), which can differ from eager's: Inductor traces with meta
+    strides (a ``cat`` with an empty operand keeps the other's permuted strides on meta,
+    a contiguous result in eager). An ``aten.view`` the IR has of such a value, or of a
+    transpose of it, held for eager's layout and can fail for the other, inside a
+    compiled stretch, in a stretch run as it is, or in another function (the backward
+    reading a saved value a compiled forward made). A reshape is the view where the
+    strides allow one and a copy where not; the captured graphs are functional, so a
+    copy changes no value. ``lower`` runs every function of a program that compiles any
+    stretch so (``compile_compute`` cuts a reshaped copy)."""
     return fx.GraphModule(gm, _reshaped(gm.graph))
 
 
@@ -188,13 +186,15 @@ def _reshaped(graph: fx.Graph) -> fx.Graph:
 class _Compiled(torch.nn.Module):
     """A stretch compiled by Inductor at its first call (``compile_fx`` with the call's
     tensors as the example: a program's shapes are fixed, and Inductor's code checks
-    each input's size and strides), its tensor results made contiguous.
+    each input's size and strides).
 
     Straight to Inductor, not ``torch.compile``: Dynamo would check its guards on every
     call (about 15 us on this CPU, hundreds of stretches a step) for a graph that has no
-    Python to trace. Inductor may lay a result out differently from eager; the results
-    are made contiguous (``contiguous`` copies only what is not), and the program's views
-    are reshapes (``reshaping``), so that no view depends on either layout.
+    Python to trace. Inductor may lay a result out differently from eager; the program's
+    views are reshapes (``reshaping``), so that none depends on either layout, and the
+    results are handed on as they are. (They were made contiguous once: on the
+    activation benchmark's Llama those copies held 12 MiB beside their originals at the
+    step's peak of 176, memory no model of the program saw.)
 
     Each call is timed (``times``: the profiler prices the stretch's ops from them). The
     first run of a compiled kernel loads it, which took up to 10 times its later runs
@@ -221,10 +221,6 @@ class _Compiled(torch.nn.Module):
                 self.compiled(*args)
         begin = time.perf_counter()
         out = self.compiled(*args)
-        if isinstance(out, torch.Tensor):
-            out = out.contiguous()
-        elif isinstance(out, (tuple, list)):
-            out = type(out)(x.contiguous() if isinstance(x, torch.Tensor) else x for x in out)
         self.times.append(time.perf_counter() - begin)
         return out
 
