@@ -73,10 +73,10 @@ def is_compute(op: Op) -> bool:
 
 def fusible(op: Op) -> bool:
     """Whether Inductor could fuse ``op`` with others: compute that is neither a view
-    (``aten.t``, ``view``: no kernel) nor a library kernel (a matmul)."""
-    if not is_compute(op) or op.name.startswith(LIBRARY_KERNELS):
-        return False
-    return not registry.views(op) or op.name.startswith(registry.STORAGE_SHARING)
+    (``aten.t``, ``view``, ``_unsafe_view``: no kernel; a program that compiles runs the
+    last two as reshapes, ``dcir_lowering.stretches.reshaping``) nor a library kernel (a
+    matmul). The lowering counts a node of its graph alike (``stretches._fusible``)."""
+    return is_compute(op) and not op.name.startswith(LIBRARY_KERNELS) and not registry.views(op)
 
 
 def _store_state(module: Module | None, op: Op) -> bool:

@@ -81,6 +81,26 @@ def test_the_ir_cuts_stretches_where_the_lowering_does(llama_module, pipeline):
             assert fusion.stretches(func, module) == _lowered_stretches(module, func), (pipeline, func.name)
 
 
+@pytest.mark.parametrize("pipeline", ["zero3{world_size=2}", "zero3{world_size=2},prefetch,unshard,bucket",
+                                      "zero1{world_size=2}"])
+def test_the_ir_compiles_the_stretches_the_lowering_does(llama_module, pipeline):
+    """What the IR counts as fusible (``fusion.compilable``) is what the lowering counts
+    (``stretches._fusible``), so the simulator prices as compiled exactly the stretches
+    that run compiled. A Llama's ``mm``, ``_unsafe_view``, ``silu`` between two gathers
+    is one fusible op on both sides: its ``_unsafe_view`` runs as a reshape."""
+    from dcir_runtime import native
+
+    native.load()
+    module = llama_module.clone()
+    run_passes(module, pipeline)
+    for func in module.functions.values():
+        if func.role in fusion.ROLES:
+            split = stretches.compile_compute(backend.lower_function(module, func.name, group="0"))
+            lowered = [[i for i in sub.ops if fusion.is_compute(func.ops[i])]
+                       for sub in split.children() if isinstance(sub, stretches._Compiled)]
+            assert fusion.candidates(func, module) == lowered, (pipeline, func.name)
+
+
 def test_the_lowering_compiles_the_marked_stretches_only(llama_module):
     from dcir_runtime import native
 
