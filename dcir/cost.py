@@ -59,6 +59,8 @@ COMPILED = "prof.compiled_us"
 #: host time of the optimizer step the runtime runs outside the program (torch.optim on the
 #: shards, when the module has no ``@step``), once per optimizer step.
 DEVICE, OPTIMIZER = "prof.device", "prof.optimizer_us"
+#: how the profiled run moved its collectives' bytes (``dcir_runtime.transport``)
+TRANSPORT, SHARED_MEMORY = "prof.transport", "shared_memory"
 
 
 def ring_kind(op: Op) -> str:
@@ -213,8 +215,10 @@ def _profiled_on(module: Module) -> Machine:
     """The default machine for ``module``: on a profile taken on a CPU, one whose transfers
     share the cores with compute as this machine's do (``dcir/machines/cpu-2core.toml``'s
     ``links.overlap_share``, measured by ``benchmarks/calibrate_overlap.py``), and whose
-    compiled stretches cost what its ``[compiler]`` table says."""
-    machine = Machine(world_size=module.world_size)
+    compiled stretches cost what its ``[compiler]`` table says; on a profile taken over the
+    shared-memory transport (``prof.transport``), one whose ranks move the bytes themselves
+    (``Machine.transfers_on_host``)."""
+    machine = Machine(world_size=module.world_size, transfers_on_host=module.attrs.get(TRANSPORT) == SHARED_MEMORY)
     if module.attrs.get(DEVICE) != "cpu":
         return machine
     cpu = load("cpu-2core")

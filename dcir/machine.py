@@ -58,6 +58,10 @@ class Machine:
     #: too (``dcir.sim``): on a CPU whose cores also run the process group's copies (gloo over
     #: loopback), about half; 0 where transfers take no compute core (NCCL on a GPU)
     overlap_share: float = 0.0
+    #: the ranks' own threads move a transfer's bytes: its start copies in (its launch), its
+    #: first wait copies out (the rest of its time), and nothing moves in between (the
+    #: shared-memory transport, ``dcir_runtime.transport``; a profile says so: ``prof.transport``)
+    transfers_on_host: bool = False
     #: a compiled stretch of compute (``dcir.fusion``): the host cost of one call into it,
     #: and the share of their eager time the ops it fuses take (``benchmarks/calibrate_fusion.py``)
     compiled_call_s: float = 2.5e-6

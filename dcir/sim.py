@@ -184,7 +184,9 @@ def simulate(func: Function, machine: Machine, stalls: bool = True, module: Modu
     """Run ``func``'s schedule on ``machine``'s lanes. ``stalls=False``: waits never
     block (the compute lane as it would run were every transfer hidden, the target the
     scheduling moves aim for). A transfer that overlaps compute slows it, and is slowed,
-    by ``machine.overlap_share`` (``_Lanes``). Compute in a compiled stretch costs what
+    by ``machine.overlap_share`` (``_Lanes``); with ``machine.transfers_on_host`` a
+    collective's transfer runs on the compute lane at its first wait instead, exposed
+    wherever it is started. Compute in a compiled stretch costs what
     ``dcir.cost.fused_seconds`` says under ``fusion`` (``module``, when given, tells its cuts
     exactly)."""
     run = Run(func)
@@ -192,6 +194,7 @@ def simulate(func: Function, machine: Machine, stalls: bool = True, module: Modu
     lanes = _Lanes(run, machine.overlap_share)
     pending: dict = {}  # a transfer's result -> its op's position
     epilogue: dict[int, float] = {}  # a transfer's position -> what its first wait adds
+    on_host: dict[int, float] = {}  # a transfer's position -> its seconds, moved at its first wait
     now = 0.0
     for i, op in enumerate(func.ops):
         seconds, from_profile = op_seconds(op, machine)
@@ -206,7 +209,10 @@ def simulate(func: Function, machine: Machine, stalls: bool = True, module: Modu
             run.slices.append(Slice(i, op, COMPUTE, now, end))
             run.compute_s += launch if end == now + launch else end - now  # its own time, slowed by sharing
             now = end
-            lanes.push(i, lane, seconds, now)
+            if machine.transfers_on_host and lane == COLLECTIVE:  # its first wait moves the bytes
+                run.done[i], on_host[i] = now, seconds
+            else:
+                lanes.push(i, lane, seconds, now)
             run.comm_s += seconds
             pending.update((r, i) for r in op.results)
             epilogue[i] = epilogue_s(op, machine, from_profile)
@@ -217,6 +223,10 @@ def simulate(func: Function, machine: Machine, stalls: bool = True, module: Modu
             stalled = max(lanes.wait(now, joins) - now, 0.0)
             now += stalled
             run.exposed_s += stalled
+        for k in sorted(joins & on_host.keys()):  # the copy-out, on the rank's own thread
+            end = lanes.compute(now, on_host.pop(k))
+            run.slices.append(Slice(k, func.ops[k], COLLECTIVE, now, end))
+            stalled, run.exposed_s, now = stalled + end - now, run.exposed_s + end - now, end
         seconds += sum(epilogue.pop(k, 0.0) for k in sorted(joins))  # run once, by the first wait
         end = lanes.compute(now, seconds)
         run.compute_s += seconds if end == now + seconds else end - now

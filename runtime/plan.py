@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 import dcir
 from dcir.context import PlanContext
+from dcir.cost import SHARED_MEMORY
 from dcir.sim import estimate_module
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.activations import RECOMPUTE
@@ -183,7 +184,9 @@ class Planner:
         ``trial``: a plan taken on the cost model's word runs on trial first (``cycle``)."""
         # the ranks agree on every figure, so each one's estimates below, and with them
         # whether to switch, come out the same: every rank must run the same program
-        peaks = self.profile.annotate(dist.group.WORLD, self.group.collective_device())
+        # an outbox is sized exactly when the collectives run through shared memory
+        peaks = self.profile.annotate(dist.group.WORLD, self.group.collective_device(),
+                                      SHARED_MEMORY if outbox is not None else "process_group")
         self.profile, self.profiled = None, running
         profiled = running.clone()  # a snapshot, without a print and two parses
         budget = self.pass_budget(fixed_bytes)

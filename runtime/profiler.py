@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from dcir.cost import COMPILED, DEVICE, LAUNCH, OPTIMIZER, TIME, is_transfer
+from dcir.cost import COMPILED, DEVICE, LAUNCH, OPTIMIZER, TIME, TRANSPORT, is_transfer
 from dcir.ir import Function, Module, Op
 from dcir.memory import resident_buffers
 from dcir.ops import COLLECTIVE, COMPUTE, HOST_COPY, WAITS, has_trait
@@ -214,10 +214,13 @@ class Profile:
         self.runs.setdefault(name, []).append(rec)
         return out
 
-    def annotate(self, group=None, device: torch.device | str = "cpu") -> dict[str, int]:
+    def annotate(self, group=None, device: torch.device | str = "cpu",
+                 transport: str = "process_group") -> dict[str, int]:
         """Write the (rank-agreed, median) measurements into the module's ops as
         attributes; returns the measured peak bytes per function. ``device`` is where the
-        agreement's tensors go for ``group``'s backend (NCCL reduces only GPU tensors)."""
+        agreement's tensors go for ``group``'s backend (NCCL reduces only GPU tensors);
+        ``transport``, how the collectives moved their bytes (``dcir_runtime.transport``:
+        ``"shared_memory"`` or ``"process_group"``), which the cost model prices alike."""
         peaks, own, spread = {}, 0.0, 0.0  # own: this rank's compute time (the noise's, below)
         for name, recs in self.runs.items():
             func = self.module.functions[name]
@@ -248,6 +251,7 @@ class Profile:
             func.attrs[PEAK] = peaks[name]
             func.attrs[RUNS] = len(recs)
         self._annotate_step(group, device, own, spread)
+        self.module.attrs[TRANSPORT] = transport
         return peaks
 
     def _annotate_step(self, group, device, own: float, spread: float) -> None:

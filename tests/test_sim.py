@@ -14,7 +14,7 @@ import pytest
 
 import dcir
 from dcir.cli import main as opt_main
-from dcir.cost import DEVICE, LAUNCH, OPTIMIZER, TIME, Machine, analytic_s, calibrate, outside_s
+from dcir.cost import DEVICE, LAUNCH, OPTIMIZER, TIME, TRANSPORT, Machine, analytic_s, calibrate, outside_s
 from dcir.hardware import HardwareError, dump, fit, load, shipped
 from dcir.memory import timeline
 from dcir.ops import WAITS, has_trait
@@ -72,6 +72,39 @@ def test_an_overlapped_transfer_shares_the_cores_with_compute():
     # a transfer waited for at once overlaps no compute: sharing changes nothing
     alone = dcir.parse(WAITED_AT_ONCE).functions["forward"]
     assert simulate(alone, Machine(overlap_share=0.5)).end == simulate(alone, Machine()).end == pytest.approx(172e-6)
+
+
+def test_over_shared_memory_a_gather_moves_its_bytes_at_its_wait():
+    """Over the shared-memory transport a rank's own thread moves the bytes: the gather's
+    start copies in (its launch), its first wait copies out (the rest of its time), so
+    the relu between them hides none of it. A host copy still runs on its own lane."""
+    func = dcir.parse(GATHER_AND_COPY).functions["forward"]
+    run = simulate(func, Machine(transfers_on_host=True))
+    gather = next(s for s in run.slices if s.lane == COLLECTIVE)
+    wait = next(s for s in run.slices if s.op.name == "comm.wait")
+    # the relu ends at 84 us, the copy's wait at 89; the gather's 100 us run from there
+    assert (gather.start, gather.end) == pytest.approx((89e-6, 189e-6))
+    assert (wait.start, wait.end, wait.stalled) == pytest.approx((89e-6, 190e-6, 100e-6))
+    assert next(s for s in run.slices if s.lane == COPY).end == pytest.approx(88e-6)
+    # 65 us later than in the background (its 35 us stall was all that showed), all exposed
+    assert run.end == pytest.approx(simulate(func, Machine()).end + 65e-6) == pytest.approx(246e-6)
+    assert run.exposed_s == pytest.approx(104e-6) and run.comm_s == pytest.approx(180e-6)
+
+
+def test_the_profile_says_which_transport_moved_the_bytes():
+    """``prof.transport`` (the Engine's profile: shared memory when an outbox is sized)
+    reaches the plans made from the profile and the machine they are priced on."""
+    from dcir_runtime.profiler import Profile, ProfileHistory
+
+    m = dcir.parse(WAITED_AT_ONCE)
+    Profile(m).annotate(transport="shared_memory")
+    plan = dcir.parse(WAITED_AT_ONCE)
+    history = ProfileHistory()
+    history.add(m)
+    history.write(plan)
+    assert calibrate(dcir.parse(dcir.print(plan))).transfers_on_host
+    Profile(m).annotate()
+    assert m.attrs[TRANSPORT] == "process_group" and not calibrate(m).transfers_on_host
 
 
 WAITED_AT_ONCE = """
