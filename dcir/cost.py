@@ -58,7 +58,7 @@ COMPILED = "prof.compiled_us"
 #: The profile's module attributes: the device kind the step ran on ("cpu", "cuda") and the
 #: host time of the optimizer step the runtime runs outside the program (torch.optim on the
 #: shards, when the module has no ``@step``), once per optimizer step.
-DEVICE, OPTIMIZER = "prof.device", "prof.optimizer_us"
+DEVICE, OPTIMIZER, CHECKS = "prof.device", "prof.optimizer_us", "prof.checks_us"
 #: how the profiled run moved its collectives' bytes (``dcir_runtime.transport``)
 TRANSPORT, SHARED_MEMORY = "prof.transport", "shared_memory"
 
@@ -227,13 +227,15 @@ def _profiled_on(module: Module) -> Machine:
 
 
 def outside_s(module: Module, machine: Machine) -> float:
-    """Seconds of one optimizer step that no function of ``module`` runs: the optimizer
-    the runtime runs on the shards (torch.optim) when the module has no ``@step``, as the
-    profile measured it; 0 without one, or on a machine that takes no profile."""
-    t = module.attrs.get(OPTIMIZER)
-    if module.role("step") is not None or not machine.use_profile or not isinstance(t, (int, float)):
+    """Seconds of one optimizer step that no function of ``module`` runs, as the profile
+    measured them: the optimizer the runtime runs on the shards (torch.optim) when the
+    module has no ``@step``, and the runtime's checks of the step (finite numbers,
+    clipping, clearing the gradients: ``prof.checks_us``); 0 on a machine that takes no
+    profile."""
+    if not machine.use_profile:
         return 0.0
-    return t * 1e-6
+    keys = (CHECKS,) if module.role("step") is not None else (OPTIMIZER, CHECKS)
+    return sum(t * 1e-6 for t in map(module.attrs.get, keys) if _number(t))
 
 
 def _number(t) -> bool:

@@ -269,24 +269,27 @@ class Execution:
         self.micro_steps += 1
         if self.micro_steps % self.config.gradient_accumulation_steps:
             return False
+        begin = time.perf_counter()
         if not self.precision.step_or_skip(self.shards, self.group, self.optimizer, self.steps,
                                            self.config.nonfinite):
             return False  # an inf or NaN skipped the step (fp16, nonfinite 'skip'); 'error' raised
         if self.config.gradient_clipping is not None:
             self.clip(self.config.gradient_clipping, 2.0)
+        checked = time.perf_counter()
         if self.program is not None and self.program.step_gm is not None:  # the program's own step: state moves
             with torch.no_grad():
                 fn = self._timed("step", Installed(self.module, self.program, None))
                 out = self.run("step", fn, self.program.state, {}, *self._step_args)
             self._step_args = ()
             self._forward_args = tuple(out or ())  # state still on the device, copied home next forward
-        elif self.profile is not None:  # the optimizer runs outside the program: the profile times it
-            begin = time.perf_counter()
-            self.optimizer.step()
-            self.profile.optimizer_s.append(time.perf_counter() - begin)
         else:
             self.optimizer.step()
+            if self.profile is not None:  # the optimizer runs outside the program: the profile times it
+                self.profile.optimizer_s.append(time.perf_counter() - checked)
+        cleared = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.profile is not None:  # the checks and the clearing run outside any program
+            self.profile.checks_s.append(checked - begin + time.perf_counter() - cleared)
         self.replicas += 1
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()

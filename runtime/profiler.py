@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from dcir.cost import COMPILED, DEVICE, LAUNCH, OPTIMIZER, TIME, TRANSPORT, is_transfer
+from dcir.cost import CHECKS, COMPILED, DEVICE, LAUNCH, OPTIMIZER, TIME, TRANSPORT, is_transfer
 from dcir.ir import Function, Module, Op
 from dcir.memory import resident_buffers
 from dcir.ops import COLLECTIVE, COMPUTE, HOST_COPY, WAITS, has_trait
@@ -196,6 +196,7 @@ class Profile:
         self.module = module
         self.runs: dict[str, list[_Recorder]] = {}
         self.optimizer_s: list[float] = []  # the optimizer steps run outside the program (torch.optim)
+        self.checks_s: list[float] = []  # the step's checks, clipping and clearing of gradients (``Execution.step``)
         self.stretches: dict[str, list[tuple[list[int], float]]] = {}  # Inductor's, timed in earlier steps
 
     def run(self, name: str, gm: fx.GraphModule, *args, sync: bool = True, compiled=None):
@@ -257,8 +258,9 @@ class Profile:
     def _annotate_step(self, group, device, own: float, spread: float) -> None:
         """What the module's attributes say of the profiled step beside its functions: the
         device kind it ran on (``prof.device``), the optimizer step the runtime ran outside
-        the program (``prof.optimizer_us``: median over steps, the ranks' mean), which
-        ``dcir.sim`` adds to a step, and the profile's noise (``prof.noise``): the ranks
+        the program (``prof.optimizer_us``: median over steps, the ranks' mean) and the rest
+        of its step there (``prof.checks_us``: whether the numbers are finite, clipping, the
+        clearing of gradients, alike), which ``dcir.sim`` adds to a step, and the profile's noise (``prof.noise``): the ranks
         ran the same compute, and so did a function's runs (micro-steps); how far apart
         they measured it, as a share (the ranks' sums of compute, the largest less the
         smallest over the largest; a function's runs, the largest less the smallest over
@@ -274,13 +276,18 @@ class Profile:
             most, least, spread = t[0].item(), -t[1].item(), t[2].item()
             spread = max(spread, (most - least) / max(most, 1e-9))
         attrs[NOISE] = round(spread, 4)
-        if not self.optimizer_s:
-            return
-        t = torch.tensor([statistics.median(self.optimizer_s)], dtype=torch.float64, device=device)
-        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-            t /= dist.get_world_size(group)
-        attrs[OPTIMIZER] = round(t.item() * 1e6, 2)
+        for key, samples in ((OPTIMIZER, self.optimizer_s), (CHECKS, self.checks_s)):  # alike on every rank
+            if samples:
+                attrs[key] = round(_ranks_mean(statistics.median(samples), group, device) * 1e6, 2)
+
+
+def _ranks_mean(x: float, group, device) -> float:
+    """The mean over ``group``'s ranks of each one's ``x`` (collective: every rank calls it)."""
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        t /= dist.get_world_size(group)
+    return t.item()
 
 
 def _compiled_shares(time_s: list[float], computes: list[bool], stretches) -> list[float]:
@@ -387,7 +394,7 @@ class ProfileHistory:
             if RUNS in rec:
                 f.attrs[RUNS] = sum(rec[RUNS])
         for key, values in self.step_samples.items():  # a time or the noise: the median; anything else: the latest
-            if key in (OPTIMIZER, NOISE):
+            if key in (OPTIMIZER, CHECKS, NOISE):
                 dst.attrs[key] = round(statistics.median(values), 4 if key == NOISE else 2)
             else:
                 dst.attrs[key] = values[-1]

@@ -14,13 +14,13 @@ import pytest
 
 import dcir
 from dcir.cli import main as opt_main
-from dcir.cost import DEVICE, LAUNCH, OPTIMIZER, TIME, TRANSPORT, Machine, analytic_s, calibrate, outside_s
+from dcir.cost import CHECKS, DEVICE, LAUNCH, OPTIMIZER, TIME, TRANSPORT, Machine, analytic_s, calibrate, outside_s
 from dcir.hardware import HardwareError, dump, fit, load, shipped
 from dcir.memory import timeline
 from dcir.ops import WAITS, has_trait
 from dcir.passes.zero3 import Zero3
 from dcir.schedule import Sweep
-from dcir.passes import parse_pipeline
+from dcir.passes import parse_pipeline, run_passes
 from dcir.sim import (COLLECTIVE, COMPUTE, COPY, estimate, estimate_module, held_bytes, kept_gradients, simulate,
                       simulate_module)
 from dcir.trace import MEASURED_ROWS, PREDICTED_ROWS
@@ -136,6 +136,13 @@ def test_a_step_adds_the_optimizer_the_runtime_runs_outside_the_program():
     with_step = dcir.parse((ROOT / "examples" / "mlp_zero3.dcir").read_text())
     with_step.attrs[OPTIMIZER] = 2500.0
     assert (with_step.role("step") is None) == (outside_s(with_step, Machine()) > 0)
+    # the runtime's checks of the step (finite numbers, clipping, clearing) run outside either way
+    m.attrs[CHECKS] = 400.0
+    assert outside_s(m, Machine()) == pytest.approx(2.9e-3)
+    offloaded = dcir.parse((ROOT / "examples" / "mlp_zero3.dcir").read_text())
+    run_passes(offloaded, "offload{budget=512B}")  # the optimizer runs in its @step
+    offloaded.attrs.update({OPTIMIZER: 2500.0, CHECKS: 400.0})
+    assert offloaded.role("step") is not None and outside_s(offloaded, Machine()) == pytest.approx(0.4e-3)
 
 
 def test_the_profile_records_the_optimizer_step_and_the_device():
@@ -144,13 +151,15 @@ def test_the_profile_records_the_optimizer_step_and_the_device():
     m = dcir.parse(WAITED_AT_ONCE)
     profile = Profile(m)
     profile.optimizer_s += [0.01, 0.03, 0.02]  # what Execution.step times while profiling
+    profile.checks_s += [0.002, 0.001, 0.004]
     profile.annotate()
-    assert m.attrs[OPTIMIZER] == 20000.0 and m.attrs[DEVICE] == "cpu"
+    assert m.attrs[OPTIMIZER] == 20000.0 and m.attrs[CHECKS] == 2000.0 and m.attrs[DEVICE] == "cpu"
     plan = dcir.parse(WAITED_AT_ONCE)  # a plan made from the captured schedule gets them too
     history = ProfileHistory()
     history.add(m)
     history.write(plan)
     assert plan.attrs[OPTIMIZER] == 20000.0 and dcir.parse(dcir.print(plan)).attrs[DEVICE] == "cpu"
+    assert plan.attrs[CHECKS] == 2000.0
 
 
 COMPUTE_ONLY = """
