@@ -300,15 +300,19 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 
 def parse_bytes(text: str | int) -> int:
-    """``"2GiB"``, ``"512 MB"``, ``"1.5gib"`` or a number of bytes -> bytes."""
-    if isinstance(text, int) and not isinstance(text, bool) and text > 0:
-        return text
-    if re.fullmatch(r"\s*\d+\s*", str(text)) and int(text) > 0:
-        return int(text)
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)\s*", str(text), re.IGNORECASE)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{text!r} is not a size; write it like \"2GiB\", \"512MB\" or a number of bytes")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """``"2GiB"``, ``"512 MB"``, ``"1.5gib"`` or a number of bytes -> bytes, at least one."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        n = text
+    elif re.fullmatch(r"\s*\d+\s*", str(text)):
+        n = int(text)
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)\s*", str(text), re.IGNORECASE)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{text!r} is not a size; write it like \"2GiB\", \"512MB\" or a number of bytes")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"{text!r} is no memory at all: a size is at least 1 byte")
+    return n
 
 
 def format_bytes(n: int) -> str:

@@ -133,6 +133,9 @@ def test_sizes_parse():
     assert parse_bytes("2GiB") == 2 * 2**30 and parse_bytes("512MB") == 512 * 10**6 and parse_bytes("4096") == 4096
     with pytest.raises(ValueError, match="is not a size"):
         parse_bytes("lots")
+    for nothing in ("0", "0B", "0.1B", 0, -4):  # "0" read as "not a size" once; "0B" passed as 0 bytes
+        with pytest.raises(ValueError, match=r"is no memory at all: a size is at least 1 byte"):
+            parse_bytes(nothing)
 
 
 @pytest.fixture(scope="module")
