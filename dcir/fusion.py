@@ -18,7 +18,8 @@ This module is that choice's model, at the IR's level:
   op, which runs eagerly so that a recompute replays its draws: ``dcir.activations``)
   and before the first compute that reads a wait's result. The rules and the walk are
   ``crossing`` and ``arrange``, written once: the lowering cuts its graph with them,
-  naming each node's kind as ``_kind`` names each op's. Only stretches with ``MIN_OPS`` ops Inductor could fuse are compiled at all;
+  naming each node's kind as ``_kind`` names each op's. Only stretches with ``MIN_OPS``
+  ops Inductor could fuse (``fusible``, as the lowering counts them) are compiled at all;
 * an op marked ``lower.fused`` runs in a compiled stretch (the ``fuse`` pass marks them; a
   stretch is compiled when its ops are marked);
 * ``compiled`` names the stretches the lowering compiles: those with a marked op.

@@ -260,11 +260,11 @@ class Profile:
         device kind it ran on (``prof.device``), the optimizer step the runtime ran outside
         the program (``prof.optimizer_us``: median over steps, the ranks' mean) and the rest
         of its step there (``prof.checks_us``: whether the numbers are finite, clipping, the
-        clearing of gradients, alike), which ``dcir.sim`` adds to a step, and the profile's noise (``prof.noise``): the ranks
-        ran the same compute, and so did a function's runs (micro-steps); how far apart
-        they measured it, as a share (the ranks' sums of compute, the largest less the
-        smallest over the largest; a function's runs, the largest less the smallest over
-        their median; the larger of the two). A plan predicted faster by less than that is
+        clearing of gradients, alike), which ``dcir.sim`` adds to a step, and the profile's
+        noise (``prof.noise``): the ranks ran the same compute, and so did a function's runs
+        (micro-steps); how far apart they measured it, as a share (the ranks' sums of
+        compute, the largest less the smallest over the largest; a function's runs, the
+        largest less the smallest over their median; the larger of the two). A plan predicted faster by less than that is
         predicted faster by the noise alone (``runtime.plan``)."""
         attrs = self.module.attrs
         for key in [key for key in attrs if key.startswith("prof.")]:
