@@ -55,9 +55,10 @@ TIME, LAUNCH = "prof.time_us", "prof.launch_us"
 #: compiled stretch's time (the stretch's time split over its ops as ``prof.time_us``,
 #: measured op by op, splits their sum). What the simulator takes, where present.
 COMPILED = "prof.compiled_us"
-#: The profile's module attributes: the device kind the step ran on ("cpu", "cuda") and the
+#: The profile's module attributes: the device kind the step ran on ("cpu", "cuda"), the
 #: host time of the optimizer step the runtime runs outside the program (torch.optim on the
-#: shards, when the module has no ``@step``), once per optimizer step.
+#: shards, when the module has no ``@step``) and of the rest of its step there (the checks
+#: of its numbers, clipping, clearing the gradients: ``outside_s``), once per optimizer step.
 DEVICE, OPTIMIZER, CHECKS = "prof.device", "prof.optimizer_us", "prof.checks_us"
 #: how the profiled run moved its collectives' bytes (``dcir_runtime.transport``)
 TRANSPORT, SHARED_MEMORY = "prof.transport", "shared_memory"

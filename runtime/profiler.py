@@ -264,8 +264,9 @@ class Profile:
         noise (``prof.noise``): the ranks ran the same compute, and so did a function's runs
         (micro-steps); how far apart they measured it, as a share (the ranks' sums of
         compute, the largest less the smallest over the largest; a function's runs, the
-        largest less the smallest over their median; the larger of the two). A plan predicted faster by less than that is
-        predicted faster by the noise alone (``runtime.plan``)."""
+        largest less the smallest over their median; the larger of the two). A plan
+        predicted faster by less than that is predicted faster by the noise alone
+        (``runtime.plan``)."""
         attrs = self.module.attrs
         for key in [key for key in attrs if key.startswith("prof.")]:
             del attrs[key]
