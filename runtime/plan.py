@@ -184,9 +184,7 @@ class Planner:
         ``trial``: a plan taken on the cost model's word runs on trial first (``cycle``)."""
         # the ranks agree on every figure, so each one's estimates below, and with them
         # whether to switch, come out the same: every rank must run the same program
-        # an outbox is sized exactly when the collectives run through shared memory
-        peaks = self.profile.annotate(dist.group.WORLD, self.group.collective_device(),
-                                      SHARED_MEMORY if outbox is not None else "process_group")
+        peaks = self.profile.annotate(dist.group.WORLD, self.group.collective_device(), _transport(outbox))
         self.profile, self.profiled = None, running
         profiled = running.clone()  # a snapshot, without a print and two parses
         budget = self.pass_budget(fixed_bytes)
@@ -423,3 +421,9 @@ def without_profiles(module: dcir.Module) -> dcir.Module:
     for key in [key for key in m.attrs if key.startswith("prof.")]:
         del m.attrs[key]
     return m
+
+
+def _transport(outbox) -> str:
+    """How the collectives move their bytes (``prof.transport``): an outbox is sized
+    (``outbox``, what a plan needs) exactly when they run through shared memory."""
+    return SHARED_MEMORY if outbox is not None else "process_group"
