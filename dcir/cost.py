@@ -55,6 +55,10 @@ TIME, LAUNCH = "prof.time_us", "prof.launch_us"
 #: compiled stretch's time (the stretch's time split over its ops as ``prof.time_us``,
 #: measured op by op, splits their sum). What the simulator takes, where present.
 COMPILED = "prof.compiled_us"
+#: A collective's wait for the last rank: per profiled run, each rank's time of it less the
+#: fastest rank's (the fastest arrived last, and waited for the bytes alone), the ranks' mean;
+#: the median over runs. What the mean rank also waits at it, beside the transfer.
+LATE = "prof.late_us"
 #: The profile's module attributes: the device kind the step ran on ("cpu", "cuda"), the
 #: host time of the optimizer step the runtime runs outside the program (torch.optim on the
 #: shards, when the module has no ``@step``) and of the rest of its step there (the checks
@@ -260,6 +264,13 @@ def profiled_us(op: Op, compiled: bool = True) -> float | None:
         return None
     launch = op.attrs.get(LAUNCH) if is_transfer(op) else None
     return max(t - launch, 0.0) if isinstance(launch, (int, float)) and not isinstance(launch, bool) else t
+
+
+def late_s(op: Op, machine: Machine) -> float:
+    """Seconds after its own start that the last rank starts ``op`` (a collective), as the
+    profile measured it (``prof.late_us``); 0 unprofiled."""
+    t = op.attrs.get(LATE) if machine.use_profile else None
+    return t * 1e-6 if _number(t) else 0.0
 
 
 def eager_s(op: Op, machine: Machine) -> float:

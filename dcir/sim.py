@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 from dcir import ops as registry, roles
 from dcir.buffers import GRAD_ACC_OF, OPTIM_STATE_OF, UNSHARD_OF
-from dcir.cost import (LAUNCH, Estimate, Machine, calibrate, fused_seconds, is_host_copy, is_transfer, op_seconds,
-                       outside_s, pack_s, unpack_s)
+from dcir.cost import (LAUNCH, Estimate, Machine, calibrate, fused_seconds, is_host_copy, is_transfer, late_s,
+                       op_seconds, outside_s, pack_s, unpack_s)
 from dcir.fusion import FusionMode
 from dcir.ir import Function, HostType, Module, Op
 from dcir.memory import timelines
@@ -108,28 +108,35 @@ class Run:
 
 class _Lanes:
     """The transfer lanes of one run, on the clock they share with the compute lane.
-    Each lane runs its transfers one at a time, in issue order. While the compute lane
-    works beside a transfer, both run at ``1 - share`` of their speed (``share``:
-    ``Machine.overlap_share``; on a CPU, gloo's threads copy on the cores the compute
-    runs on); while the compute lane stalls, or after it ends, a transfer runs at full
-    speed. With ``share`` 0 every transfer takes its own time, overlapped or not."""
+    Each lane runs its transfers one at a time, in issue order, each from when it is
+    ready (its launch, or later: the last rank's launch, ``cost.late_s``). While the
+    compute lane works beside a running transfer, both run at ``1 - share`` of their speed
+    (``share``: ``Machine.overlap_share``; on a CPU, gloo's threads copy on the cores the
+    compute runs on); while the compute lane stalls, or after it ends, a transfer runs at
+    full speed. With ``share`` 0 every transfer takes its own time, overlapped or not."""
 
     def __init__(self, run: Run, share: float):
         self.run, self.share = run, share
-        self.queue: dict[str, deque] = {COLLECTIVE: deque(), COPY: deque()}  # [op position, seconds, lost]
-        self.began = {COLLECTIVE: 0.0, COPY: 0.0}  # when each lane's first queued transfer began
+        self.queue: dict[str, deque] = {COLLECTIVE: deque(), COPY: deque()}  # [op position, seconds, lost, ready]
+        self.began = {COLLECTIVE: 0.0, COPY: 0.0}  # when each lane's first queued transfer begins
 
-    def busy(self) -> bool:
-        return self.share > 0 and any(self.queue.values())
+    def _running(self, lane: str, now: float) -> bool:
+        return bool(self.queue[lane]) and self.began[lane] <= now
 
-    def push(self, i: int, lane: str, seconds: float, now: float) -> None:
+    def busy(self, now: float) -> bool:
+        return self.share > 0 and any(self._running(lane, now) for lane in self.queue)
+
+    def push(self, i: int, lane: str, seconds: float, now: float, ready: float) -> None:
         if not self.queue[lane]:
-            self.began[lane] = now
-        self.queue[lane].append([i, seconds, 0.0])
+            self.began[lane] = max(now, ready)
+        self.queue[lane].append([i, seconds, 0.0, ready])
 
     def _end(self, lane: str, now: float, rate: float) -> float:
-        """When the lane's first transfer ends, if ``rate`` holds from ``now``."""
-        _, seconds, lost = self.queue[lane][0]
+        """When the lane's first transfer ends, if ``rate`` holds from ``now``; when it
+        begins, if it has not yet (the next event on the lane either way)."""
+        if not self._running(lane, now):
+            return self.began[lane]
+        _, seconds, lost, _ = self.queue[lane][0]
         return _ends(self.began[lane], seconds, lost, now, rate)
 
     def next_end(self, now: float, computing: bool) -> float:
@@ -137,23 +144,25 @@ class _Lanes:
         return min((self._end(lane, now, rate) for lane, q in self.queue.items() if q), default=math.inf)
 
     def advance(self, now: float, until: float, computing: bool) -> None:
-        """Run the lanes from ``now`` to ``until`` (no transfer ends before ``until``)."""
+        """Run the lanes from ``now`` to ``until`` (no transfer begins or ends before ``until``)."""
         rate = 1.0 - self.share if computing else 1.0
         for lane, q in self.queue.items():
-            if q and self._end(lane, now, rate) <= until:
-                i, seconds, lost = q.popleft()
+            if not self._running(lane, now):
+                continue
+            if self._end(lane, now, rate) <= until:
+                i, seconds, lost, _ = q.popleft()
                 end = self.began[lane] + seconds + lost if rate == 1.0 else until
                 self.run.done[i] = end
                 self.run.slices.append(Slice(i, self.run.func.ops[i], lane, self.began[lane], end))
-                self.began[lane] = end
-            elif q:
+                self.began[lane] = max(end, q[0][3]) if q else end
+            else:
                 q[0][2] += (1.0 - rate) * (until - now)
 
     def compute(self, now: float, seconds: float) -> float:
         """Run ``seconds`` of compute from ``now`` on the compute lane; returns when it ends."""
         start, lost = now, 0.0
         while True:
-            rate = 1.0 - self.share if self.busy() else 1.0
+            rate = 1.0 - self.share if self.busy(now) else 1.0
             end, lane_end = _ends(start, seconds, lost, now, rate), self.next_end(now, True)
             if end <= lane_end:
                 self.advance(now, end, True)
@@ -209,10 +218,11 @@ def simulate(func: Function, machine: Machine, stalls: bool = True, module: Modu
             run.slices.append(Slice(i, op, COMPUTE, now, end))
             run.compute_s += launch if end == now + launch else end - now  # its own time, slowed by sharing
             now = end
+            ready = now + late_s(op, machine)  # the last rank's launch
             if machine.transfers_on_host and lane == COLLECTIVE:  # its first wait moves the bytes
-                run.done[i], on_host[i] = now, seconds
+                run.done[i], on_host[i] = ready, seconds
             else:
-                lanes.push(i, lane, seconds, now)
+                lanes.push(i, lane, seconds, now, ready)
             run.comm_s += seconds
             pending.update((r, i) for r in op.results)
             epilogue[i] = epilogue_s(op, machine, from_profile)

@@ -16,8 +16,8 @@ For every op of a DCIR function it measures
 
 Ranks agree: per op, the ranks' mean compute time (the largest of each op would add
 up to more than any rank's step), the fastest rank's transfer time (a rank that
-reaches a collective late sees only the transfer; the others also wait for it), and
-the largest bytes. Several runs are reduced to their median. So every rank writes
+reaches a collective late sees only the transfer; what the others waited for it, run by
+run, is ``prof.late_us``), and the largest bytes. Several runs are reduced to their median. So every rank writes
 the same numbers into its IR, and every rank's estimates decide alike (the Engine
 passes its process group to ``annotate``).
 """
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from dcir.cost import CHECKS, COMPILED, DEVICE, LAUNCH, OPTIMIZER, TIME, TRANSPORT, is_transfer
+from dcir.cost import CHECKS, COMPILED, DEVICE, LATE, LAUNCH, OPTIMIZER, TIME, TRANSPORT, is_transfer
 from dcir.ir import Function, Module, Op
 from dcir.memory import resident_buffers
 from dcir.ops import COLLECTIVE, COMPUTE, HOST_COPY, WAITS, has_trait
@@ -235,6 +235,7 @@ class Profile:
             own += statistics.median(runs)
             spread = max(spread, (max(runs) - min(runs)) / max(statistics.median(runs), 1e-9))
             compiled = _compiled_shares(time_s, computes, self.stretches.get(name, ()))
+            late = _lateness(func, recs, group, device)
             time_s, launch, mem, cuda, compiled = _agree(func, time_s, launch, mem, cuda, compiled, set(transfer),
                                                          group, device)
             for k, op in enumerate(func.ops):
@@ -245,6 +246,8 @@ class Profile:
                     op.attrs[COMPILED] = round(compiled[k] * 1e6, 2)
                 if k in transfer:
                     op.attrs[LAUNCH] = round(launch[k] * 1e6, 2)
+                if k in late:
+                    op.attrs[LATE] = round(late[k] * 1e6, 2)
                 op.attrs[MEM] = int(mem[k])
                 if cuda[k]:
                     op.attrs["prof.cuda_mem"] = int(cuda[k])
@@ -289,6 +292,24 @@ def _ranks_mean(x: float, group, device) -> float:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
         t /= dist.get_world_size(group)
     return t.item()
+
+
+def _lateness(func: Function, recs: list[_Recorder], group, device) -> dict[int, float]:
+    """Per collective of ``func``, what the ranks waited at it, on their mean, for the last
+    to arrive (``prof.late_us``): in each run, each rank's time of it (its start and the
+    wait right after) less the fastest rank's, which arrived last and waited for the bytes
+    alone; the median over runs. Empty on one rank. Collective: every rank calls it, with
+    the same runs of the same function."""
+    ks = [k for k, op in enumerate(func.ops) if has_trait(op, COLLECTIVE)]
+    if not ks or group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return {}
+    own = torch.tensor([[r.time[k] for k in ks] for r in recs], dtype=torch.float64, device=device)
+    fastest = own.clone()
+    dist.all_reduce(fastest, op=dist.ReduceOp.MIN, group=group)
+    late = own - fastest
+    dist.all_reduce(late, op=dist.ReduceOp.SUM, group=group)
+    late = (late / dist.get_world_size(group)).tolist()
+    return {k: statistics.median(run[j] for run in late) for j, k in enumerate(ks)}
 
 
 def _compiled_shares(time_s: list[float], computes: list[bool], stretches) -> list[float]:
@@ -347,7 +368,7 @@ class ProfileHistory:
     it does not depend on the order the profiles came in, so the same profiles give
     the same plan."""
 
-    _MEDIAN = (TIME, LAUNCH, COMPILED)
+    _MEDIAN = (TIME, LAUNCH, COMPILED, LATE)
     _MOST = (MEM, "prof.cuda_mem")
 
     def __init__(self):

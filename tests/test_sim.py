@@ -14,7 +14,8 @@ import pytest
 
 import dcir
 from dcir.cli import main as opt_main
-from dcir.cost import CHECKS, DEVICE, LAUNCH, OPTIMIZER, TIME, TRANSPORT, Machine, analytic_s, calibrate, outside_s
+from dcir.cost import (CHECKS, DEVICE, LATE, LAUNCH, OPTIMIZER, TIME, TRANSPORT, Machine, analytic_s, calibrate,
+                       outside_s)
 from dcir.hardware import HardwareError, dump, fit, load, shipped
 from dcir.memory import timeline
 from dcir.ops import WAITS, has_trait
@@ -105,6 +106,70 @@ def test_the_profile_says_which_transport_moved_the_bytes():
     assert calibrate(dcir.parse(dcir.print(plan))).transfers_on_host
     Profile(m).annotate()
     assert m.attrs[TRANSPORT] == "process_group" and not calibrate(m).transfers_on_host
+
+
+def test_a_collective_waits_for_the_last_rank_to_start_it():
+    """A collective's transfer begins when the last rank starts it, ``prof.late_us`` after
+    the mean rank's start: on the collective lane it waits that long, and the compute
+    beside it runs at full speed meanwhile; over shared memory a wait far enough behind the
+    start finds the last rank's bytes already in (the gather's start at 24 us, the wait at
+    89 us), and only a wait that comes sooner stalls for them."""
+    late = dcir.parse(GATHER_AND_COPY.replace("{prof.time_us = 100.0}", "{prof.time_us = 100.0, prof.late_us = 50.0}"))
+    func, on_time = late.functions["forward"], dcir.parse(GATHER_AND_COPY).functions["forward"]
+    gather = next(s for s in simulate(func, Machine()).slices if s.lane == COLLECTIVE)
+    assert (gather.start, gather.end) == pytest.approx((74e-6, 174e-6))  # launched at 24 us
+    assert simulate(func, Machine()).end == pytest.approx(simulate(on_time, Machine()).end + 50e-6)
+    shm = Machine(transfers_on_host=True)
+    assert simulate(func, shm).end == pytest.approx(simulate(on_time, shm).end)  # in by 74 us, waited at 89
+    func.ops[2].attrs[LATE] = 80.0  # in at 104 us: the wait stalls 15 us more
+    assert simulate(func, shm).end == pytest.approx(simulate(on_time, shm).end + 15e-6)
+    run = simulate(dcir.parse(GATHER_BESIDE_RELU).functions["forward"], Machine(overlap_share=0.5))
+    relu = next(s for s in run.slices if s.op.name == "aten.relu.default")
+    # launched at 16 us, ready at 46: the relu's first 30 us at full speed, its last 30 at half,
+    # beside the transfer's first 30; the other 70 at full speed from 106 us while the wait stalls
+    assert (relu.start, relu.end) == pytest.approx((16e-6, 106e-6))
+    assert next(s for s in run.slices if s.lane == COLLECTIVE).end == pytest.approx(176e-6)
+
+
+GATHER_BESIDE_RELU = """
+module @m attributes {world_size = 2} {
+  param @w : shard<f32[64, 64], 2> {trainable}
+  func @forward(%x: f32[64, 64] {input}) -> (f32[] {output}) role forward {
+    %w_shard = param.get @w : shard<f32[64, 64], 2>
+    %p = comm.all_gather(%w_shard) {prof.time_us = 100.0, prof.late_us = 30.0} : pending<f32[64, 64]>
+    %a = aten.relu.default(%x) {prof.time_us = 60.0} : f32[64, 64]
+    %w = comm.wait(%p) {prof.time_us = 1.0} : f32[64, 64]
+    %y = aten.mm.default(%a, %w) {prof.time_us = 50.0} : f32[64, 64]
+    %loss = aten.sum.default(%y) {prof.time_us = 5.0} : f32[]
+    return %loss
+  }
+}
+"""
+
+
+def test_the_profile_takes_the_ranks_lateness_run_by_run(tmp_path, capfd):
+    """Two ranks take turns arriving late at a gather: each rank's median time of it is the
+    same (100 us), so lateness is only seen run by run (100, 100, 0 us on the ranks' mean):
+    ``prof.late_us`` is its median over the runs, 100 us, and ``prof.time_us`` the fastest
+    rank's median. The simulator makes the mean rank wait that long at it; one rank has no
+    lateness."""
+    from dcir_runtime import native
+    from dcir_runtime.launch import launch
+    from dcir_runtime.profiler import Profile
+
+    native.load()
+    out = tmp_path / "profiled.dcir"
+    code = launch([str(Path(__file__).parent / "lateness_worker.py"), str(out)], 2, timeout_s=120, grace_s=5)
+    text = capfd.readouterr()
+    assert code == 0, text.out + text.err
+    m = dcir.parse(out.read_text())
+    gather = m.functions["forward"].ops[1]
+    assert (gather.attrs[LATE], gather.attrs[TIME]) == (100.0, 100.0)
+    on_time = dcir.parse(out.read_text().replace("prof.late_us = 100.0", "prof.late_us = 0.0"))
+    assert estimate_module(m).seconds == pytest.approx(estimate_module(on_time).seconds + 100e-6)
+    alone = dcir.parse(WAITED_AT_ONCE)
+    Profile(alone).annotate()
+    assert not any(LATE in op.attrs for op in alone.functions["forward"].ops)
 
 
 WAITED_AT_ONCE = """
