@@ -55,6 +55,10 @@ TIME, LAUNCH = "prof.time_us", "prof.launch_us"
 #: compiled stretch's time (the stretch's time split over its ops as ``prof.time_us``,
 #: measured op by op, splits their sum). What the simulator takes, where present.
 COMPILED = "prof.compiled_us"
+#: The module's: the share of their profiled eager time the fusible ops of the profile's
+#: compiled stretches took, fitted (``fitted_fused_share``): what the model of a stretch not
+#: yet measured compiled takes in place of the machine's ``fused_share``.
+FUSED = "prof.fused_share"
 #: A collective's wait for the last rank: per profiled run, each rank's time of it less the
 #: fastest rank's (the fastest arrived last, and waited for the bytes alone), the ranks' mean;
 #: the median over runs. What the mean rank also waits at it, beside the transfer.
@@ -220,15 +224,34 @@ def _profiled_on(module: Module) -> Machine:
     """The default machine for ``module``: on a profile taken on a CPU, one whose transfers
     share the cores with compute as this machine's do (``dcir/machines/cpu-2core.toml``'s
     ``links.overlap_share``, measured by ``benchmarks/calibrate_overlap.py``), and whose
-    compiled stretches cost what its ``[compiler]`` table says; on a profile taken over the
-    shared-memory transport (``prof.transport``), one whose ranks move the bytes themselves
-    (``Machine.transfers_on_host``)."""
+    compiled stretches cost what its ``[compiler]`` table says, or, once the profile has
+    measured compiled stretches, what they took (``prof.fused_share``); on a profile taken
+    over the shared-memory transport (``prof.transport``), one whose ranks move the bytes
+    themselves (``Machine.transfers_on_host``)."""
     machine = Machine(world_size=module.world_size, transfers_on_host=module.attrs.get(TRANSPORT) == SHARED_MEMORY)
-    if module.attrs.get(DEVICE) != "cpu":
-        return machine
-    cpu = load("cpu-2core")
-    return replace(machine, overlap_share=cpu.overlap_share, compiled_call_s=cpu.compiled_call_s,
-                   fused_share=cpu.fused_share)
+    if module.attrs.get(DEVICE) == "cpu":
+        cpu = load("cpu-2core")
+        machine = replace(machine, overlap_share=cpu.overlap_share, compiled_call_s=cpu.compiled_call_s,
+                          fused_share=cpu.fused_share)
+    share = module.attrs.get(FUSED)
+    return replace(machine, fused_share=share) if _number(share) else machine
+
+
+def fitted_fused_share(stretches: list[tuple[list[tuple[Op, float]], float]]) -> float | None:
+    """The share of their eager time the fusible ops of compiled stretches take, from
+    stretches that ran compiled, each (its compute ops with their eager seconds, the
+    seconds it took): what they took less their library kernels' eager time (a matmul runs
+    the same kernel compiled, as the model has it), over their fusible ops' eager time;
+    None without a fusible op. On the activation benchmark (docs/benchmarks.md), whose
+    eager ops fault in fresh pages at every allocation (``--malloc release``) while a
+    compiled stretch reuses its buffers, it came to 0.15-0.30, where
+    ``calibrate_fusion.py``'s stretches, timed alone with memory kept for reuse, gave 0.61."""
+    fusible = sum(e for ops, _ in stretches for op, e in ops if fusion.fusible(op))
+    if fusible <= 0:
+        return None
+    library = sum(e for ops, _ in stretches for op, e in ops if not fusion.fusible(op))
+    took = sum(seconds for _, seconds in stretches)
+    return min(max((took - library) / fusible, 0.05), 2.0)
 
 
 def outside_s(module: Module, machine: Machine) -> float:

@@ -37,6 +37,7 @@ import torch
 import dcir
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir_lowering import backend
+from dcir_lowering.stretches import stretch_times
 from dcir_runtime import checkpoint, native
 from dcir_runtime.accounting import (MemoryStats, StepPeak, fixed_bytes, kept_gradients, measure, note_caller,
                                      scheduled_bytes)
@@ -253,7 +254,8 @@ class Engine:
         else:
             note_caller(self.module, self.execution.handed.loss_bytes)  # the cycle plans with it
             module = self.planner.cycle(self.execution.steps_run, self.module, fixed,
-                                        transport.outbox_bytes if self.transport_bytes else None)
+                                        transport.outbox_bytes if self.transport_bytes else None,
+                                        lambda: {name: stretch_times(fn) for name, fn in self.program.runs.items()})
             if module is not None:
                 self._install(module)
                 self.ops.reset_peak()  # the new schedule's gathered peak is measured afresh

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 import dcir
 from dcir.context import PlanContext
-from dcir.cost import SHARED_MEMORY
+from dcir.cost import FUSED, SHARED_MEMORY, fitted_fused_share, profiled_us
 from dcir.sim import estimate_module
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.activations import RECOMPUTE
@@ -139,25 +139,28 @@ class Planner:
         return False
 
     def cycle(self, steps: int, running: dcir.Module, fixed_bytes: Callable[[], int],
-              outbox: Callable[[dcir.Module], int] | None = None) -> dcir.Module | None:
+              outbox: Callable[[dcir.Module], int] | None = None,
+              stretches: Callable[[], dict[str, list]] | None = None) -> dcir.Module | None:
         """After optimizer step ``steps`` of ``running``: a trial's step, or a profile started or
         planned from; the module to switch to (None: keep running). Steps are timed from the
-        end of the turn before (the cycle's own work is no step's)."""
+        end of the turn before (the cycle's own work is no step's). ``stretches()``: the running
+        program's compiled stretches that ran, per function (``stretch_times``)."""
         seconds = time.perf_counter() - self._clock if self._clock is not None else 0.0
         if self.trial is not None and self.profile is not None:  # a step went over the memory budget
             self.trial.record.update(switched=self.trial.side == "plan", reason="over the budget on trial")
             self.trial = None
         if self.trial is not None:
-            module = self._try(seconds, steps)
+            module = self._try(seconds, steps, stretches)
         else:
             module = self.replan(running, steps, fixed_bytes, outbox, trial=True) \
                 if self.after_step(steps, running) else None
         self._clock = time.perf_counter()
         return module
 
-    def _try(self, seconds: float, steps: int) -> dcir.Module | None:
+    def _try(self, seconds: float, steps: int, stretches=None) -> dcir.Module | None:
         """A step of the trial (``runtime.trial``): the replaced program's turn after the plan's,
-        then the verdict (the plan back, if it won). A ``profile_at`` step in it profiles after."""
+        then the verdict (the plan back, if it won). A ``profile_at`` step in it profiles after.
+        What the plan's compiled stretches took prices the next plans' (``_learn_fusion``)."""
         trial = self.trial
         trial.due = trial.due or (steps in self.config.optimize["profile_at"] and steps > self.planned_through)
         skipped = trial.skip
@@ -166,6 +169,8 @@ class Planner:
                 collect_together(self.group)
             return None
         if trial.side == "plan":
+            if stretches is not None:
+                _learn_fusion(self.group, self.history, trial.plan, stretches())
             return trial.next_side()
         self.trial = None
         stays = trial.verdict(self.group)
@@ -289,15 +294,7 @@ class Planner:
                 self._replanned_captured = self._forced = True
                 self.profile, self.warming = self.profile or Profile(running), None
                 return
-        host_apart = self.group.device.type != "cpu"
-        advice = over_budget_advice(held - _rebuildable(running, host_apart), budget, host_apart)
-        raise DcirError(Diagnostic(
-            f"rank {self.group.rank} holds {format_bytes(held)} at its peak, over the memory budget of "
-            f"{format_bytes(budget)}: {format_bytes(fixed)} whatever the schedule (parameter shards, optimizer "
-            f"state, buffers, gradient shards where they outlive a backward, the outputs the caller keeps) and "
-            f"{format_bytes(scheduled)} in the step "
-            f"(saved activations, temporaries, gathered parameters, the backward's gradient shards, replicas, "
-            f"accumulators and the shared-memory outbox); {advice}"))
+        raise DcirError(_over_budget(self.group, fixed, scheduled, budget, running))
 
 
 def _priced(profiled: dcir.Module, module: dcir.Module, running: dcir.Module, context: PlanContext, micro: int):
@@ -421,6 +418,42 @@ def without_profiles(module: dcir.Module) -> dcir.Module:
     for key in [key for key in m.attrs if key.startswith("prof.")]:
         del m.attrs[key]
     return m
+
+
+def _over_budget(group: ProcessGroup, fixed: int, scheduled: int, budget: int, running: dcir.Module) -> Diagnostic:
+    """Why this rank's step (``fixed`` whatever the schedule, ``scheduled`` in it) is over
+    ``budget`` with nothing left to plan, and what would bring ``running`` within it."""
+    held, host_apart = fixed + scheduled, group.device.type != "cpu"
+    advice = over_budget_advice(held - _rebuildable(running, host_apart), budget, host_apart)
+    return Diagnostic(
+        f"rank {group.rank} holds {format_bytes(held)} at its peak, over the memory budget of "
+        f"{format_bytes(budget)}: {format_bytes(fixed)} whatever the schedule (parameter shards, optimizer "
+        f"state, buffers, gradient shards where they outlive a backward, the outputs the caller keeps) and "
+        f"{format_bytes(scheduled)} in the step "
+        f"(saved activations, temporaries, gathered parameters, the backward's gradient shards, replicas, "
+        f"accumulators and the shared-memory outbox); {advice}")
+
+
+def _learn_fusion(group: ProcessGroup, history: ProfileHistory, plan: dcir.Module, stretches: dict) -> None:
+    """What ``plan``'s compiled stretches took on trial prices the stretches of later plans
+    that no profile measured compiled (``prof.fused_share`` in ``history``, the most over the
+    ranks): a plan the trial sends back leaves no profile of them. Collective: every rank calls it."""
+    share = group.most(_fused_share(plan, stretches), "the compiled stretches' share")
+    if share >= 0:
+        history.note(FUSED, share)
+
+
+def _fused_share(plan: dcir.Module, stretches: dict[str, list]) -> float:
+    """The share of their profiled eager time the fusible ops of ``plan``'s compiled
+    ``stretches`` (per function, ``stretch_times``) took (``dcir.cost.fitted_fused_share``);
+    -1 where none was fusible or profiled."""
+    timed = []
+    for name, func in plan.functions.items():
+        for ops, seconds in stretches.get(name, ()):
+            eager = ((func.ops[k], profiled_us(func.ops[k], compiled=False)) for k in ops)
+            timed.append(([(op, t * 1e-6) for op, t in eager if fusion.is_compute(op) and t is not None], seconds))
+    share = fitted_fused_share(timed)
+    return share if share is not None else -1.0
 
 
 def _transport(outbox) -> str:

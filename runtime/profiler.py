@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from dcir.cost import CHECKS, COMPILED, DEVICE, LATE, LAUNCH, OPTIMIZER, TIME, TRANSPORT, is_transfer
+from dcir.cost import (CHECKS, COMPILED, DEVICE, FUSED, LATE, LAUNCH, OPTIMIZER, TIME, TRANSPORT, fitted_fused_share,
+                       is_transfer)
 from dcir.ir import Function, Module, Op
 from dcir.memory import resident_buffers
 from dcir.ops import COLLECTIVE, COMPUTE, HOST_COPY, WAITS, has_trait
@@ -221,8 +222,11 @@ class Profile:
         attributes; returns the measured peak bytes per function. ``device`` is where the
         agreement's tensors go for ``group``'s backend (NCCL reduces only GPU tensors);
         ``transport``, how the collectives moved their bytes (``dcir_runtime.transport``:
-        ``"shared_memory"`` or ``"process_group"``), which the cost model prices alike."""
+        ``"shared_memory"`` or ``"process_group"``: ``dcir.cost.Machine.transfers_on_host``).
+        Where compiled stretches ran, the share of their eager time their fusible ops took
+        (``prof.fused_share``, ``dcir.cost.fitted_fused_share``) goes to the module."""
         peaks, own, spread = {}, 0.0, 0.0  # own: this rank's compute time (the noise's, below)
+        measured = []  # every compiled stretch: ([(compute op, eager seconds)], its seconds)
         for name, recs in self.runs.items():
             func = self.module.functions[name]
             time_s = [statistics.median(r.time[k] for r in recs) for k in range(len(func.ops))]
@@ -238,6 +242,8 @@ class Profile:
             late = _lateness(func, recs, group, device)
             time_s, launch, mem, cuda, compiled = _agree(func, time_s, launch, mem, cuda, compiled, set(transfer),
                                                          group, device)
+            measured += [([(func.ops[k], time_s[k]) for k in ops if compiled[k] >= 0],
+                          sum(max(compiled[k], 0.0) for k in ops)) for ops, _ in self.stretches.get(name, ())]
             for k, op in enumerate(func.ops):
                 for key in [key for key in op.attrs if key.startswith("prof.")]:
                     del op.attrs[key]
@@ -256,6 +262,9 @@ class Profile:
             func.attrs[RUNS] = len(recs)
         self._annotate_step(group, device, own, spread)
         self.module.attrs[TRANSPORT] = transport
+        share = fitted_fused_share(measured)  # the same on every rank: from the agreed figures
+        if share is not None:
+            self.module.attrs[FUSED] = round(share, 3)
         return peaks
 
     def _annotate_step(self, group, device, own: float, spread: float) -> None:
@@ -358,7 +367,9 @@ class ProfileHistory:
     """Every profile of one program so far, combined: per op, the median of each
     profile's time (``prof.time_us``, ``prof.launch_us``) and the most bytes
     (``prof.mem``, ``prof.peak_bytes``), and of the step's own figures the median
-    optimizer time (``prof.optimizer_us``) and noise (``prof.noise``).
+    optimizer time and checks (``prof.optimizer_us``, ``prof.checks_us``), noise
+    (``prof.noise``) and share of compiled stretches (``prof.fused_share``, over the
+    profiles that ran compiled stretches).
 
     A profile taken on a shared machine can be off by tens of percent for some ops,
     and a plan decided from it alone can flip with that noise. With three or more
@@ -395,6 +406,11 @@ class ProfileHistory:
             if key.startswith("prof."):
                 self.step_samples.setdefault(key, []).append(v)
 
+    def note(self, key: str, value: float) -> None:
+        """One more sample of a step's figure measured outside a profile (``prof.fused_share``:
+        what a trial's compiled stretches took, ``runtime.plan``)."""
+        self.step_samples.setdefault(key, []).append(value)
+
     def write(self, dst: Module) -> int:
         """Write the combined figures onto the same ops of ``dst`` (an op is the same
         when it defines the same values, or does the same to the same values: a profile
@@ -416,8 +432,8 @@ class ProfileHistory:
             if RUNS in rec:
                 f.attrs[RUNS] = sum(rec[RUNS])
         for key, values in self.step_samples.items():  # a time or the noise: the median; anything else: the latest
-            if key in (OPTIMIZER, CHECKS, NOISE):
-                dst.attrs[key] = round(statistics.median(values), 4 if key == NOISE else 2)
+            if key in (OPTIMIZER, CHECKS, NOISE, FUSED):
+                dst.attrs[key] = round(statistics.median(values), 2 if key in (OPTIMIZER, CHECKS) else 4)
             else:
                 dst.attrs[key] = values[-1]
         return written

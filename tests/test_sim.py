@@ -273,6 +273,47 @@ def test_a_compiled_stretch_prices_its_ops_by_their_share_of_it():
     assert [op.attrs.get(COMPILED) for op in plan.functions["forward"].ops] == [None, *shares]
 
 
+def test_stretches_not_yet_measured_compiled_cost_what_the_measured_ones_took():
+    """Where a profile's program ran compiled stretches, the share of their eager time its
+    fusible ops took (their stretches' time less the matmuls' eager time, over the fusible
+    ops' eager time; ``prof.fused_share``) prices a stretch no profile has measured compiled,
+    in place of the machine's ``fused_share``; a plan's trial adds its own stretches'
+    (``runtime.plan._fused_share``), and the history keeps the median."""
+    from types import SimpleNamespace
+
+    from dcir.cost import COMPILED, FUSED, stretch_seconds
+    from dcir_runtime.plan import _fused_share
+    from dcir_runtime.profiler import Profile, ProfileHistory
+
+    m = dcir.parse(COMPUTE_ONLY)  # mm, relu, mul, sum
+    profile = Profile(m)
+    eager = [50e-6, 20e-6, 20e-6, 10e-6]
+    profile.runs["forward"] = [SimpleNamespace(time=eager, launch=[0.0] * 4, mem=[0] * 4, cuda_mem=[0] * 4)]
+    profile.stretches["forward"] = [([0, 1, 2, 3], 65e-6)]  # the matmul's 50 us and 0.3 x the rest's 50
+    profile.annotate()
+    assert m.attrs[FUSED] == 0.3 and calibrate(m).fused_share == 0.3
+    assert load("cpu-2core").fused_share == pytest.approx(0.61, abs=0.01)  # what it replaces
+    func = m.functions["forward"]
+    for op in func.ops:
+        del op.attrs[COMPILED]
+    machine = calibrate(m)
+    assert sum(stretch_seconds(func, [1, 2, 3], machine).values()) == pytest.approx(
+        0.3 * 50e-6 + machine.compiled_call_s)
+    trial = {"forward": [([1, 2, 3], 40e-6)]}  # a plan's trial: 0.8 of the eager 50 us
+    assert _fused_share(m, trial) == pytest.approx(0.8) and _fused_share(m, {}) == -1.0
+    history = ProfileHistory()
+    history.add(m)
+    history.note(FUSED, 0.8)
+    plan = dcir.parse(COMPUTE_ONLY)
+    history.write(plan)
+    assert plan.attrs[FUSED] == pytest.approx(0.55)
+    unfused = dcir.parse(COMPUTE_ONLY)
+    profile = Profile(unfused)
+    profile.runs["forward"] = [SimpleNamespace(time=eager, launch=[0.0] * 4, mem=[0] * 4, cuda_mem=[0] * 4)]
+    profile.annotate()
+    assert FUSED not in unfused.attrs and calibrate(unfused).fused_share == load("cpu-2core").fused_share
+
+
 BIG_OUTPUT = """
 module @m {
   func @forward(%x: f32[4096, 4096] {input}) -> (f32[] {output}) role forward {

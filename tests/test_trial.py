@@ -114,6 +114,25 @@ def test_the_ranks_leave_each_sides_first_step_together():
     assert planner.trial is None and len(seen[5]) > 2  # the verdict agreed on the medians and the noise after
 
 
+def test_what_the_plans_compiled_stretches_took_on_trial_prices_the_next_plans():
+    """When the plan's side of a trial ends, what its compiled stretches took (the runner's
+    ``stretch_times``) against their ops' profiled eager time is the share the next plans'
+    stretches that no profile measured compiled are priced at (``prof.fused_share``),
+    agreed across ranks: a plan the trial sends back leaves no profile of them."""
+    from dcir.cost import FUSED
+
+    group = _Meetings()
+    planner = Planner(Config.load({"optimize": {"passes": ["prefetch"]}}), group, "k", "<t>")
+    planner.trial = Trial(dcir.parse(TWO_GATHERS), dcir.parse(LATE), {}, 2)
+    ran = {"forward": [([5, 7], 52e-6)]}  # the mm (50 us eager) and the sum (5 us): 52 us compiled
+    for k, seconds in enumerate([9.0, 1.0, 1.0]):
+        planner._try(seconds, 10 + k, lambda: ran)
+    assert group.calls[-1] == (pytest.approx(0.4), "the compiled stretches' share")
+    later = dcir.parse(TWO_GATHERS)
+    planner.history.write(later)
+    assert later.attrs[FUSED] == pytest.approx(0.4)
+
+
 def test_the_engine_runs_a_trial_and_trains_as_without_one():
     """One process: the cycle after step 2 (the profiled one) plans, the plan runs 1 + 2
     steps, the program it replaced 1 + 2, and the faster stays; the losses are those of an engine that never
