@@ -16,10 +16,10 @@ For every op of a DCIR function it measures
 
 Ranks agree: per op, the ranks' mean compute time (the largest of each op would add
 up to more than any rank's step), the fastest rank's transfer time (a rank that
-reaches a collective late sees only the transfer; what the others waited for it, run by
-run, is ``prof.late_us``), and the largest bytes. Several runs are reduced to their median. So every rank writes
-the same numbers into its IR, and every rank's estimates decide alike (the Engine
-passes its process group to ``annotate``).
+reaches a collective late sees only the transfer; what the others waited for it, run
+by run, is ``prof.late_us``), and the largest bytes. Several runs are reduced to their
+median. So every rank writes the same numbers into its IR, and every rank's estimates
+decide alike (the Engine passes its process group to ``annotate``).
 """
 
 from __future__ import annotations
