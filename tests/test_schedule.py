@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import dcir
+from dcir import fusion
 from dcir.context import PlanContext
 from dcir.cost import Machine, source
 from dcir.sim import estimate, estimate_module, kept_gradients
@@ -83,6 +84,40 @@ def test_a_compiled_stretch_holds_its_inputs_and_its_freed_values_until_it_retur
     assert t.storage[a][2] == t.storage[b][2] == 6 and t.storage[c][2] == 5
     assert t.peak == 6 * kib16 and t.peak_op == 5
     assert timelines(marked)["forward"].peak == t.peak
+
+EAGER_STRETCH_BESIDE_A_COMPILED_ONE = """
+module @m attributes {world_size = 2} {
+  func @forward(%x: f32[64, 64] {input}) -> (f32[] {output}) role forward {
+    %a = aten.relu.default(%x) : f32[64, 64]
+    %p = comm.all_reduce(%x) {op = "sum"} : pending<f32[64, 64]>
+    %b = aten.neg.default(%a) : f32[64, 64]
+    %c = aten.exp.default(%b) : f32[64, 64]
+    %s = comm.wait(%p) : f32[64, 64]
+    %d = aten.add.Tensor(%c, %s) {lower.fused} : f32[64, 64]
+    %e = aten.tanh.default(%d) : f32[64, 64]
+    %loss = aten.sum.default(%e) : f32[]
+    mem.free(%s)
+    return %loss
+  }
+}
+"""
+
+
+def test_beside_a_compiled_stretch_an_eager_one_is_a_call_too():
+    """Once a function compiles a stretch, the lowering cuts all of it: neg..exp runs as it
+    is, but as one call, so %a (made before it) goes when it returns, not after neg."""
+    kib16 = 64 * 64 * 4
+    marked = dcir.parse(EAGER_STRETCH_BESIDE_A_COMPILED_ONE)
+    func = marked.functions["forward"]
+    assert fusion.compiled(func) == [[5, 6, 7]] and fusion.calls(func) == [[0], [2, 3], [5, 6, 7]]
+    a = func.ops[0].results[0]
+    t = timeline(func)
+    assert t.storage[a][2] == 3 and t.peak == 5 * kib16 and t.peak_op == 3  # %x, %a, %p's buffer, %b, %c
+    eager = dcir.parse(EAGER_STRETCH_BESIDE_A_COMPILED_ONE.replace(" {lower.fused}", ""))
+    assert fusion.calls(eager.functions["forward"]) == []
+    by_op = timeline(eager.functions["forward"])
+    assert by_op.storage[eager.functions["forward"].ops[0].results[0]][2] == 2 and by_op.peak == 4 * kib16
+
 
 def test_cost_model_overlaps_the_transfer_with_compute():
     m = dcir.parse(TWO_GATHERS)
