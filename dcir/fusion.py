@@ -198,16 +198,6 @@ def compiled(func: Function, module: Module | None = None) -> list[list[int]]:
     return [s for s in candidates(func, module) if any(FUSE in func.ops[i].attrs for i in s)]
 
 
-def calls(func: Function, module: Module | None = None) -> list[list[int]]:
-    """The stretches the lowering runs as one call each: in a function with an op marked,
-    every stretch, compiled or not (``dcir_lowering.stretches.compile_compute`` cuts the
-    whole graph: a stretch it does not compile runs as it is, as a call of its own); in
-    any other function none."""
-    if func.role not in ROLES or not marked(func):
-        return []
-    return stretches(func, module)
-
-
 def marked(func: Function) -> bool:
     """Whether any op of ``func`` is marked to run compiled."""
     return any(FUSE in op.attrs for op in func.ops)

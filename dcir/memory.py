@@ -14,10 +14,9 @@ they come from. For one function:
   function's arguments (the caller's, unless the function frees them), except the
   saved values a backward takes: they are handed over (a boxed call), and go after
   their last use;
-* in a function with a compiled stretch (ops marked ``lower.fused``), every stretch the
-  lowering cuts runs as one call, compiled or not (``dcir.fusion.calls``): storage it
-  reads from before it, and storage a ``mem.free`` within it releases, goes when the
-  call returns, after the stretch's last op;
+* a compiled stretch (``dcir.fusion.compiled``: ops marked ``lower.fused``) runs as one
+  call: storage it reads from before it, and storage a ``mem.free`` within it releases,
+  goes when the call returns, after the stretch's last op;
 * state (``param.get``: parameter shards, buffers) is not the schedule's: it is held
   whatever the order, so it is not counted.
 
@@ -87,7 +86,7 @@ def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None
     share it); by default every argument is its own storage of its type's size.
     ``kept``: saved arguments whose storage the caller holds anyway (``kept_by_caller``).
     ``module``, when given, tells the optimizer-state store's reads apart in the cuts
-    of the stretches run as calls (``dcir.fusion.calls``)."""
+    of the compiled stretches (``dcir.fusion.stretches``)."""
     bases = storage_bases(func)
     args = _arg_storages(func, arg_storage or {}, bases)
     # a view's base, and through an argument that shares an earlier one's storage, that one
@@ -123,12 +122,12 @@ def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None
     releases: list[list[Value]] = [[] for _ in range(n)]
     size = {**allocated, **args}
     storage = {}
-    returns_at = _call_returns(func, module)
+    returns_at = _compiled_returns(func, module)
     for v in list(allocated) + list(args):
         released = v in freed_at or (v not in held and (v not in args or v in handed))
         end = freed_at.get(v, last.get(v, 0)) if released else n - 1  # an unused handed value: at once
         if released:
-            first, returned = returns_at.get(end, (end, end))  # a stretch's call: when it returns
+            first, returned = returns_at.get(end, (end, end))  # a compiled stretch's: when it returns
             end = returned if born.get(v, -1) < first or v in freed_at else end
             releases[end].append(v)
         storage[v] = (size[v], born.get(v, -1), end)
@@ -141,14 +140,14 @@ def timeline(func: Function, arg_storage: dict[Value, tuple[object, int]] | None
     return Timeline(func, entry, during, after, storage)
 
 
-def _call_returns(func: Function, module: Module | None) -> dict[int, tuple[int, int]]:
-    """For each position inside a stretch run as a call (``dcir.fusion.calls``) but its
+def _compiled_returns(func: Function, module: Module | None) -> dict[int, tuple[int, int]]:
+    """For each position inside a compiled stretch (``dcir.fusion.compiled``) but its
     last op: (the stretch's first op, its last op). A stretch is one call: what it reads
     from before it is held until the call returns, and so is what a ``mem.free`` within
     it releases (the lowering moves the free to its end, and a value made inside for the
     free is one of the call's results); what it makes and only uses inside, it drops itself."""
     out = {}
-    for stretch in fusion.calls(func, module):
+    for stretch in fusion.compiled(func, module):
         first, last = min(stretch), max(stretch)
         out.update({i: (first, last) for i in range(first, last)})
     return out

@@ -5,6 +5,7 @@ by the profiler (``stretch_times``). ``dcir.fusion`` cuts and arranges the IR th
 
 from __future__ import annotations
 
+import operator
 import statistics
 import time
 from collections import deque
@@ -61,7 +62,8 @@ def compile_compute(gm: fx.GraphModule, only: set[int] | None = None) -> fx.Grap
     matmuls aside: Inductor calls the same library kernels for those) runs as it is:
     there is nothing to fuse, and the call would cost more than it saves. With ``only``
     (positions of IR ops: those the ``fuse`` pass marked), only a stretch that runs one
-    of them is compiled (``dcir.fusion`` cuts the IR as this function cuts the graph)."""
+    of them is compiled (``dcir.fusion`` cuts the IR so). The rest runs in place
+    (``_inlined``, ``_frees_in_place``), each node marked with its part (``STRETCH``)."""
     arranged = fx.GraphModule(gm, _reshaped(_arrange(gm.graph)))
     runtime: set = set()
     part: dict = {}
@@ -81,12 +83,62 @@ def compile_compute(gm: fx.GraphModule, only: set[int] | None = None) -> fx.Grap
             compute_parts[current] = compute_parts.get(current, 0) + _fusible(n)
             if only is None or n.meta.get(OP_INDEX) in only:
                 chosen.add(current)
+        n.meta[STRETCH] = current
     split = split_module(arranged, torch.nn.Module(), lambda n: part[n], keep_original_order=True)
     for name, sub in list(split.named_children()):
         k = int(name.rsplit("_", 1)[1])
         if compute_parts.get(k, 0) >= MIN_COMPILED_OPS and k in chosen:
             setattr(split, name, _Compiled(sub))
-    return split
+    return fx.GraphModule(split, _frees_in_place(split, _inlined(split)))
+
+
+#: the node meta naming the part of the cut a node ran in (``compile_compute``): a stretch of compute, or
+#: the runtime's ops between two
+STRETCH = "dcir_stretch"
+
+
+def _inlined(split: fx.GraphModule) -> fx.Graph:
+    """``split``'s graph with every part it does not compile run in place, op by op: what
+    such a stretch reads goes after its last use, as op by op, not when a call returns
+    (the memory model holds only a compiled stretch's inputs to its end, ``dcir.memory``)."""
+    out, env = fx.Graph(), {}
+    compiled = {name for name, sub in split.named_children() if isinstance(sub, _Compiled)}
+    for n in split.graph.nodes:
+        if n.op == "call_module" and n.target not in compiled:
+            sub = getattr(split, n.target)
+            inner = dict(zip([m for m in sub.graph.nodes if m.op == "placeholder"], [env[a] for a in n.args]))
+            for m in sub.graph.nodes:
+                if m.op == "output":
+                    env[n] = fx.node.map_arg(m.args[0], lambda a: inner[a])
+                elif m.op != "placeholder":
+                    inner[m] = out.node_copy(m, lambda a: inner[a])
+        elif n.op == "call_function" and n.target is operator.getitem and isinstance(env.get(n.args[0]), tuple):
+            env[n] = env[n.args[0]][n.args[1]]  # a result of a part run in place
+        else:
+            env[n] = out.node_copy(n, lambda a: env[a])
+    return out
+
+
+def _frees_in_place(split: fx.GraphModule, graph: fx.Graph) -> fx.Graph:
+    """``graph`` with each ``mem.free`` moved back to just after the last op the IR runs
+    before it: ``_arrange`` moved it to its stretch's end, which only a compiled stretch
+    needs (the call holds its memory until it returns anyway); in a part run in place it
+    would hold the memory longer than the IR says. Nothing reads a freed value after the
+    free (the verifier proves it), so only the ops before it in the IR must run first."""
+    for free in reversed([n for n in graph.nodes if _runtime_op(n) == "free"]):  # one op's frees keep their order
+        k, n = free.meta[OP_INDEX], free.prev
+        while n.op != "root" and not any(i < k for i in _ir_ops(split, n)):
+            n = n.prev
+        if n.op != "root" and n.next is not free:
+            n.append(free)
+    return graph
+
+
+def _ir_ops(split: fx.GraphModule, node: fx.Node) -> list[int]:
+    """The positions of the IR ops ``node`` runs: a compiled stretch's, or its own."""
+    if node.op == "call_module":
+        return getattr(split, node.target).ops
+    return [node.meta[OP_INDEX]] if OP_INDEX in node.meta else []
 
 
 #: the fewest ops Inductor could fuse (``_fusible``) a stretch needs to be compiled

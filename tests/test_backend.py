@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import dcir
+from dcir_lowering.calls import OP_INDEX
 from dcir_lowering.program import state_of
 from models import ConvBN, Tied, mlp, squared, tiny_llama
 
@@ -106,14 +107,16 @@ def test_llama_gradients_through_inductor():
 
 def _runtime_calls(gm) -> list[str]:
     """The runtime's ops a lowered (or cut) function calls, in the order it calls them,
-    without the reads of state (which may run earlier: ``compile_compute``)."""
+    without the reads of state (which may run earlier: ``compile_compute``): each with the
+    IR ops of itself and of its operands (a cut runs views as reshapes, named so)."""
     out = []
     for n in gm.graph.nodes:
         if n.op == "call_module" and isinstance(gm.get_submodule(n.target), torch.fx.GraphModule):
             out += _runtime_calls(gm.get_submodule(n.target))
         name = getattr(n.target, "_qualified_op_name", "")
         if n.op == "call_function" and name.startswith("dcir::") and name != "dcir::get_shard":
-            out.append(f"{name}({', '.join(str(a) for a in n.args if isinstance(a, torch.fx.Node))})")
+            operands = ", ".join(f"%{a.meta.get(OP_INDEX)}" for a in n.args if isinstance(a, torch.fx.Node))
+            out.append(f"{name}({operands}) at {n.meta.get(OP_INDEX)}")
     return out
 
 
@@ -136,11 +139,18 @@ def test_inductor_cuts_a_zero3_program_only_at_collectives(monkeypatch):
     def ops(gm):
         return [n.target.__name__.split(".")[0] for n in gm.graph.nodes if n.op == "call_function"]
 
+    def parts(gm):  # the parts of the cut it runs in place, in order (``stretches.STRETCH``)
+        out: dict = {}
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and stretches.STRETCH in n.meta:
+                out.setdefault(n.meta[stretches.STRETCH], []).append(n.target.__name__.split(".")[0])
+        return [out[k] for k in sorted(out)]
+
     for name, cut in expected.items():
         gm = backend.lower_function(module, name, group="0")
         split = stretches.compile_compute(gm)
         assert not any(isinstance(m, stretches._Compiled) for m in split.children())
-        assert [s for s in map(ops, split.children()) if not any(o in _RUNTIME for o in s)] == cut, split.code
+        assert [s for s in parts(split) if not any(o in _RUNTIME for o in s)] == cut, split.code
         assert _runtime_calls(split) == _runtime_calls(gm), name
     monkeypatch.setattr(stretches, "MIN_COMPILED_OPS", 1)
     split = stretches.compile_compute(backend.lower_function(module, "forward", group="0"))

@@ -38,16 +38,15 @@ def llama_module():
 
 
 def _lowered_stretches(module, func) -> list[list[int]]:
-    """The IR ops of each stretch of compute ``compile_compute`` cuts ``func``'s graph into."""
+    """The IR ops of each stretch of compute ``compile_compute`` cuts ``func``'s graph into
+    (a stretch it compiles is a call; one it does not runs in place, its nodes marked)."""
     split = stretches.compile_compute(backend.lower_function(module, func.name, group="0"))
-    out = []
-    for sub in split.children():
-        gm = sub.gm if isinstance(sub, stretches._Compiled) else sub
-        ops = sorted({n.meta[OP_INDEX] for n in gm.graph.nodes if n.op == "call_function"
-                      and OP_INDEX in n.meta and fusion.is_compute(func.ops[n.meta[OP_INDEX]])})
-        if ops:
-            out.append(ops)
-    return out
+    nodes = [*split.graph.nodes, *(n for sub in split.children() for n in sub.gm.graph.nodes)]
+    cut: dict[int, set[int]] = {}
+    for n in nodes:
+        if n.op == "call_function" and OP_INDEX in n.meta and fusion.is_compute(func.ops[n.meta[OP_INDEX]]):
+            cut.setdefault(n.meta[stretches.STRETCH], set()).add(n.meta[OP_INDEX])
+    return [sorted(cut[k]) for k in sorted(cut)]
 
 
 def test_one_walk_cuts_stretches_and_moves_runtime_ops_to_their_edges():
@@ -393,10 +392,10 @@ FUSED_BUDGET = 2259997
 def test_a_fused_plan_holds_its_budget_in_the_allocators_count(tmp_path, capfd):
     """Two gloo ranks run ``recompute`` and ``fuse`` under a budget, and torch's memory
     profiler counts what the third step allocates: within the budget, and within 3% of
-    the memory model's step peak for the program. In a function with a compiled stretch
-    every stretch the lowering cuts runs as one call, the eager ones too: what one reads
-    from before it, and the gathered weight it frees, are held until it returns. A model
-    that held them only for the compiled stretches put this plan at 2.14 MiB; it held 2.46."""
+    the memory model's step peak for the program. A stretch the lowering does not compile
+    runs in place, op by op, as the model has it: when it ran as a call of its own, it
+    held what it read from before it, and the gathered weight it freed, until it
+    returned, and this plan, modelled at 2.14 MiB, held 2.46."""
     native.load()
     out = tmp_path / "fused.json"
     passes = [f"recompute{{budget={FUSED_BUDGET}}}", f"fuse{{budget={FUSED_BUDGET}}}"]
