@@ -67,7 +67,12 @@ each token through 2 of them:
 * ``floor``: one process, ``torch.compile``, the same per-rank batch and no
   communication: the compute floor the sharded systems are measured against;
 * ``eager``: the same without ``torch.compile``: the compute of a step run op by op,
-  which is what ``dcir`` runs between its collectives (for the breakdown).
+  which is what ``dcir`` runs between its collectives (for the breakdown);
+* ``floor-busy``: ``floor`` run by ``--world`` processes at once, each its own copy with
+  its own batch and no communication (a process group only for the barrier before each
+  step): the compute floor with every core and the memory as busy as the sharded
+  systems have them. Not a baseline: beside ``floor`` it shows what running side by
+  side costs, apart from what communicating costs.
 
 The distributed systems run ``--world`` ranks with one thread each (``floor`` one
 process with one thread). Runs are interleaved, round by round (A B C ... A B C ...),
@@ -109,8 +114,8 @@ environment configures it.
 under ``torch.device("meta")`` and ``dcir.initialize`` initializes each rank's shards;
 FSDP2 runs its recipe (``fully_shard``, ``to_empty``, ``initialize_weights()``);
 DeepSpeed ZeRO-3 builds under ``deepspeed.zero.Init``. ``floor``, ``eager`` (one
-process, nothing sharded) and DeepSpeed ZeRO-1/2 build the model with its values as
-with ``--init real`` (train_worker.py). "x floor" is a row's median step over the
+process, nothing sharded), ``floor-busy`` (a whole copy per process) and DeepSpeed
+ZeRO-1/2 build the model with its values as with ``--init real`` (train_worker.py). "x floor" is a row's median step over the
 faster of ``floor`` and ``eager`` (one process, compiled or not); "x fsdp2 speed" is
 the faster FSDP2 row's median step over a row's (``fsdp2`` or ``fsdp2-compile``; above
 1: faster than FSDP2), "x fsdp2 RSS" a row's peak RSS over that row's, all in the same
@@ -143,8 +148,8 @@ HERE = Path(__file__).resolve().parent
 MALLOC = {"system": {},
           "keep": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)},
           "release": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
-SYSTEMS = ["floor", "eager", "dcir", "dcir-prefetch", "dcir-unshard", "dcir-optimized", "dcir-inductor",
-           "dcir-fused", "dcir-zero1", "dcir-zero2", "dcir-offload", "dcir-bf16", "dcir-recompute",
+SYSTEMS = ["floor", "eager", "floor-busy", "dcir", "dcir-prefetch", "dcir-unshard", "dcir-optimized",
+           "dcir-inductor", "dcir-fused", "dcir-zero1", "dcir-zero2", "dcir-offload", "dcir-bf16", "dcir-recompute",
            "dcir-recompute-fused", "fsdp2", "fsdp2-offload",
            "fsdp2-bf16", "fsdp2-ckpt", "fsdp2-compile", "fsdp2-compile-budget", "deepspeed-zero1", "deepspeed-zero2",
            "deepspeed", "deepspeed-offload", "dcir-break", "fsdp2-break"]
@@ -245,7 +250,7 @@ def _run(system: str, ns, out: Path, extra: tuple[str, ...] = (), env: dict | No
     args += ["--allocated"] if getattr(ns, "allocated", False) else []  # bench_activations' memory runs
     if ns.trace and system.startswith("dcir"):
         args += ["--trace", str(out.with_name(out.stem + "-trace"))]
-    world = 1 if system in ("floor", "eager") else ns.world
+    world = world_of(system, ns)
     env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"} | MALLOC[ns.malloc] | (env or {})
     with open(out.with_suffix(".log"), "w") as log:
         code = _launch_quiet(launch, args, world, env, log, ns.timeout)
@@ -253,6 +258,12 @@ def _run(system: str, ns, out: Path, extra: tuple[str, ...] = (), env: dict | No
         print(f"  {system}: failed (exit {code}); its output: {out.with_suffix('.log')}", file=sys.stderr)
         return None
     return json.loads(out.read_text())
+
+
+def world_of(system: str, ns) -> int:
+    """The processes a (worker) system runs: one for the single-process floors, ``--world``
+    for the others, ``floor-busy`` included."""
+    return 1 if system in ("floor", "eager") else ns.world
 
 
 def _launch_quiet(launch, args, world, env, log, timeout) -> int:

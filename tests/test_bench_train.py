@@ -138,7 +138,7 @@ def test_a_tiny_run_writes_the_report_and_the_traces(tmp_path, capfd):
 def test_the_other_systems_run(tmp_path, capfd):
     """The systems the default tier does not run, on the tiny workload: a row each (the
     floor and eager build the model with its values even under --init meta)."""
-    systems = ["floor", "eager", "dcir-optimized", "dcir-zero1", "dcir-offload", "fsdp2-bf16"]
+    systems = ["floor", "eager", "floor-busy", "dcir-optimized", "dcir-zero1", "dcir-offload", "fsdp2-bf16"]
     out = tmp_path / "bench.json"
     code = bench_train.main([*TINY, "--systems", ",".join(systems), "--init", "meta", "--json", str(out),
                              "--chart", str(tmp_path / "bench.png")])
@@ -147,8 +147,17 @@ def test_the_other_systems_run(tmp_path, capfd):
     rows = json.loads(out.read_text())["results"]
     assert list(rows) == systems, text
     assert all(set(r) == COLUMNS and r["measured_steps"] == 1 for r in rows.values())
-    assert {n for n, r in rows.items() if r["init"] == "real"} == {"floor", "eager"}
+    assert {n for n, r in rows.items() if r["init"] == "real"} == {"floor", "eager", "floor-busy"}
+    # floor-busy: a copy of the floor in each of the world's processes, the slowest rank's step
+    busy = json.loads((tmp_path / "bench_train_logs" / "floor-busy-0.json").read_text())
+    assert busy["world"] == 2 and len(busy["peak_rss_mib"]) == 2
     assert {n for n, r in rows.items() if r["predicted_s"] is not None} == {n for n in systems if n.startswith("dcir")}
+
+
+def test_the_busy_floor_runs_a_copy_in_every_process_the_sharded_systems_run():
+    ns = bench_train.parser().parse_args(["--world", "3"])
+    assert [bench_train.world_of(s, ns) for s in ("floor", "eager", "floor-busy", "dcir", "fsdp2")] == [1, 1, 3, 3, 3]
+    assert "floor-busy" in bench_train.SYSTEMS and "floor-busy" not in bench_train.BASELINES["floor"]
 
 
 def test_100m_preset_is_a_134m_parameter_llama_unless_flags_say_otherwise():
