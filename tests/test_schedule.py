@@ -85,6 +85,7 @@ def test_a_compiled_stretch_holds_its_inputs_and_its_freed_values_until_it_retur
     assert t.peak == 6 * kib16 and t.peak_op == 5
     assert timelines(marked)["forward"].peak == t.peak
 
+
 EAGER_STRETCH_BESIDE_A_COMPILED_ONE = """
 module @m attributes {world_size = 2} {
   func @forward(%x: f32[64, 64] {input}) -> (f32[] {output}) role forward {
