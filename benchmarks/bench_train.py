@@ -115,8 +115,9 @@ under ``torch.device("meta")`` and ``dcir.initialize`` initializes each rank's s
 FSDP2 runs its recipe (``fully_shard``, ``to_empty``, ``initialize_weights()``);
 DeepSpeed ZeRO-3 builds under ``deepspeed.zero.Init``. ``floor``, ``eager`` (one
 process, nothing sharded), ``floor-busy`` (a whole copy per process) and DeepSpeed
-ZeRO-1/2 build the model with its values as with ``--init real`` (train_worker.py). "x floor" is a row's median step over the
-faster of ``floor`` and ``eager`` (one process, compiled or not); "x fsdp2 speed" is
+ZeRO-1/2 build the model with its values as with ``--init real`` (train_worker.py).
+"x floor" is a row's median step over the faster of ``floor`` and ``eager`` (one
+process, compiled or not); "x fsdp2 speed" is
 the faster FSDP2 row's median step over a row's (``fsdp2`` or ``fsdp2-compile``; above
 1: faster than FSDP2), "x fsdp2 RSS" a row's peak RSS over that row's, all in the same
 run (the report's ``baselines`` and the table's last line say which rows); "start RSS
