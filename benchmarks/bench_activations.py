@@ -106,11 +106,9 @@ def ckpt_fraction(probe: dict, ckpt_allocated: float) -> str:
 
 def allocated_peak(base, label: str, system: str, settings: dict, logs: Path) -> float | None:
     """One more run of a point, one step under the memory profiler: its allocator peak (MiB)."""
-    out = logs / f"act-{label}-allocated.json"
-    out.unlink(missing_ok=True)
-    result = bench_train._run(system, argparse.Namespace(**{**vars(base), **settings, "steps": 1,
-                                                             "allocated": True}), out)
-    if result and all(result["allocated"]):
+    result = bench_train.allocator_run(system, argparse.Namespace(**{**vars(base), **settings}),
+                                       logs / f"act-{label}-allocated.json")
+    if result:
         peak = max(a["peak"] for a in result["allocated"])
         print(f"  allocator peak: {label:<20} {peak:.1f} MiB", flush=True)
         return peak

@@ -90,9 +90,17 @@ sets up). ``benchmarks/device.sh`` runs it on a lent GPU machine.
 Output: a table on the terminal, ``--json`` (default ``bench_train.json``) and
 ``--chart`` (default ``bench_train.png``, needs matplotlib: ``pip install -e '.[bench]'``);
 each run's raw figures and output are kept in ``bench_train_logs/`` beside the JSON.
-Peak memory is each rank's peak resident set (the process, torch included), as CPU
-tensors have no allocator statistics to compare across systems. Exposed
-communication is the host time DCIR's ranks spent blocked in ``comm.wait`` per step
+Peak memory is each rank's peak resident set (the process, torch included): what the
+host holds, the code each system imports among it (importing Dynamo, AOTAutograd and
+Inductor and compiling one function adds 129 MiB to a process here, to
+``fsdp2-compile``'s and DCIR's rows alike), and what glibc's heap keeps of freed
+tensors. ``--allocator-peak`` adds the figure a GPU's
+``torch.cuda.max_memory_allocated`` gives: every row runs once more, one measured step
+under torch's memory profiler, and "alloc MiB" is the largest rank's allocator peak over
+that step (the tensors it holds and allocates; a DCIR row adds its shared-memory outbox,
+which is mapped rather than allocated), "x fsdp2 alloc" that over the FSDP2 baseline
+row's.
+Exposed communication is the host time DCIR's ranks spent blocked in ``comm.wait`` per step
 (the slowest rank's), for collectives and, with offload, for host copies; the others
 have no such counter ("n/a"). Sent is the bytes a rank hands to collectives per step, as
 DCIR's runtime counts them (the largest rank's; "n/a" for the others), and "x fp32" a
@@ -248,7 +256,7 @@ def _run(system: str, ns, out: Path, extra: tuple[str, ...] = (), env: dict | No
     if system == "fsdp2-compile-budget":
         args += ["--compile-budget", str(ns.compile_budget)]
     args += ["--rss-trace"] if ns.rss_trace else []
-    args += ["--allocated"] if getattr(ns, "allocated", False) else []  # bench_activations' memory runs
+    args += ["--allocated"] if getattr(ns, "allocated", False) else []  # allocator_run's
     if ns.trace and system.startswith("dcir"):
         args += ["--trace", str(out.with_name(out.stem + "-trace"))]
     world = world_of(system, ns)
@@ -291,7 +299,36 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-def summarize(runs: dict[str, list[dict]], ns) -> dict:
+def allocator_run(system: str, ns, out: Path) -> dict | None:
+    """One more run of ``system``, one measured step under torch's memory profiler
+    (``train_worker.py --allocated``): its result, when every rank reported its
+    allocator peak, else None."""
+    out.unlink(missing_ok=True)
+    result = _run(system, argparse.Namespace(**{**vars(ns), "steps": 1, "allocated": True}), out)
+    return result if result and all(result["allocated"]) else None
+
+
+def allocated_mib(result: dict) -> float:
+    """An allocator run's peak memory per rank (the largest rank's, MiB): the allocator's
+    peak over the step, and for DCIR the rank's shared-memory outbox, which is mapped
+    rather than allocated (``accounted``'s ``outbox``; none over the process group)."""
+    outboxes = [a["outbox"] if a else 0 for a in result.get("accounted") or [None] * len(result["allocated"])]
+    return max(a["peak"] + box / 2**20 for a, box in zip(result["allocated"], outboxes))
+
+
+def kept_program(result: dict) -> str | None:
+    """The program a DCIR run kept: the pipeline of the last plan its optimization cycle
+    switched to, "captured" when it took none; None for a system without the cycle."""
+    log = result.get("optimize_log")
+    if log is None:
+        return None
+    return next((r["pipeline"] for r in reversed(log) if r["switched"]), "captured")
+
+
+def summarize(runs: dict[str, list[dict]], ns, allocated: dict[str, dict] | None = None) -> dict:
+    """Each system's row: its runs pooled (``runs``), each ratio against its baseline row;
+    ``allocated``: the allocator runs (``allocator_run``) of the systems that had one."""
+    allocated = allocated or {}
     tokens = ns.batch * ns.seq * ns.accumulate  # per rank and step
     rows = {}
     for system, results in runs.items():
@@ -312,15 +349,20 @@ def summarize(runs: dict[str, list[dict]], ns) -> dict:
             "sent_bytes_per_step": statistics.median(sent) if sent else None,
             "first_step_s": _median([r.get("first_step_s") for r in results]),
             "init": results[0].get("init", "real"),  # how this system built the model (floor: always real)
+            "allocated_mib": allocated_mib(allocated[system]) if system in allocated else None,
+            "allocated_program": kept_program(allocated[system]) if system in allocated else None,
         }
     base = baselines(rows)
     floor = rows[base["floor"]]["step_s"] if base["floor"] else None
     fsdp2 = rows[base["fsdp2"]]["peak_rss_mib"] if base["fsdp2"] else None
     fsdp2_step = rows[base["fsdp2"]]["step_s"] if base["fsdp2"] else None
+    fsdp2_allocated = rows[base["fsdp2"]]["allocated_mib"] if base["fsdp2"] else None
     for system, row in rows.items():
         row["x_floor"] = row["step_s"] / floor if floor else None
         row["x_fsdp2_speed"] = fsdp2_step / row["step_s"] if fsdp2_step else None
         row["x_fsdp2_rss"] = row["peak_rss_mib"] / fsdp2 if fsdp2 else None
+        row["x_fsdp2_allocated"] = (row["allocated_mib"] / fsdp2_allocated
+                                    if fsdp2_allocated and row["allocated_mib"] is not None else None)
         fp32 = rows.get(system.replace("-bf16", "", 1)) if "-bf16" in system else None  # dcir-bf16+pg: dcir+pg
         row["x_fp32"] = row["step_s"] / fp32["step_s"] if fp32 else None
     return rows
@@ -340,9 +382,11 @@ def baselines(rows: dict) -> dict[str, str | None]:
 
 def table(rows: dict, unavailable: dict) -> str:
     cuda = any(r.get("peak_cuda_mib") is not None for r in rows.values())
+    alloc = any(r.get("allocated_mib") is not None for r in rows.values())
     head = (f"{'system':<18}{'init':<6}{'step s':>9}{'x floor':>9}{'x fsdp2 speed':>15}{'tok/s/rank':>12}{'peak RSS MiB':>14}"
             + (f"{'peak CUDA MiB':>15}" if cuda else "") + f"{'exposed comm s':>16}{'predicted s':>13}"
-            + f"{'sent MiB/step':>15}{'x fp32':>8}{'x fsdp2 RSS':>12}{'start RSS MiB':>15}{'first step s':>14}")
+            + f"{'sent MiB/step':>15}{'x fp32':>8}{'x fsdp2 RSS':>12}{'start RSS MiB':>15}{'first step s':>14}"
+            + (f"{'alloc MiB':>11}{'x fsdp2 alloc':>15}" if alloc else ""))
     lines = [head, "-" * len(head)]
     for system, r in rows.items():
         x = f"{r['x_floor']:.2f}" if r["x_floor"] else "-"
@@ -356,13 +400,18 @@ def table(rows: dict, unavailable: dict) -> str:
         rss = f"{r['x_fsdp2_rss']:.3f}" if r.get("x_fsdp2_rss") else "-"
         first = f"{r['first_step_s']:.1f}" if r.get("first_step_s") is not None else "n/a"
         start = f"{r['start_rss_mib']:,.0f}" if r.get("start_rss_mib") is not None else "n/a"
+        held = ""
+        if alloc:
+            held = (f"{r['allocated_mib']:>11,.0f}" if r.get("allocated_mib") is not None else f"{'n/a':>11}") + (
+                f"{r['x_fsdp2_allocated']:>15.3f}" if r.get("x_fsdp2_allocated") else f"{'-':>15}")
         lines.append(f"{system:<18}{r.get('init', 'real'):<6}{r['step_s']:>9.3f}{x:>9}{speed:>15}"
                      f"{r['tokens_per_s_per_rank']:>12,.0f}{r['peak_rss_mib']:>14,.0f}{gpu}{comm:>16}{pred:>13}"
-                     f"{sent:>15}{vs32:>8}{rss:>12}{start:>15}{first:>14}")
+                     f"{sent:>15}{vs32:>8}{rss:>12}{start:>15}{first:>14}{held}")
     for system, why in unavailable.items():
         lines.append(f"{system:<18}  unavailable: {why}")
     base = baselines(rows)
-    lines.append(f"x floor against {base['floor'] or '-'}, x fsdp2 speed and RSS against {base['fsdp2'] or '-'} "
+    against = "speed, RSS and alloc" if alloc else "speed and RSS"
+    lines.append(f"x floor against {base['floor'] or '-'}, x fsdp2 {against} against {base['fsdp2'] or '-'} "
                  f"(the faster of {' and '.join(BASELINES['floor'])}, of {' and '.join(BASELINES['fsdp2'])})")
     return "\n".join(lines)
 
@@ -459,6 +508,11 @@ def parser() -> argparse.ArgumentParser:
                          "'none': no budget (default 0.6)")
     ap.add_argument("--compile-budget", type=float, default=0.5,
                     help="fsdp2-compile-budget's torch._functorch.config.activation_memory_budget (default 0.5)")
+    ap.add_argument("--allocator-peak", action="store_true",
+                    help="after the rounds, every row runs once more, one measured step under torch's memory "
+                         "profiler: 'alloc MiB' is the largest rank's allocator peak over that step (the tensors "
+                         "it holds and allocates, what torch.cuda.max_memory_allocated gives on a GPU; a DCIR row "
+                         "adds its shared-memory outbox), 'x fsdp2 alloc' that over the FSDP2 baseline's (CPU)")
     ap.add_argument("--world", type=int, default=2, help="ranks of the distributed systems (default 2)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu (gloo, 1 thread per rank) or cuda (one GPU per rank, NCCL); default cpu")
@@ -484,6 +538,8 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown systems {unknown}; known: {', '.join(SYSTEMS)}")
     unavailable = {s: why for s in systems if (why := _available(s, ns.device))}
+    if ns.allocator_peak and ns.device != "cpu":
+        ap.error("--allocator-peak measures the CPU allocator; on a GPU the table's peak CUDA MiB is that figure")
     if ns.device == "cpu":
         unavailable["deepcompile"] = "DeepSpeed's compiler needs CUDA (cuda.h); this machine has no GPU"
     runnable = rows_of([s for s in systems if s not in unavailable], ns.transport)
@@ -506,7 +562,14 @@ def main(argv=None) -> int:
                 runs[system].append(result)
                 print(f"  round {r + 1}: {system:<18} median step {statistics.median(result['step_s']):.3f} s",
                       flush=True)
-    rows = summarize(runs, ns)
+    allocated = {}
+    for system in runnable if ns.allocator_peak else ():  # one more run each, under the memory profiler
+        if (result := allocator_run(system, ns, logs / f"{system}-allocated.json")) is not None:
+            allocated[system] = result
+            kept = kept_program(result)
+            print(f"  allocator peak: {system:<18} {allocated_mib(result):.1f} MiB"
+                  + (f", running {kept}" if kept else ""), flush=True)
+    rows = summarize(runs, ns, allocated)
     print()
     print(table(rows, unavailable))
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {platform.system()}"

@@ -20,7 +20,8 @@ TINY = ["--layers", "1", "--hidden", "64", "--seq", "8", "--batch", "1", "--voca
 #: every row's figures, whichever system it is (None where a system has no such counter)
 COLUMNS = {"step_s", "step_s_min", "step_s_max", "measured_steps", "tokens_per_s_per_rank", "peak_rss_mib",
            "start_rss_mib", "peak_cuda_mib", "exposed_comm_s", "predicted_s", "sent_bytes_per_step", "first_step_s",
-           "init", "x_floor", "x_fsdp2_speed", "x_fsdp2_rss", "x_fp32"}
+           "init", "x_floor", "x_fsdp2_speed", "x_fsdp2_rss", "x_fp32", "allocated_mib", "x_fsdp2_allocated",
+           "allocated_program"}
 
 
 def _result(step_s: list[float], rss=(400.0, 420.0), waits=None, sent=None, first_step_s=20.0) -> dict:
@@ -75,6 +76,43 @@ def test_the_report_pools_the_rounds_and_divides_by_each_baseline():
     dcir_line = next(line for line in text if line.startswith("dcir "))
     assert "3.000" in dcir_line.split() and "4.00" in dcir_line.split()
     assert text[-2].split() == ["deepspeed", "unavailable:", "not", "installed"]
+
+
+def test_the_allocator_peak_is_the_largest_ranks_with_dcirs_outbox_against_fsdp2s():
+    """``--allocator-peak``: a row's allocator run gives "alloc MiB", the largest rank's
+    allocator peak plus its shared-memory outbox (DCIR's: mapped, not allocated), and
+    "x fsdp2 alloc" against the FSDP2 baseline's; rows without such a run have neither,
+    and the table shows the columns only when some row has one."""
+    def allocated(peaks, outboxes=None, log=None):
+        return {"allocated": [{"start": 1.0, "peak": p} for p in peaks],
+                "accounted": [{"outbox": b * 2**20} for b in outboxes] if outboxes else None, "optimize_log": log}
+
+    assert bench_train.allocated_mib(allocated([100.0, 120.0], [30.0, 0.0])) == 130.0
+    assert bench_train.allocated_mib(allocated([100.0, 120.0])) == 120.0
+    ns = argparse.Namespace(batch=2, seq=8, accumulate=1)
+    runs = {"dcir": [_result([2.0])], "fsdp2": [_result([4.0])], "floor": [_result([1.0])]}
+    cycle = [{"switched": True, "pipeline": "prefetch,fuse"}, {"switched": False, "pipeline": "unshard"}]
+    rows = bench_train.summarize(runs, ns, {"dcir": allocated([90.0, 80.0], [10.0, 10.0], cycle),
+                                            "fsdp2": allocated([125.0, 110.0])})
+    assert (rows["dcir"]["allocated_mib"], rows["dcir"]["x_fsdp2_allocated"]) == (100.0, 0.8)
+    # the program the allocator run kept: its cycle's last switch, "captured" without one
+    assert (rows["dcir"]["allocated_program"], rows["fsdp2"]["allocated_program"]) == ("prefetch,fuse", None)
+    assert bench_train.kept_program({"optimize_log": cycle[1:]}) == "captured"
+    assert rows["fsdp2"]["x_fsdp2_allocated"] == 1.0
+    assert rows["floor"]["allocated_mib"] is rows["floor"]["x_fsdp2_allocated"] is None
+    text = bench_train.table(rows, {}).splitlines()
+    assert text[0].split()[-5:] == ["alloc", "MiB", "x", "fsdp2", "alloc"]
+    assert next(line for line in text if line.startswith("dcir ")).split()[-2:] == ["100", "0.800"]
+    assert next(line for line in text if line.startswith("floor ")).split()[-2:] == ["n/a", "-"]
+    assert text[-1].startswith("x floor against floor, x fsdp2 speed, RSS and alloc against fsdp2 ")
+    assert "alloc MiB" not in bench_train.table(bench_train.summarize(runs, ns), {})
+
+
+def test_the_allocator_peak_is_measured_on_the_cpu_only(capsys):
+    with pytest.raises(SystemExit):
+        bench_train.main(["--allocator-peak", "--device", "cuda"])
+    assert ("--allocator-peak measures the CPU allocator; on a GPU the table's peak CUDA MiB is that figure"
+            in capsys.readouterr().err)
 
 
 def test_both_transports_put_each_dcir_rows_process_group_run_beside_it():
@@ -152,6 +190,25 @@ def test_the_other_systems_run(tmp_path, capfd):
     busy = json.loads((tmp_path / "bench_train_logs" / "floor-busy-0.json").read_text())
     assert busy["world"] == 2 and len(busy["peak_rss_mib"]) == 2
     assert {n for n, r in rows.items() if r["predicted_s"] is not None} == {n for n in systems if n.startswith("dcir")}
+
+
+@pytest.mark.slow
+def test_the_allocator_peak_runs_each_row_once_more_under_the_memory_profiler(tmp_path, capfd):
+    """``--allocator-peak`` on the tiny workload: after the rounds, each row's allocator
+    run, one step under the memory profiler; DCIR's figure counts its outbox, and the
+    rounds' rows keep their own steps."""
+    out = tmp_path / "bench.json"
+    code = bench_train.main([*TINY, "--systems", "dcir,fsdp2", "--allocator-peak", "--json", str(out),
+                             "--chart", str(tmp_path / "bench.png")])
+    text = capfd.readouterr().out
+    assert code == 0, text
+    rows = json.loads(out.read_text())["results"]
+    assert all(r["allocated_mib"] > 0 and r["measured_steps"] == 1 for r in rows.values()), text
+    assert rows["fsdp2"]["x_fsdp2_allocated"] == 1.0 and "alloc MiB" in text
+    run = json.loads((tmp_path / "bench_train_logs" / "dcir-allocated.json").read_text())
+    outbox = max(a["outbox"] for a in run["accounted"]) / 2**20
+    assert outbox > 0 and rows["dcir"]["allocated_mib"] >= max(a["peak"] for a in run["allocated"]) + outbox - 1e-9
+    assert "allocator peak: dcir " in text and rows["dcir"]["allocated_program"] == "captured"  # no cycle
 
 
 def test_the_busy_floor_runs_a_copy_in_every_process_the_sharded_systems_run():
