@@ -99,12 +99,11 @@ tensors. ``--allocator-peak`` adds the figure a GPU's
 under torch's memory profiler, and "alloc MiB" is the largest rank's allocator peak over
 that step (the tensors it holds and allocates; a DCIR row adds its shared-memory outbox,
 which is mapped rather than allocated), "x fsdp2 alloc" that over the FSDP2 baseline
-row's.
-Exposed communication is the host time DCIR's ranks spent blocked in ``comm.wait`` per step
-(the slowest rank's), for collectives and, with offload, for host copies; the others
-have no such counter ("n/a"). Sent is the bytes a rank hands to collectives per step, as
-DCIR's runtime counts them (the largest rank's; "n/a" for the others), and "x fp32" a
-bf16 row's step time over its fp32 row's in the same run.
+row's. Exposed communication is the host time DCIR's ranks spent blocked in
+``comm.wait`` per step (the slowest rank's), for collectives and, with offload, for host
+copies; the others have no such counter ("n/a"). Sent is the bytes a rank hands to
+collectives per step, as DCIR's runtime counts them (the largest rank's; "n/a" for the
+others), and "x fp32" a bf16 row's step time over its fp32 row's in the same run.
 
 ``--malloc keep`` runs every system's processes alike with glibc malloc keeping freed
 memory for reuse (``MALLOC_MMAP_MAX_=0``, no trimming), as a GPU caching allocator
@@ -312,8 +311,8 @@ def allocated_mib(result: dict) -> float:
     """An allocator run's peak memory per rank (the largest rank's, MiB): the allocator's
     peak over the step, and for DCIR the rank's shared-memory outbox, which is mapped
     rather than allocated (``accounted``'s ``outbox``; none over the process group)."""
-    outboxes = [a["outbox"] if a else 0 for a in result.get("accounted") or [None] * len(result["allocated"])]
-    return max(a["peak"] + box / 2**20 for a, box in zip(result["allocated"], outboxes))
+    accounted = result.get("accounted") or [None] * len(result["allocated"])
+    return max(a["peak"] + (mine["outbox"] / 2**20 if mine else 0) for a, mine in zip(result["allocated"], accounted))
 
 
 def kept_program(result: dict) -> str | None:
