@@ -142,15 +142,6 @@ struct has_single_collectives<PG, std::void_t<decltype(&PG::all_gather_single), 
                                              decltype(&PG::all_to_all_single)>> : std::true_type {};
 
 template <typename PG>
-intrusive_ptr<Work> gather_into(PG& pg, at::Tensor& buffer, at::Tensor& input) {
-  if constexpr (has_single_collectives<PG>::value) {
-    return pg.all_gather_single(buffer, input);
-  } else {
-    return pg._allgather_base(buffer, input);
-  }
-}
-
-template <typename PG>
 intrusive_ptr<Work> reduce_scatter_into(PG& pg, at::Tensor& received, at::Tensor& send,
                                         const c10d::ReduceScatterOptions& opts) {
   if constexpr (has_single_collectives<PG>::value) {
@@ -167,6 +158,31 @@ intrusive_ptr<Work> all_to_all_into(PG& pg, at::Tensor& received, at::Tensor& se
     return pg.all_to_all_single(received, send, even, even, opts);
   } else {
     return pg.alltoall_base(received, send, even, even, opts);
+  }
+}
+
+// What a rank sends to gather `shard` over the process group (`gather_into`): on a GPU the
+// shard, elsewhere the shard once per rank.
+at::Tensor gather_send(const at::Tensor& shard, int64_t world) {
+  return shard.is_cuda() ? shard : shard.repeat({world});
+}
+
+// Gathers every rank's shard into `buffer` from `send` (`gather_send`). On a GPU it is the
+// group's all_gather. Elsewhere it is an all-to-all that writes straight into `buffer`:
+// gloo's all_gather receives into a buffer of its own, which its worker thread allocates
+// and then copies out, and glibc keeps that thread's heap apart from the rank's, so each
+// gather's size stayed resident once more.
+template <typename PG>
+intrusive_ptr<Work> gather_into(PG& pg, at::Tensor& buffer, at::Tensor& send) {
+  if (!send.is_cuda()) {
+    c10d::AllToAllOptions opts;
+    opts.timeout = timeout;
+    return all_to_all_into(pg, buffer, send, opts);
+  }
+  if constexpr (has_single_collectives<PG>::value) {
+    return pg.all_gather_single(buffer, send);
+  } else {
+    return pg._allgather_base(buffer, send);
   }
 }
 
@@ -586,7 +602,8 @@ at::Tensor all_gather(const at::Tensor& shard, at::IntArrayRef size, const std::
           for (int64_t r = 0; r < shm->world; ++r) rows[r].copy_(outbox(*shm, r, at, n, input));
         };
       });
-  start({input}, {result}, [&] { return work ? work : gather_into(*pg, buffer, input); }, [buffer] {},
+  auto send = work ? input : gather_send(input, world);
+  start({input}, {result}, [&] { return work ? work : gather_into(*pg, buffer, send); }, [buffer, send] {},
         "all_gather of " + tag, group_name);
   return result;
 }
@@ -638,16 +655,17 @@ std::vector<at::Tensor> all_gather_coalesced(at::TensorList shards, at::IntArray
     start(flat, results, [&] { return work; }, [] {}, "all_gather_coalesced of " + tag, group_name);
     return results;
   }
-  auto send = at::cat(flat);
+  auto mine = at::cat(flat);
+  auto send = gather_send(mine, world);
   auto buffer = at::empty({total * world}, send.options());
-  auto copy_out = [buffer, result_bytes, offsets, flat, total, world] {
+  auto copy_out = [buffer, send, result_bytes, offsets, flat, total, world] {
     auto per_rank = buffer.view({world, total});
     for (size_t i = 0; i < result_bytes.size(); ++i) {
       auto gathered = per_rank.narrow(1, offsets[i], flat[i].numel()).reshape(-1);
       result_bytes[i].copy_(gathered.narrow(0, 0, result_bytes[i].numel()));
     }
   };
-  start({send}, results, [&] { return gather_into(*pg, buffer, send); }, copy_out,
+  start({mine}, results, [&] { return gather_into(*pg, buffer, send); }, copy_out,
         "all_gather_coalesced of " + tag, group_name);
   return results;
 }
