@@ -161,10 +161,15 @@ intrusive_ptr<Work> all_to_all_into(PG& pg, at::Tensor& received, at::Tensor& se
   }
 }
 
-// What a rank sends to gather `shard` over the process group (`gather_into`): on a GPU the
-// shard, elsewhere the shard once per rank.
-at::Tensor gather_send(const at::Tensor& shard, int64_t world) {
-  return shard.is_cuda() ? shard : shard.repeat({world});
+// What a rank sends to gather its `parts` (side by side, flat) over the process group
+// (`gather_into`): on a GPU the parts once, elsewhere once per rank; one copy either way,
+// none for a single part on a GPU.
+at::Tensor gather_send(at::TensorList parts, int64_t world) {
+  int64_t copies = parts[0].is_cuda() ? 1 : world;
+  if (parts.size() == 1) return copies == 1 ? parts[0] : parts[0].repeat({copies});
+  std::vector<at::Tensor> all;
+  for (int64_t r = 0; r < copies; ++r) all.insert(all.end(), parts.begin(), parts.end());
+  return at::cat(all);
 }
 
 // Gathers every rank's shard into `buffer` from `send` (`gather_send`). On a GPU it is the
@@ -655,8 +660,8 @@ std::vector<at::Tensor> all_gather_coalesced(at::TensorList shards, at::IntArray
     start(flat, results, [&] { return work; }, [] {}, "all_gather_coalesced of " + tag, group_name);
     return results;
   }
-  auto mine = at::cat(flat);
-  auto send = gather_send(mine, world);
+  auto send = gather_send(flat, world);
+  auto mine = send.narrow(0, 0, total);  // what this rank contributes, as the traffic count reads it
   auto buffer = at::empty({total * world}, send.options());
   auto copy_out = [buffer, send, result_bytes, offsets, flat, total, world] {
     auto per_rank = buffer.view({world, total});
