@@ -41,6 +41,7 @@ each token through 2 of them:
   chooses the compiled stretches within the same budget;
 * ``dcir-bf16``: ``dcir`` in mixed precision (the config's ``bf16`` section: bf16
   compute and gathers, fp32 gradient reduction and master weights, docs/config.md);
+* ``dcir-fused-bf16``: ``dcir-fused`` in that policy;
 * ``fsdp2``: PyTorch FSDP2, ``fully_shard`` per decoder layer and on the root;
 * ``fsdp2-bf16``: the same with the same policy,
   ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``;
@@ -68,6 +69,10 @@ each token through 2 of them:
   communication: the compute floor the sharded systems are measured against;
 * ``eager``: the same without ``torch.compile``: the compute of a step run op by op,
   which is what ``dcir`` runs between its collectives (for the breakdown);
+* ``floor-bf16``, ``eager-bf16``: ``floor`` and ``eager`` in the bf16 policy: the forward
+  and backward on a copy of the model with bf16 parameters, AdamW stepping the fp32
+  parameters with the gradients cast to fp32, cast into the copy after each step (what
+  ``fsdp2-bf16`` and ``dcir-bf16`` do, without communication): the bf16 rows' floor;
 * ``floor-busy``: ``floor`` run by ``--world`` processes at once, each its own copy with
   its own batch and no communication (a process group only for the barrier before each
   step): the compute floor with every core and the memory as busy as the sharded
@@ -127,7 +132,9 @@ ZeRO-1/2 build the model with its values as with ``--init real`` (train_worker.p
 process, compiled or not); "x fsdp2 speed" is
 the faster FSDP2 row's median step over a row's (``fsdp2`` or ``fsdp2-compile``; above
 1: faster than FSDP2), "x fsdp2 RSS" a row's peak RSS over that row's, all in the same
-run (the report's ``baselines`` and the table's last line say which rows); "start RSS
+run (the report's ``baselines`` and the table's last line say which rows; a bf16 row's
+ratios are against the same in bf16: the faster of ``floor-bf16`` and ``eager-bf16``, and
+``fsdp2-bf16``); "start RSS
 MiB" the peak before the first step (building, sharding and initializing the model, and
 DCIR's capture; the largest rank's); "first
 step s" the time from a rank's process start to the end of its first step (start-up,
@@ -156,9 +163,9 @@ HERE = Path(__file__).resolve().parent
 MALLOC = {"system": {},
           "keep": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)},
           "release": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
-SYSTEMS = ["floor", "eager", "floor-busy", "dcir", "dcir-prefetch", "dcir-unshard", "dcir-optimized",
-           "dcir-inductor", "dcir-fused", "dcir-zero1", "dcir-zero2", "dcir-offload", "dcir-bf16", "dcir-recompute",
-           "dcir-recompute-fused", "fsdp2", "fsdp2-offload",
+SYSTEMS = ["floor", "eager", "floor-bf16", "eager-bf16", "floor-busy", "dcir", "dcir-prefetch", "dcir-unshard",
+           "dcir-optimized", "dcir-inductor", "dcir-fused", "dcir-zero1", "dcir-zero2", "dcir-offload", "dcir-bf16",
+           "dcir-fused-bf16", "dcir-recompute", "dcir-recompute-fused", "fsdp2", "fsdp2-offload",
            "fsdp2-bf16", "fsdp2-ckpt", "fsdp2-compile", "fsdp2-compile-budget", "deepspeed-zero1", "deepspeed-zero2",
            "deepspeed", "deepspeed-offload", "dcir-break", "fsdp2-break"]
 #: the systems given a memory_budget (``--activation-budget``), whose cycle plans recompute within it
@@ -271,7 +278,7 @@ def _run(system: str, ns, out: Path, extra: tuple[str, ...] = (), env: dict | No
 def world_of(system: str, ns) -> int:
     """The processes a (worker) system runs: one for the single-process floors, ``--world``
     for the others, ``floor-busy`` included."""
-    return 1 if system in ("floor", "eager") else ns.world
+    return 1 if system in BASELINES["floor"] + BASELINES["floor-bf16"] else ns.world
 
 
 def _launch_quiet(launch, args, world, env, log, timeout) -> int:
@@ -352,24 +359,31 @@ def summarize(runs: dict[str, list[dict]], ns, allocated: dict[str, dict] | None
             "allocated_program": kept_program(allocated[system]) if system in allocated else None,
         }
     base = baselines(rows)
-    floor = rows[base["floor"]]["step_s"] if base["floor"] else None
-    fsdp2 = rows[base["fsdp2"]]["peak_rss_mib"] if base["fsdp2"] else None
-    fsdp2_step = rows[base["fsdp2"]]["step_s"] if base["fsdp2"] else None
-    fsdp2_allocated = rows[base["fsdp2"]]["allocated_mib"] if base["fsdp2"] else None
     for system, row in rows.items():
-        row["x_floor"] = row["step_s"] / floor if floor else None
-        row["x_fsdp2_speed"] = fsdp2_step / row["step_s"] if fsdp2_step else None
-        row["x_fsdp2_rss"] = row["peak_rss_mib"] / fsdp2 if fsdp2 else None
-        row["x_fsdp2_allocated"] = (row["allocated_mib"] / fsdp2_allocated
-                                    if fsdp2_allocated and row["allocated_mib"] is not None else None)
+        floor, fsdp2 = (rows.get(base[name + precision(system)]) for name in ("floor", "fsdp2"))
+        fsdp2 = fsdp2 or {}
+        row["x_floor"] = row["step_s"] / floor["step_s"] if floor else None
+        row["x_fsdp2_speed"] = fsdp2["step_s"] / row["step_s"] if fsdp2 else None
+        row["x_fsdp2_rss"] = row["peak_rss_mib"] / fsdp2["peak_rss_mib"] if fsdp2 else None
+        row["x_fsdp2_allocated"] = (row["allocated_mib"] / fsdp2["allocated_mib"]
+                                    if fsdp2.get("allocated_mib") and row["allocated_mib"] is not None else None)
         fp32 = rows.get(system.replace("-bf16", "", 1)) if "-bf16" in system else None  # dcir-bf16+pg: dcir+pg
         row["x_fp32"] = row["step_s"] / fp32["step_s"] if fp32 else None
     return rows
 
 
 #: the rows a ratio may be against: the compute floor is the faster of one process compiled and
-#: eager; FSDP2 is its faster fp32 variant, eager or each block compiled (torchtitan's recipe)
-BASELINES = {"floor": ("floor", "eager"), "fsdp2": ("fsdp2", "fsdp2-compile")}
+#: eager; FSDP2 is its faster fp32 variant, eager or each block compiled (torchtitan's recipe).
+#: A bf16 row (``precision``) is against the same in bf16: the floors in FSDP2's bf16 policy,
+#: and ``fsdp2-bf16``
+BASELINES = {"floor": ("floor", "eager"), "fsdp2": ("fsdp2", "fsdp2-compile"),
+             "floor-bf16": ("floor-bf16", "eager-bf16"), "fsdp2-bf16": ("fsdp2-bf16",)}
+
+
+def precision(system: str) -> str:
+    """A row's precision, as BASELINES' names end: "-bf16" for a bf16 row (``dcir-bf16+pg``
+    included), else ""."""
+    return "-bf16" if "-bf16" in system else ""
 
 
 def baselines(rows: dict) -> dict[str, str | None]:
@@ -412,6 +426,9 @@ def table(rows: dict, unavailable: dict) -> str:
     against = "speed, RSS and alloc" if alloc else "speed and RSS"
     lines.append(f"x floor against {base['floor'] or '-'}, x fsdp2 {against} against {base['fsdp2'] or '-'} "
                  f"(the faster of {' and '.join(BASELINES['floor'])}, of {' and '.join(BASELINES['fsdp2'])})")
+    if any(precision(s) for s in rows):
+        lines.append(f"bf16 rows: x floor against {base['floor-bf16'] or '-'}, x fsdp2 {against} against "
+                     f"{base['fsdp2-bf16'] or '-'} (the faster of {' and '.join(BASELINES['floor-bf16'])})")
     return "\n".join(lines)
 
 

@@ -16,7 +16,7 @@ built under ``torch.device("meta")``; ``dcir.initialize`` initializes each rank'
 (``fully_shard``, ``model.to_empty(device=...)``, then ``model.initialize_weights()``,
 which runs on the DTensor shards: same distributions, not the single-device values),
 and DeepSpeed ZeRO-3 builds it under ``deepspeed.zero.Init``. ``floor`` and ``eager``
-(one process, nothing to shard), ``floor-busy`` (a whole copy in every process) and
+(one process, nothing to shard; ``floor-bf16`` and ``eager-bf16`` too), ``floor-busy`` (a whole copy in every process) and
 DeepSpeed ZeRO-1/2 build it with its values as with ``--init real``. Every rank also
 reports its process's age at the end of the first step (``first_step_s``: start-up,
 model, capture and the first step) and that step's own
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import math
 import os
@@ -452,6 +453,36 @@ class Floor(_Plain):
         super().__init__(torch.compile(llama(ns)) if compiled else llama(ns), ns)
 
 
+class FloorBf16(_Plain):
+    """``floor`` (or, uncompiled, ``eager``) in the policy ``fsdp2-bf16`` and ``dcir-bf16``
+    run, in one process: the forward and backward on a copy of the model whose parameters
+    are bf16 (its buffers as they are, as FSDP2's policy leaves them), AdamW stepping the
+    fp32 parameters with the gradients cast to fp32, and the stepped parameters cast into
+    the copy after each step (FSDP2 casts them at each gather)."""
+
+    def __init__(self, ns, compiled: bool = True):
+        model = llama(ns)
+        compute = copy.deepcopy(model)
+        for p in compute.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        super().__init__(model, ns)  # the optimizer over the fp32 parameters
+        self.forward = torch.compile(compute) if compiled else compute
+        self.pairs = list(zip(model.parameters(), compute.parameters()))
+
+    def micro_step(self, batch):
+        (self.forward(**batch).loss / self.ns.accumulate).backward()
+        self.n += 1
+        if self.n % self.ns.accumulate:
+            return
+        for master, low in self.pairs:
+            master.grad, low.grad = (None if low.grad is None else low.grad.float()), None
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for master, low in self.pairs:
+                low.copy_(master)
+
+
 #: DCIR with profile-guided passes
 SCHEDULES = {"dcir-prefetch": ("prefetch",), "dcir-unshard": ("unshard",),
              "dcir-optimized": ("prefetch", "unshard", "bucket"),
@@ -462,6 +493,8 @@ SCHEDULES = {"dcir-prefetch": ("prefetch",), "dcir-unshard": ("unshard",),
 #: merged into the Engine's (dcir-offload's budget is filled in by ``Dcir``)
 ENGINE_FEATURES = {"dcir-zero1": {"zero_stage": 1}, "dcir-zero2": {"zero_stage": 2},
                    "dcir-offload": {"zero_stage": 3}}
+#: the config section of DCIR's bf16 rows: FSDP2's bf16 policy (bf16 compute and gathers, fp32 reduction)
+BF16 = {"bf16": {"enabled": True}}
 #: DeepSpeed eager ZeRO, by stage
 DEEPSPEED = {"deepspeed-zero1": 1, "deepspeed-zero2": 2, "deepspeed": 3}
 
@@ -494,7 +527,9 @@ def make(system: str, ns):
     if system == "fsdp2-compile":  # torchtitan's recipe: the partitioner's default budget keeps what it likes
         return Fsdp2(ns, compile_budget=1.0)
     if system == "dcir-bf16":  # plain zero3, as dcir, in FSDP2's bf16 policy (DeepSpeed's bf16 section)
-        return Dcir(ns, inductor=False, extra={"bf16": {"enabled": True}})
+        return Dcir(ns, inductor=False, extra=BF16)
+    if system == "dcir-fused-bf16":
+        return Dcir(ns, inductor=False, passes=SCHEDULES["dcir-fused"], extra=BF16)
     if system in DEEPSPEED:
         return DeepSpeed(ns, stage=DEEPSPEED[system])
     if system == "deepspeed-offload":
@@ -503,6 +538,8 @@ def make(system: str, ns):
         return Floor(ns)
     if system == "eager":
         return Floor(ns, compiled=False)
+    if system in ("floor-bf16", "eager-bf16"):
+        return FloorBf16(ns, compiled=system == "floor-bf16")
     if system == "floor-busy":  # the floor on every core at once; the group only meets between steps
         dist.init_process_group(backend(ns))
         return Floor(ns)

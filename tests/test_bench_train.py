@@ -64,18 +64,45 @@ def test_the_report_pools_the_rounds_and_divides_by_each_baseline():
     # the floor is the faster of compiled and eager, FSDP2 its faster variant; RSS against that one
     rivals = runs | {"eager": [_result([0.5])], "fsdp2-compile": [_result([4.0], rss=(200.0, 150.0))]}
     best = bench_train.summarize(rivals, ns)
-    assert bench_train.baselines(best) == {"floor": "eager", "fsdp2": "fsdp2-compile"}
+    assert bench_train.baselines(best) == {"floor": "eager", "fsdp2": "fsdp2-compile", "floor-bf16": None,
+                                           "fsdp2-bf16": None}
     assert (best["dcir"]["x_floor"], best["dcir"]["x_fsdp2_speed"], best["dcir"]["x_fsdp2_rss"]) == (8.0, 1.0, 3.0)
     assert best["fsdp2"]["x_fsdp2_speed"] == 0.5 and best["floor"]["x_floor"] == 2.0
-    assert bench_train.table(best, {}).splitlines()[-1] == ("x floor against eager, x fsdp2 speed and RSS against "
+    assert bench_train.table(best, {}).splitlines()[-2] == ("x floor against eager, x fsdp2 speed and RSS against "
                                                           "fsdp2-compile (the faster of floor and eager, of fsdp2 and "
                                                           "fsdp2-compile)")
+    # a bf16 row's ratios are against bf16 baselines only: none ran here
+    assert best["dcir-bf16"]["x_floor"] is best["dcir-bf16"]["x_fsdp2_speed"] is None
     # the table: sent in MiB per step, "-" for a ratio without its baseline, "n/a" for a missing counter
     text = bench_train.table(rows, {"deepspeed": "not installed"}).splitlines()
     assert "sent MiB/step" in text[0] and "x floor" in text[0]
     dcir_line = next(line for line in text if line.startswith("dcir "))
     assert "3.000" in dcir_line.split() and "4.00" in dcir_line.split()
-    assert text[-2].split() == ["deepspeed", "unavailable:", "not", "installed"]
+    assert text[-3].split() == ["deepspeed", "unavailable:", "not", "installed"]  # then the baselines' lines
+
+
+def test_a_bf16_row_is_against_the_floor_and_fsdp2_in_bf16():
+    """A bf16 row (``-bf16`` in its name, over either transport) is measured against the
+    faster of ``floor-bf16`` and ``eager-bf16`` and against ``fsdp2-bf16``, the fp32 rows
+    against theirs; the bf16 floors run in one process, and the table says which rows the
+    bf16 ratios are against."""
+    ns = argparse.Namespace(batch=2, seq=8, accumulate=1, world=2)
+    runs = {"floor": [_result([1.0])], "dcir": [_result([2.0], rss=(300.0, 300.0))],
+            "fsdp2": [_result([4.0], rss=(200.0, 200.0))], "floor-bf16": [_result([0.8])],
+            "eager-bf16": [_result([0.5])], "fsdp2-bf16": [_result([3.0], rss=(100.0, 100.0))],
+            "dcir-fused-bf16+pg": [_result([1.5], rss=(150.0, 120.0))]}
+    rows = bench_train.summarize(runs, ns)
+    assert bench_train.baselines(rows) == {"floor": "floor", "fsdp2": "fsdp2", "floor-bf16": "eager-bf16",
+                                           "fsdp2-bf16": "fsdp2-bf16"}
+    bf16 = rows["dcir-fused-bf16+pg"]
+    assert (bf16["x_floor"], bf16["x_fsdp2_speed"], bf16["x_fsdp2_rss"]) == (3.0, 2.0, 1.5)
+    assert (rows["dcir"]["x_floor"], rows["dcir"]["x_fsdp2_speed"], rows["dcir"]["x_fsdp2_rss"]) == (2.0, 2.0, 1.5)
+    assert rows["floor-bf16"]["x_floor"] == 1.6 and rows["fsdp2-bf16"]["x_fsdp2_speed"] == 1.0
+    assert [bench_train.world_of(s, ns) for s in ("floor-bf16", "eager-bf16", "dcir-fused-bf16")] == [1, 1, 2]
+    assert bench_train.table(rows, {}).splitlines()[-1] == (
+        "bf16 rows: x floor against eager-bf16, x fsdp2 speed and RSS against fsdp2-bf16 "
+        "(the faster of floor-bf16 and eager-bf16)")
+    assert "bf16 rows" not in bench_train.table(bench_train.summarize({"dcir": runs["dcir"]}, ns), {})
 
 
 def test_the_allocator_peak_is_the_largest_ranks_with_dcirs_outbox_against_fsdp2s():
@@ -147,7 +174,7 @@ def test_a_tiny_run_writes_the_report_and_the_traces(tmp_path, capfd):
     assert set(rows) == {"dcir", "dcir-bf16", "fsdp2"}, text
     assert set(report) == {"workload", "baselines", "rounds", "steps", "warmup", "machine", "torch", "seconds",
                            "results", "unavailable", "command"}
-    assert report["baselines"] == {"floor": None, "fsdp2": "fsdp2"}
+    assert report["baselines"] == {"floor": None, "fsdp2": "fsdp2", "floor-bf16": None, "fsdp2-bf16": None}
     parameters = 2 * 64 * 64 + 4 * 64 * 64 + 3 * 64 * 256 + 3 * 64  # embeddings and LM head, attention, MLP, 3 norms
     assert report["workload"]["parameters"] == parameters
     assert report["workload"]["init"] == "meta" and "deepcompile" in report["unavailable"]
@@ -176,7 +203,8 @@ def test_a_tiny_run_writes_the_report_and_the_traces(tmp_path, capfd):
 def test_the_other_systems_run(tmp_path, capfd):
     """The systems the default tier does not run, on the tiny workload: a row each (the
     floor and eager build the model with its values even under --init meta)."""
-    systems = ["floor", "eager", "floor-busy", "dcir-optimized", "dcir-zero1", "dcir-offload", "fsdp2-bf16"]
+    systems = ["floor", "eager", "floor-bf16", "eager-bf16", "floor-busy", "dcir-optimized", "dcir-zero1",
+               "dcir-offload", "dcir-fused-bf16", "fsdp2-bf16"]
     out = tmp_path / "bench.json"
     code = bench_train.main([*TINY, "--systems", ",".join(systems), "--init", "meta", "--json", str(out),
                              "--chart", str(tmp_path / "bench.png")])
@@ -185,7 +213,8 @@ def test_the_other_systems_run(tmp_path, capfd):
     rows = json.loads(out.read_text())["results"]
     assert list(rows) == systems, text
     assert all(set(r) == COLUMNS and r["measured_steps"] == 1 for r in rows.values())
-    assert {n for n, r in rows.items() if r["init"] == "real"} == {"floor", "eager", "floor-busy"}
+    assert {n for n, r in rows.items() if r["init"] == "real"} == {"floor", "eager", "floor-bf16", "eager-bf16",
+                                                                   "floor-busy"}
     # floor-busy: a copy of the floor in each of the world's processes, the slowest rank's step
     busy = json.loads((tmp_path / "bench_train_logs" / "floor-busy-0.json").read_text())
     assert busy["world"] == 2 and len(busy["peak_rss_mib"]) == 2
