@@ -50,6 +50,7 @@ each token through 2 of them:
   before ``fully_shard``): FSDP2's full activation checkpointing;
 * ``fsdp2-compile``: the same with every decoder layer ``torch.compile``'d before
   ``fully_shard``: torchtitan's recipe, the baseline its users run;
+* ``fsdp2-compile-bf16``: the same in ``fsdp2-bf16``'s policy;
 * ``fsdp2-compile-budget``: the same with every decoder layer ``torch.compile``'d before
   ``fully_shard`` (torchtitan's order) under ``torch._functorch.config.activation_memory_budget
   = --compile-budget``: the min-cut partitioner keeps that fraction of the activations;
@@ -134,7 +135,7 @@ the faster FSDP2 row's median step over a row's (``fsdp2`` or ``fsdp2-compile``;
 1: faster than FSDP2), "x fsdp2 RSS" a row's peak RSS over that row's, all in the same
 run (the report's ``baselines`` and the table's last line say which rows; a bf16 row's
 ratios are against the same in bf16: the faster of ``floor-bf16`` and ``eager-bf16``, and
-``fsdp2-bf16``); "start RSS
+of ``fsdp2-bf16`` and ``fsdp2-compile-bf16``); "start RSS
 MiB" the peak before the first step (building, sharding and initializing the model, and
 DCIR's capture; the largest rank's); "first
 step s" the time from a rank's process start to the end of its first step (start-up,
@@ -165,9 +166,9 @@ MALLOC = {"system": {},
           "release": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
 SYSTEMS = ["floor", "eager", "floor-bf16", "eager-bf16", "floor-busy", "dcir", "dcir-prefetch", "dcir-unshard",
            "dcir-optimized", "dcir-inductor", "dcir-fused", "dcir-zero1", "dcir-zero2", "dcir-offload", "dcir-bf16",
-           "dcir-fused-bf16", "dcir-recompute", "dcir-recompute-fused", "fsdp2", "fsdp2-offload",
-           "fsdp2-bf16", "fsdp2-ckpt", "fsdp2-compile", "fsdp2-compile-budget", "deepspeed-zero1", "deepspeed-zero2",
-           "deepspeed", "deepspeed-offload", "dcir-break", "fsdp2-break"]
+           "dcir-fused-bf16", "dcir-recompute", "dcir-recompute-fused", "fsdp2", "fsdp2-offload", "fsdp2-bf16",
+           "fsdp2-ckpt", "fsdp2-compile", "fsdp2-compile-bf16", "fsdp2-compile-budget", "deepspeed-zero1",
+           "deepspeed-zero2", "deepspeed", "deepspeed-offload", "dcir-break", "fsdp2-break"]
 #: the systems given a memory_budget (``--activation-budget``), whose cycle plans recompute within it
 RECOMPUTING = ("dcir-recompute", "dcir-recompute-fused")
 WORKLOAD = [("layers", 6), ("hidden", 256), ("seq", 128), ("batch", 4), ("vocab", 32000), ("accumulate", 1),
@@ -377,7 +378,7 @@ def summarize(runs: dict[str, list[dict]], ns, allocated: dict[str, dict] | None
 #: A bf16 row (``precision``) is against the same in bf16: the floors in FSDP2's bf16 policy,
 #: and ``fsdp2-bf16``
 BASELINES = {"floor": ("floor", "eager"), "fsdp2": ("fsdp2", "fsdp2-compile"),
-             "floor-bf16": ("floor-bf16", "eager-bf16"), "fsdp2-bf16": ("fsdp2-bf16",)}
+             "floor-bf16": ("floor-bf16", "eager-bf16"), "fsdp2-bf16": ("fsdp2-bf16", "fsdp2-compile-bf16")}
 
 
 def precision(system: str) -> str:
@@ -396,7 +397,8 @@ def baselines(rows: dict) -> dict[str, str | None]:
 def table(rows: dict, unavailable: dict) -> str:
     cuda = any(r.get("peak_cuda_mib") is not None for r in rows.values())
     alloc = any(r.get("allocated_mib") is not None for r in rows.values())
-    head = (f"{'system':<18}{'init':<6}{'step s':>9}{'x floor':>9}{'x fsdp2 speed':>15}{'tok/s/rank':>12}{'peak RSS MiB':>14}"
+    w = max(map(len, [*rows, *unavailable, "system"])) + 2  # the system column: its longest name, two spaces
+    head = (f"{'system':<{w}}{'init':<6}{'step s':>9}{'x floor':>9}{'x fsdp2 speed':>15}{'tok/s/rank':>12}{'peak RSS MiB':>14}"
             + (f"{'peak CUDA MiB':>15}" if cuda else "") + f"{'exposed comm s':>16}{'predicted s':>13}"
             + f"{'sent MiB/step':>15}{'x fp32':>8}{'x fsdp2 RSS':>12}{'start RSS MiB':>15}{'first step s':>14}"
             + (f"{'alloc MiB':>11}{'x fsdp2 alloc':>15}" if alloc else ""))
@@ -417,18 +419,19 @@ def table(rows: dict, unavailable: dict) -> str:
         if alloc:
             held = (f"{r['allocated_mib']:>11,.0f}" if r.get("allocated_mib") is not None else f"{'n/a':>11}") + (
                 f"{r['x_fsdp2_allocated']:>15.3f}" if r.get("x_fsdp2_allocated") else f"{'-':>15}")
-        lines.append(f"{system:<18}{r.get('init', 'real'):<6}{r['step_s']:>9.3f}{x:>9}{speed:>15}"
+        lines.append(f"{system:<{w}}{r.get('init', 'real'):<6}{r['step_s']:>9.3f}{x:>9}{speed:>15}"
                      f"{r['tokens_per_s_per_rank']:>12,.0f}{r['peak_rss_mib']:>14,.0f}{gpu}{comm:>16}{pred:>13}"
                      f"{sent:>15}{vs32:>8}{rss:>12}{start:>15}{first:>14}{held}")
     for system, why in unavailable.items():
-        lines.append(f"{system:<18}  unavailable: {why}")
+        lines.append(f"{system:<{w}}unavailable: {why}")
     base = baselines(rows)
     against = "speed, RSS and alloc" if alloc else "speed and RSS"
     lines.append(f"x floor against {base['floor'] or '-'}, x fsdp2 {against} against {base['fsdp2'] or '-'} "
                  f"(the faster of {' and '.join(BASELINES['floor'])}, of {' and '.join(BASELINES['fsdp2'])})")
     if any(precision(s) for s in rows):
         lines.append(f"bf16 rows: x floor against {base['floor-bf16'] or '-'}, x fsdp2 {against} against "
-                     f"{base['fsdp2-bf16'] or '-'} (the faster of {' and '.join(BASELINES['floor-bf16'])})")
+                     f"{base['fsdp2-bf16'] or '-'} (the faster of {' and '.join(BASELINES['floor-bf16'])}, of "
+                     f"{' and '.join(BASELINES['fsdp2-bf16'])})")
     return "\n".join(lines)
 
 

@@ -526,6 +526,8 @@ def make(system: str, ns):
         return Fsdp2(ns, compile_budget=ns.compile_budget)
     if system == "fsdp2-compile":  # torchtitan's recipe: the partitioner's default budget keeps what it likes
         return Fsdp2(ns, compile_budget=1.0)
+    if system == "fsdp2-compile-bf16":
+        return Fsdp2(ns, bf16=True, compile_budget=1.0)
     if system == "dcir-bf16":  # plain zero3, as dcir, in FSDP2's bf16 policy (DeepSpeed's bf16 section)
         return Dcir(ns, inductor=False, extra=BF16)
     if system == "dcir-fused-bf16":

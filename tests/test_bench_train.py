@@ -90,6 +90,7 @@ def test_a_bf16_row_is_against_the_floor_and_fsdp2_in_bf16():
     runs = {"floor": [_result([1.0])], "dcir": [_result([2.0], rss=(300.0, 300.0))],
             "fsdp2": [_result([4.0], rss=(200.0, 200.0))], "floor-bf16": [_result([0.8])],
             "eager-bf16": [_result([0.5])], "fsdp2-bf16": [_result([3.0], rss=(100.0, 100.0))],
+            "fsdp2-compile-bf16": [_result([3.5], rss=(50.0, 50.0))],
             "dcir-fused-bf16+pg": [_result([1.5], rss=(150.0, 120.0))]}
     rows = bench_train.summarize(runs, ns)
     assert bench_train.baselines(rows) == {"floor": "floor", "fsdp2": "fsdp2", "floor-bf16": "eager-bf16",
@@ -98,10 +99,11 @@ def test_a_bf16_row_is_against_the_floor_and_fsdp2_in_bf16():
     assert (bf16["x_floor"], bf16["x_fsdp2_speed"], bf16["x_fsdp2_rss"]) == (3.0, 2.0, 1.5)
     assert (rows["dcir"]["x_floor"], rows["dcir"]["x_fsdp2_speed"], rows["dcir"]["x_fsdp2_rss"]) == (2.0, 2.0, 1.5)
     assert rows["floor-bf16"]["x_floor"] == 1.6 and rows["fsdp2-bf16"]["x_fsdp2_speed"] == 1.0
+    assert rows["fsdp2-compile-bf16"]["x_fsdp2_rss"] == 0.5  # the faster bf16 FSDP2 is the baseline
     assert [bench_train.world_of(s, ns) for s in ("floor-bf16", "eager-bf16", "dcir-fused-bf16")] == [1, 1, 2]
     assert bench_train.table(rows, {}).splitlines()[-1] == (
         "bf16 rows: x floor against eager-bf16, x fsdp2 speed and RSS against fsdp2-bf16 "
-        "(the faster of floor-bf16 and eager-bf16)")
+        "(the faster of floor-bf16 and eager-bf16, of fsdp2-bf16 and fsdp2-compile-bf16)")
     assert "bf16 rows" not in bench_train.table(bench_train.summarize({"dcir": runs["dcir"]}, ns), {})
 
 
@@ -204,7 +206,7 @@ def test_the_other_systems_run(tmp_path, capfd):
     """The systems the default tier does not run, on the tiny workload: a row each (the
     floor and eager build the model with its values even under --init meta)."""
     systems = ["floor", "eager", "floor-bf16", "eager-bf16", "floor-busy", "dcir-optimized", "dcir-zero1",
-               "dcir-offload", "dcir-fused-bf16", "fsdp2-bf16"]
+               "dcir-offload", "dcir-fused-bf16", "fsdp2-bf16", "fsdp2-compile-bf16"]
     out = tmp_path / "bench.json"
     code = bench_train.main([*TINY, "--systems", ",".join(systems), "--init", "meta", "--json", str(out),
                              "--chart", str(tmp_path / "bench.png")])
