@@ -376,7 +376,7 @@ def summarize(runs: dict[str, list[dict]], ns, allocated: dict[str, dict] | None
 #: the rows a ratio may be against: the compute floor is the faster of one process compiled and
 #: eager; FSDP2 is its faster fp32 variant, eager or each block compiled (torchtitan's recipe).
 #: A bf16 row (``precision``) is against the same in bf16: the floors in FSDP2's bf16 policy,
-#: and ``fsdp2-bf16``
+#: and FSDP2 in it, eager or each block compiled
 BASELINES = {"floor": ("floor", "eager"), "fsdp2": ("fsdp2", "fsdp2-compile"),
              "floor-bf16": ("floor-bf16", "eager-bf16"), "fsdp2-bf16": ("fsdp2-bf16", "fsdp2-compile-bf16")}
 

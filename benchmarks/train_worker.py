@@ -16,8 +16,8 @@ built under ``torch.device("meta")``; ``dcir.initialize`` initializes each rank'
 (``fully_shard``, ``model.to_empty(device=...)``, then ``model.initialize_weights()``,
 which runs on the DTensor shards: same distributions, not the single-device values),
 and DeepSpeed ZeRO-3 builds it under ``deepspeed.zero.Init``. ``floor`` and ``eager``
-(one process, nothing to shard; ``floor-bf16`` and ``eager-bf16`` too), ``floor-busy`` (a whole copy in every process) and
-DeepSpeed ZeRO-1/2 build it with its values as with ``--init real``. Every rank also
+(one process, nothing to shard; ``floor-bf16`` and ``eager-bf16`` too), ``floor-busy``
+(a whole copy in every process) and DeepSpeed ZeRO-1/2 build it with its values as with ``--init real``. Every rank also
 reports its process's age at the end of the first step (``first_step_s``: start-up,
 model, capture and the first step) and that step's own
 time (``first_step_time_s``: capture or compiling, and the step). DCIR systems take

@@ -10,18 +10,18 @@ planning, lowering, first calls, compiling; after it a full garbage collection c
 what the other program left, so no collection falls in a counted step, and the ranks
 meet, so no rank's collection falls in another's: ``plan.collect_together``). A step is
 timed from the end of one optimizer step to the end of the next, as a user's loop sees
-it (its data and a loss computed outside included, the same on both sides). The plan comes back and
-stays when, on every rank, its slowest counted step was faster than the replaced
-program's fastest (``lead``); otherwise the program it replaced stays on and the plan is
-not taken again (``Planner.rejected``). With 3 steps a side that is a one-sided rank
-test: two programs equally fast fall that way 1 time in 20. It asks only what it needs:
-a slow step of the program the plan would replace (a collection, a late rank) counts
-against that program, where a test of the medians against the steps' spread kept a plan
-out for it (on the benchmark's sequence 1,024, a plan 24% faster on every step, against
-a spread of 28%). The record has the ranks' agreed figures: each side's median and the
-lead (the largest and the least of the ranks'), the steps' spread (per side, its slowest
-counted step less its fastest over its median; the larger side's, the largest rank's),
-and each rank's own step times.
+it (its data and a loss computed outside included, the same on both sides). The plan
+comes back and stays when, on every rank, its slowest counted step was faster than the
+replaced program's fastest (``lead``); otherwise the program it replaced stays on and
+the plan is not taken again (``Planner.rejected``). With 3 steps a side that is a
+one-sided rank test: two programs equally fast fall that way 1 time in 20. It asks only
+what it needs: a slow step of the program the plan would replace (a collection, a late
+rank) counts against that program, where a test of the medians against the steps' spread
+kept a plan out for it (on the benchmark's sequence 1,024, a plan 24% faster on every
+step, against a spread of 28%). The record has the ranks' agreed figures: each side's
+median and the lead (the largest and the least of the ranks'), the steps' spread (per
+side, its slowest counted step less its fastest over its median; the larger side's, the
+largest rank's), and each rank's own step times.
 """
 
 from __future__ import annotations
