@@ -398,7 +398,8 @@ def table(rows: dict, unavailable: dict) -> str:
     cuda = any(r.get("peak_cuda_mib") is not None for r in rows.values())
     alloc = any(r.get("allocated_mib") is not None for r in rows.values())
     w = max(map(len, [*rows, *unavailable, "system"])) + 2  # the system column: its longest name, two spaces
-    head = (f"{'system':<{w}}{'init':<6}{'step s':>9}{'x floor':>9}{'x fsdp2 speed':>15}{'tok/s/rank':>12}{'peak RSS MiB':>14}"
+    head = (f"{'system':<{w}}{'init':<6}{'step s':>9}{'x floor':>9}{'x fsdp2 speed':>15}{'tok/s/rank':>12}"
+            f"{'peak RSS MiB':>14}"
             + (f"{'peak CUDA MiB':>15}" if cuda else "") + f"{'exposed comm s':>16}{'predicted s':>13}"
             + f"{'sent MiB/step':>15}{'x fp32':>8}{'x fsdp2 RSS':>12}{'start RSS MiB':>15}{'first step s':>14}"
             + (f"{'alloc MiB':>11}{'x fsdp2 alloc':>15}" if alloc else ""))

@@ -84,8 +84,8 @@ def test_the_report_pools_the_rounds_and_divides_by_each_baseline():
 def test_a_bf16_row_is_against_the_floor_and_fsdp2_in_bf16():
     """A bf16 row (``-bf16`` in its name, over either transport) is measured against the
     faster of ``floor-bf16`` and ``eager-bf16`` and of ``fsdp2-bf16`` and
-    ``fsdp2-compile-bf16``, the fp32 rows against theirs; the bf16 floors run in one process, and the table says which rows the
-    bf16 ratios are against."""
+    ``fsdp2-compile-bf16``, the fp32 rows against theirs; the bf16 floors run in one
+    process, and the table says which rows the bf16 ratios are against."""
     ns = argparse.Namespace(batch=2, seq=8, accumulate=1, world=2)
     runs = {"floor": [_result([1.0])], "dcir": [_result([2.0], rss=(300.0, 300.0))],
             "fsdp2": [_result([4.0], rss=(200.0, 200.0))], "floor-bf16": [_result([0.8])],
