@@ -26,6 +26,28 @@ def started_by(value: Value) -> tuple[Op, int] | None:
     return (pending.owner, pending.index) if isinstance(pending.owner, Op) else None
 
 
+def converts(op: Op) -> bool:
+    """Whether ``op`` only converts what it reads: pure, not compute (``mixed_precision``'s
+    ``mem.cast`` of a shard to bf16, ``quantize``'s ``mem.quantize``)."""
+    return registry.has_trait(op, registry.PURE) and not registry.has_trait(op, registry.COMPUTE)
+
+
+def shard_read(value: Value) -> tuple[Op, Op | None] | None:
+    """The state read behind ``value``: (the read, None) when ``value`` is what a
+    ``param.get`` read; (the read, the op) when one op converting its one operand into
+    one result made it from such a read (a shard cast to bf16 before its gather); else None."""
+    owner = value.owner
+    if not isinstance(owner, Op):
+        return None
+    if registry.has_trait(owner, registry.LOADS_STATE):
+        return owner, None
+    if converts(owner) and len(owner.operands) == 1 and len(owner.results) == 1:
+        read = owner.operands[0].owner
+        if isinstance(read, Op) and registry.has_trait(read, registry.LOADS_STATE):
+            return read, owner
+    return None
+
+
 def read_end(op: Op) -> Op:
     """The op at which ``op`` is done reading its operands: for an async op (a collective,
     a copy) the wait that joins it, since the transfer reads them until then; for any

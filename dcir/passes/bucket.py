@@ -6,7 +6,8 @@ the reduce_scatters, in issue order, and tries to merge each into the bucket bef
 it:
 
 * all_gathers: the later start moves up to the bucket's start (with the
-  ``param.get`` of its shard), as one ``comm.all_gather_coalesced``; its buffer is
+  ``param.get`` of its shard, and the ``mem.cast`` of that shard under
+  ``mixed_precision``), as one ``comm.all_gather_coalesced``; its buffer is
   then live from there (``memory budget``);
 * reduce_scatters: the earlier starts move down to the last one's place, as one
   ``comm.reduce_scatter_coalesced`` (same reduction and group); each full gradient
@@ -34,7 +35,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from dcir import ops as registry, search
+from dcir import analysis, ops as registry, search
 from dcir.context import PlanContext
 from dcir.cost import Machine, note_source, payload
 from dcir.fusion import FusionMode
@@ -60,12 +61,11 @@ def _merge(rewriter: Rewriter, a: Op, b: Op, gather: bool) -> Op | None:
     inside = set(between)
     name = registry.coalesced_form(a)
     if gather:
-        # b's shard reads move along; anything else b reads must exist before a
-        gets = [v.owner for v in b.operands if v.owner in inside and registry.has_trait(v.owner, registry.LOADS_STATE)]
-        if any(v.owner in inside and v.owner not in gets for v in b.operands):
+        moved = _gather_inputs(b, inside)
+        if moved is None:
             return None
-        for get in gets:
-            rewriter.move_before(get, a)
+        for op in moved:
+            rewriter.move_before(op, a)
         anchor, attrs = a, _unprofiled(a.attrs)
     else:
         attrs = _unprofiled(a.attrs)
@@ -84,6 +84,22 @@ def _merge(rewriter: Rewriter, a: Op, b: Op, gather: bool) -> Op | None:
     rewriter.replace_op(a, results[:len(a.results)])
     rewriter.replace_op(b, results[len(a.results):])
     return merged
+
+
+def _gather_inputs(b: Op, inside: set[Op]) -> list[Op] | None:
+    """The ops between two gathers that make what the later one, ``b``, sends, in their
+    order, which move up with it: its shard reads, and the cast of each shard to the
+    dtype it is sent in (``mixed_precision``) with that shard's read; None when ``b``
+    reads anything else made between them."""
+    moved = []
+    for v in b.operands:
+        if v.owner not in inside:
+            continue
+        source = analysis.shard_read(v)
+        if source is None:
+            return None
+        moved += [op for op in source if op is not None and op in inside and op not in moved]
+    return moved
 
 
 def _together(func: Function, a: Op, b: Op) -> bool:

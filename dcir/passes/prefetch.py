@@ -60,7 +60,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from dcir import ops as registry
+from dcir import analysis, ops as registry
 from dcir.context import PlanContext
 from dcir.cost import note_source
 from dcir.ir import Module, Op
@@ -85,7 +85,7 @@ def _gather_group(sweep: Sweep, i: int) -> list[int]:
     ops = sweep.func.ops
     group = [i]
     makers = {v.owner for v in ops[i].operands}
-    if len(makers) == 1 and i > 0 and ops[i - 1] in makers and _converts(ops[i - 1]):
+    if len(makers) == 1 and i > 0 and ops[i - 1] in makers and analysis.converts(ops[i - 1]):
         group.insert(0, i - 1)
     top = group[0]
     for v in ops[top].operands:
@@ -96,10 +96,6 @@ def _gather_group(sweep: Sweep, i: int) -> list[int]:
                 and all(registry.has_trait(op, registry.LOADS_STATE) for op in ops[j + 1:top]):
             group.insert(0, j)
     return sorted(group)
-
-
-def _converts(op: Op) -> bool:
-    return registry.has_trait(op, registry.PURE) and not registry.has_trait(op, registry.COMPUTE)
 
 
 def _wait_of(sweep: Sweep, i: int) -> int:

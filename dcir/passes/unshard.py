@@ -12,7 +12,9 @@ gather counts as one gather per tensor, and what is left of it is coalesced agai
 is ranked by communication saved per byte held, the backward gather's transfer time
 (profiled ``prof.time_us``, else the analytic alpha-beta model) over the parameter's
 bytes, and taken in that order while the memory model keeps both functions within
-``budget``. Without a budget every candidate is kept gathered.
+``budget``. Without a budget every candidate is kept gathered. A gather that sends
+its shard cast first (``mixed_precision``) is a candidate too: the backward's cast goes
+with its gather.
 
 With ``micro_steps`` > 1 (gradient accumulation; the Engine passes its own), kept
 parameters stay gathered across the micro-steps of an optimizer step: each gets a
@@ -74,10 +76,12 @@ class Gather:
     wait: Op         # comm.wait
     full: Value      # the gathered tensor
     free: Op | None  # the mem.free that releases it
+    cast: Op | None = None  # what converts the shard before it is sent (``mixed_precision``'s mem.cast)
 
 
-def param_gathers(func: Function) -> dict[str, list[Gather]]:
-    """Single-tensor gathers of a parameter, by parameter."""
+def param_gathers(func: Function, through_casts: bool = False) -> dict[str, list[Gather]]:
+    """Single-tensor gathers of a parameter, by parameter; ``through_casts``: also those
+    that send the shard converted (``analysis.shard_read``)."""
     waits = analysis.waits(func)
     storage = storage_bases(func)
     frees = {}
@@ -89,13 +93,14 @@ def param_gathers(func: Function) -> dict[str, list[Gather]]:
     for op in func.ops:
         if not registry.has_trait(op, registry.GATHERS) or registry.is_coalesced(op):
             continue
-        src = op.operands[0].owner
+        source = analysis.shard_read(op.operands[0])
         wait = waits.get(op.results[0])
-        if not isinstance(src, Op) or not registry.has_trait(src, registry.LOADS_STATE) or wait is None \
+        if source is None or (source[1] is not None and not through_casts) or wait is None \
                 or len(wait.operands) != 1:
             continue
+        src, cast = source
         full = wait.results[0]
-        out.setdefault(src.symbol, []).append(Gather(src, op, wait, full, frees.get(storage.get(full, full))))
+        out.setdefault(src.symbol, []).append(Gather(src, op, wait, full, frees.get(storage.get(full, full)), cast))
     return out
 
 
@@ -146,6 +151,12 @@ def _drop_gather(rewriter: Rewriter, g: Gather) -> None:
     """Erase a gather whose result is no longer read, and its shard read if only it read it."""
     rewriter.erase(g.wait)
     rewriter.erase(g.start)
+    if g.cast is not None:
+        converted = g.cast.results[0]
+        for free in [u for u in converted.users() if registry.has_trait(u, registry.FREES)]:
+            _drop_from_free(rewriter, free, converted)
+        if not converted.uses:
+            rewriter.erase(g.cast)
     if not g.get.results[0].uses:
         rewriter.erase(g.get)
 
@@ -228,10 +239,13 @@ class Unshard(Pass):
 
     def _choose(self, module: Module, f: Function, b: Function, stats: Counter, machine: Machine) -> None:
         note_source(module, stats, "unshard")
-        fws, bws = param_gathers(f), param_gathers(b)
+        # a gathered copy kept across micro-steps is gathered as the parameter is stored
+        # (``_resident``); one handed from @forward to @backward is whatever was sent
+        casts = self.micro_steps == 1
+        fws, bws = param_gathers(f, casts), param_gathers(b, casts)
         last = module.role(roles.BACKWARD_LAST)
         if last is not None:  # the last micro-step's backward gathers the same parameters
-            for name, gs in param_gathers(last).items():
+            for name, gs in param_gathers(last, casts).items():
                 bws.setdefault(name, []).extend(gs)
             if self.micro_steps == 1:  # its saved values are @backward's: no hand-over to two
                 stats["unshard: left as it is (@backward_last: give micro_steps)"] += 1
@@ -242,7 +256,7 @@ class Unshard(Pass):
         ranked = []
         for name, fw in fws.items():
             bw = bws.get(name)
-            if len(fw) != 1 or not bw or len(bw) != 1 or fw[0].free is None:
+            if len(fw) != 1 or not bw or len(bw) != 1 or fw[0].free is None or fw[0].full.type != bw[0].full.type:
                 continue
             nbytes = fw[0].full.type.nbytes
             saved = op_seconds(bw[0].start, machine)[0]
