@@ -84,21 +84,34 @@ def _reference_step(ref: torch.nn.Module, opt, loss_fn, micro: list, world: int,
 
 #: the policy through FSDP2's and DeepSpeed's names, at ZeRO-3, ZeRO-2, with optimizer-state offload, and
 #: with the optimization cycle's schedule passes (planned after step 1's profile); the MLP, and a transformer
-#: (embedding, LayerNorm, attention, cross-entropy in bf16) at ZeRO-3; ZeRO-1 under accumulation (fp32 sums)
+#: (embedding, LayerNorm, attention, cross-entropy in bf16) at ZeRO-3, also with the schedule passes from the
+#: first step (the bf16 weights kept from forward to backward, gathers coalesced); ZeRO-1 under accumulation
 CONFIGS = {"mixed_precision": BF16, "bf16": {"bf16": {"enabled": True}}, "zero2": {**BF16, "zero_stage": 2},
            "offload": {**BF16, "offload": {"budget": 512}},
            "optimized": {**BF16, "optimize": {"passes": ["prefetch", "unshard", "bucket"], "profile_at": [1]}},
-           "transformer": BF16, "zero1_accumulate2": {**BF16, "zero_stage": 1, "gradient_accumulation_steps": 2}}
+           "transformer": BF16, "zero1_accumulate2": {**BF16, "zero_stage": 1, "gradient_accumulation_steps": 2},
+           "transformer_scheduled": {**BF16, "passes": ["prefetch", "unshard", "bucket"]}}
 
 
 def _model(name: str, n: int):
     """(model, ``n`` global batches, loss_fn) of a case."""
     g = torch.Generator().manual_seed(1)
     torch.manual_seed(0)
-    if name == "transformer":
+    if name.startswith("transformer"):
         ids = [torch.randint(0, 64, (ROWS * 2, 16), generator=g) for _ in range(n)]
         return TinyTransformer(), [(i, torch.roll(i, -1, 1)) for i in ids], None
     return mlp(), [(x,) for x in _batches(2, n)], squared
+
+
+def _collectives(module: dcir.Module) -> dict:
+    """How many of each collective the program runs, per function."""
+    counts: dict = {}
+    for name, func in module.functions.items():
+        for op in func.ops:
+            if op.name.startswith("comm.") and op.name != "comm.wait":
+                counts.setdefault(name, {}).setdefault(op.name, 0)
+                counts[name][op.name] += 1
+    return counts
 
 
 def reference(rank: int, world: int) -> dict:
@@ -128,7 +141,7 @@ def reference(rank: int, world: int) -> dict:
                     for p in ref.parameters())
         out[name] = {"max_rel_err": rel(ref), "fp32_rel_err": rel(ref32), "loss_dtype": str(loss.dtype),
                      "host_state": engine.memory()["optimizer_state_host"], "replans": len(engine.optimize_log),
-                     "master_not_bf16": drift > 0,
+                     "master_not_bf16": drift > 0, "collectives": _collectives(engine.module),
                      "shard_dtypes": sorted({str(s.dtype) for s in engine.shards.values()}),
                      "state_dtypes": sorted({str(t.dtype) for st in engine.optimizer.state.values()
                                              for t in st.values() if t.dim() > 0})}

@@ -184,11 +184,14 @@ def test_consecutive_hysteresis_refills_after_every_clean_step():
 def test_bf16_matches_a_reference_that_casts_per_micro_batch(tmp_path, capfd):
     """World 2, param_dtype=bf16 and reduce_dtype=fp32 (and DeepSpeed's bf16 section;
     at ZeRO-3, ZeRO-2, with optimizer-state offload and with the schedule passes; a
-    transformer; ZeRO-1 summing 2 micro-steps in fp32),
+    transformer, also with the schedule passes from the first step, which keep its bf16
+    weights from forward to backward and coalesce its gathers; ZeRO-1 summing 2
+    micro-steps in fp32),
     5 AdamW steps: the fp32 master parameters match the reference in the worker to
     1e-5; a reference without the casts is 1e-3 away, so the casts are what is matched."""
     r = _run(capfd, "reference", tmp_path / "out.json")
-    for name in ("mixed_precision", "bf16", "zero2", "offload", "optimized", "transformer", "zero1_accumulate2"):
+    for name in ("mixed_precision", "bf16", "zero2", "offload", "optimized", "transformer", "zero1_accumulate2",
+                 "transformer_scheduled"):
         case = r[name]
         print(name, "largest relative difference", case["max_rel_err"], "vs fp32 reference", case["fp32_rel_err"])
         assert case["max_rel_err"] <= 1e-5
@@ -196,6 +199,11 @@ def test_bf16_matches_a_reference_that_casts_per_micro_batch(tmp_path, capfd):
         assert case["loss_dtype"] == "torch.bfloat16" and case["master_not_bf16"]
         assert case["shard_dtypes"] == case["state_dtypes"] == ["torch.float32"]
     assert r["offload"]["host_state"] > 0 and r["zero2"]["host_state"] == 0 and r["optimized"]["replans"] == 1
+    plain, scheduled = r["transformer"]["collectives"], r["transformer_scheduled"]["collectives"]
+    print("collectives, zero3:", plain, "with prefetch,unshard,bucket:", scheduled)
+    assert plain["backward"]["comm.all_gather"] > 0 and "comm.all_gather_coalesced" not in plain["forward"]
+    assert "comm.all_gather" not in scheduled["backward"]  # every bf16 weight kept from the forward
+    assert scheduled["forward"].get("comm.all_gather_coalesced", 0) > 0
 
 
 def test_bf16_training_matches_fsdp2(tmp_path, capfd):
