@@ -59,20 +59,30 @@ def _collectives(module: dcir.Module) -> Counter:
     return Counter(op.name for _, op in module.ops() if op.name.startswith("comm."))
 
 
-@pytest.mark.parametrize("pipeline", ["unshard", "bucket", "prefetch,unshard,bucket"])
+@pytest.mark.parametrize("pipeline", ["unshard", "bucket", "prefetch,unshard,bucket", "unshard{micro_steps=2}"])
 def test_the_schedule_passes_take_the_gathers_of_cast_shards(pipeline):
     """In bf16 each gather sends its shard cast first (``mem.cast``): ``unshard`` hands the
-    forward's gathered weight to the backward and ``bucket`` coalesces such gathers, moving
-    each cast up with its shard read, as they do in fp32 (until 2026-11-30 neither touched a
-    gather of a cast shard, and the benchmark's bf16 plans gathered every weight twice, one
-    at a time). The backward that keeps a weight reads neither its shard nor a cast of it."""
+    forward's gathered weight to the backward, or under accumulation gathers it once a
+    step into a bf16 copy, and ``bucket`` coalesces such gathers, moving each cast up with
+    its shard read, as they do in fp32 (until 2026-11-30 neither touched a gather of a cast
+    shard, and the benchmark's bf16 plans gathered every weight twice, one at a time). The
+    backward that keeps a weight reads neither its shard nor a cast of it."""
     f32, bf16 = dcir.run_passes(_captured(), pipeline), dcir.run_passes(_captured(torch.bfloat16), pipeline)
     assert _collectives(bf16) == _collectives(f32)
     assert _collectives(bf16) != _collectives(_captured(torch.bfloat16))
-    if "unshard" in pipeline:
-        backward = bf16.role("backward")
+    backward = bf16.role("backward")
+    if pipeline in ("unshard", "prefetch,unshard,bucket"):
         assert not [op for op in backward.ops if op.name == "param.get" or "all_gather" in op.name]
+    if "unshard" in pipeline:
         assert [op.name for op in backward.ops if op.name == "mem.cast"] == ["mem.cast"] * 4  # the gradients'
+    copies = {d.name: str(d.type) for d in bf16.decls.values() if d.kind == "buffer"}
+    assert copies == ({"0.weight.unsharded": "bf16[16, 8]", "0.bias.unsharded": "bf16[16]",
+                       "2.weight.unsharded": "bf16[4, 16]", "2.bias.unsharded": "bf16[4]"}
+                      if "micro_steps" in pipeline else {})
+    if copies:  # @unshard sends each shard cast, as the gathers it replaced did
+        unshard = bf16.role("unshard")
+        assert [op.name for op in unshard.ops if op.name in ("mem.cast", "comm.all_gather")] == \
+            ["mem.cast", "comm.all_gather"] * 4
 
 
 def test_capture_in_bf16_casts_inputs_and_output():
@@ -185,13 +195,13 @@ def test_bf16_matches_a_reference_that_casts_per_micro_batch(tmp_path, capfd):
     """World 2, param_dtype=bf16 and reduce_dtype=fp32 (and DeepSpeed's bf16 section;
     at ZeRO-3, ZeRO-2, with optimizer-state offload and with the schedule passes; a
     transformer, also with the schedule passes from the first step, which keep its bf16
-    weights from forward to backward and coalesce its gathers; ZeRO-1 summing 2
-    micro-steps in fp32),
+    weights from forward to backward and coalesce its gathers, and under 2 micro-steps
+    gather them once a step into bf16 copies; ZeRO-1 summing 2 micro-steps in fp32),
     5 AdamW steps: the fp32 master parameters match the reference in the worker to
     1e-5; a reference without the casts is 1e-3 away, so the casts are what is matched."""
     r = _run(capfd, "reference", tmp_path / "out.json")
     for name in ("mixed_precision", "bf16", "zero2", "offload", "optimized", "transformer", "zero1_accumulate2",
-                 "transformer_scheduled"):
+                 "transformer_scheduled", "transformer_accumulate2_scheduled"):
         case = r[name]
         print(name, "largest relative difference", case["max_rel_err"], "vs fp32 reference", case["fp32_rel_err"])
         assert case["max_rel_err"] <= 1e-5
@@ -204,6 +214,9 @@ def test_bf16_matches_a_reference_that_casts_per_micro_batch(tmp_path, capfd):
     assert plain["backward"]["comm.all_gather"] > 0 and "comm.all_gather_coalesced" not in plain["forward"]
     assert "comm.all_gather" not in scheduled["backward"]  # every bf16 weight kept from the forward
     assert scheduled["forward"].get("comm.all_gather_coalesced", 0) > 0
+    accumulated = r["transformer_accumulate2_scheduled"]["collectives"]  # gathered once a step, by @unshard
+    print("under 2 micro-steps:", accumulated)
+    assert [f for f, counts in accumulated.items() if any("all_gather" in op for op in counts)] == ["unshard"]
 
 
 def test_bf16_training_matches_fsdp2(tmp_path, capfd):

@@ -23,7 +23,8 @@ a new function ``@unshard`` gathers them all (the Engine runs it before the firs
 micro-step of every optimizer step), and every gather of them in ``@forward`` and
 ``@backward`` becomes a read of the copy. Ranked by the transfer time saved per step
 per byte; a copy is held at every op, so it is taken while the larger function peak
-plus the copies stays within ``budget``.
+plus the copies stays within ``budget``. A copy holds what the gathers made: bf16 where
+they sent the shard cast (``mixed_precision``), and ``@unshard`` casts it too.
 
 Before -> after::
 
@@ -161,6 +162,12 @@ def _drop_gather(rewriter: Rewriter, g: Gather) -> None:
         rewriter.erase(g.get)
 
 
+def _sends(g: Gather) -> tuple:
+    """What ``g`` sends: the shard as stored, or cast (the cast's attributes)."""
+    return () if g.cast is None else (g.cast.name, *sorted((k, str(v)) for k, v in g.cast.attrs.items()
+                                                          if not k.startswith("prof.")))
+
+
 def _keep(module: Module, name: str, fw: Gather, bw: Gather) -> None:
     """Hand ``fw.full`` from @forward to @backward in place of @backward's gather."""
     f, b = module.role(roles.FORWARD), module.role(roles.BACKWARD)
@@ -176,12 +183,14 @@ def _keep(module: Module, name: str, fw: Gather, bw: Gather) -> None:
 
 def _resident(module: Module, name: str, gathers: list[Gather]) -> str:
     """Read the parameter from its gathered copy: declare ``buffer @<p>.unsharded``,
-    filled by ``@unshard``; every gather of it becomes a read of the copy."""
+    filled by ``@unshard``, in the type the gathers make (bf16 where they send the
+    shard cast); every gather of it becomes a read of the copy."""
     decl = module.decls[name]
     copy = name + ".unsharded"
     while copy in module.decls:
         copy += "_"
-    module.decls[copy] = Decl("buffer", copy, decl.full_type, {UNSHARD_OF: SymbolRef(name)})
+    full_type = gathers[0].full.type if gathers else decl.full_type
+    module.decls[copy] = Decl("buffer", copy, full_type, {UNSHARD_OF: SymbolRef(name)})
     for func in module.functions.values():
         rewriter = Rewriter(func)
         for g in (x for x in gathers if x.start in func.ops):
@@ -194,22 +203,28 @@ def _resident(module: Module, name: str, gathers: list[Gather]) -> str:
     return copy
 
 
-def _unshard_function(module: Module, copies: list[tuple[str, str]]) -> None:
-    """``@unshard``: gathers each kept parameter into its copy; the Engine runs it
-    before the first micro-step of every optimizer step. Each gathered buffer is freed
-    once stored, by the free placement (``dcir.passes.free``)."""
+def _unshard_function(module: Module, copies: list[tuple[str, str, Op | None]]) -> None:
+    """``@unshard``: gathers each kept parameter into its copy (name, copy, and the
+    ``mem.cast`` its gathers sent the shard through, which this one sends it through
+    too); the Engine runs it before the first micro-step of every optimizer step. Each
+    gathered buffer is freed once stored, by the free placement (``dcir.passes.free``)."""
     func = Function(roles.UNSHARD, role=roles.UNSHARD)
     rewriter = Rewriter(func)
-    for name, copy in copies:
+    for name, copy, cast in copies:
         decl = module.decls[name]
         base = name.replace(".", "_")
         shard = Value(func.fresh_name(base + "_shard"), decl.type)
         rewriter.append([Op("param.get", [], [shard], symbol=name)])
-        pending = Value(func.fresh_name(base + "_pending"), PendingType(decl.full_type))
+        if cast is not None:
+            sent = Value(func.fresh_name(base + "_sent"), cast.results[0].type)
+            rewriter.append([Op(cast.name, [shard], [sent], {k: v for k, v in cast.attrs.items()
+                                                              if not k.startswith("prof.")})])
+            shard = sent
+        pending = Value(func.fresh_name(base + "_pending"), PendingType(module.decls[copy].type))
         over = decl.type.over  # gathered over the ranks the shards are split over (HSDP: the node's)
         start = Op("comm.all_gather", [shard], [pending], {"group": over} if over else {})
         rewriter.append([start])
-        full = Value(func.fresh_name(base), decl.full_type)
+        full = Value(func.fresh_name(base), module.decls[copy].type)
         rewriter.append([Op(registry.wait_for(start), [pending], [full]), Op("param.set", [full], [], symbol=copy)])
     place_frees(func, Counter())
     module.functions[roles.UNSHARD] = func
@@ -239,13 +254,10 @@ class Unshard(Pass):
 
     def _choose(self, module: Module, f: Function, b: Function, stats: Counter, machine: Machine) -> None:
         note_source(module, stats, "unshard")
-        # a gathered copy kept across micro-steps is gathered as the parameter is stored
-        # (``_resident``); one handed from @forward to @backward is whatever was sent
-        casts = self.micro_steps == 1
-        fws, bws = param_gathers(f, casts), param_gathers(b, casts)
+        fws, bws = param_gathers(f, True), param_gathers(b, True)
         last = module.role(roles.BACKWARD_LAST)
         if last is not None:  # the last micro-step's backward gathers the same parameters
-            for name, gs in param_gathers(last, casts).items():
+            for name, gs in param_gathers(last, True).items():
                 bws.setdefault(name, []).extend(gs)
             if self.micro_steps == 1:  # its saved values are @backward's: no hand-over to two
                 stats["unshard: left as it is (@backward_last: give micro_steps)"] += 1
@@ -290,22 +302,22 @@ class Unshard(Pass):
         ranked = []
         for name in sorted(set(fws) | set(bws)):
             gathers = fws.get(name, []) + bws.get(name, [])
-            if any(g.free is None for g in gathers):
-                continue
+            if any(g.free is None for g in gathers) or len({(g.full.type, _sends(g)) for g in gathers}) > 1:
+                continue  # one copy serves every gather: they must make the same tensor
             once = sum(op_seconds(g.start, machine)[0] for g in gathers)
             saved = once * self.micro_steps - op_seconds(gathers[0].start, machine)[0]
-            nbytes = module.decls[name].full_type.nbytes
+            nbytes = gathers[0].full.type.nbytes
             ranked.append((saved / max(nbytes, 1), name, gathers))
         ranked.sort(key=lambda c: (-c[0], c[1]))
         worst = max(t.peak for t in timelines(module).values())
         copies = []
         for _, name, gathers in ranked:
-            nbytes = module.decls[name].full_type.nbytes
+            nbytes = gathers[0].full.type.nbytes
             if self.budget is not None and worst + nbytes > self.budget:
                 stats["unshard: parameters left sharded (memory budget)"] += 1
                 continue
             worst += nbytes  # held at every op, over the peak of either function at worst
-            copies.append((name, _resident(module, name, gathers)))
+            copies.append((name, _resident(module, name, gathers), gathers[0].cast))
             stats["unshard: parameters kept gathered across micro-steps"] += 1
         if copies:
             _unshard_function(module, copies)

@@ -68,7 +68,7 @@ def replicate_parameters(module: Module, stats: Counter, pass_name: str) -> None
     copies = []
     for name, decl in list(module.decls.items()):
         if decl.kind == "param" and isinstance(decl.type, ShardType):
-            copies.append((name, _resident(module, name, gathers.get(name, []))))
+            copies.append((name, _resident(module, name, gathers.get(name, [])), None))
             stats[f"{pass_name}: parameters replicated"] += 1
     if copies:
         _unshard_function(module, copies)
