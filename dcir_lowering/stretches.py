@@ -124,10 +124,12 @@ def _frees_in_place(split: fx.GraphModule, graph: fx.Graph) -> fx.Graph:
     before it: ``_arrange`` moved it to its stretch's end, which only a compiled stretch
     needs (the call holds its memory until it returns anyway); in a part run in place it
     would hold the memory longer than the IR says. Nothing reads a freed value after the
-    free (the verifier proves it), so only the ops before it in the IR must run first."""
+    free (the verifier proves it), so only the ops before it in the IR must run first,
+    and the nodes that make what it frees (the picking of a compiled stretch's result
+    comes after the call, and may carry no IR op of its own)."""
     for free in reversed([n for n in graph.nodes if _runtime_op(n) == "free"]):  # one op's frees keep their order
-        k, n = free.meta[OP_INDEX], free.prev
-        while n.op != "root" and not any(i < k for i in _ir_ops(split, n)):
+        k, n, inputs = free.meta[OP_INDEX], free.prev, set(free.all_input_nodes)
+        while n.op != "root" and n not in inputs and not any(i < k for i in _ir_ops(split, n)):
             n = n.prev
         if n.op != "root" and n.next is not free:
             n.append(free)

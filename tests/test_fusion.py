@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import operator
 import re
 from pathlib import Path
 
@@ -153,6 +154,26 @@ def test_a_function_run_eagerly_views_what_a_compiled_one_laid_out():
         steps.append((program.train_step(x), program.state["w"].grad))
     assert any(isinstance(m, stretches._Compiled) for m in program.runs["forward"].children())
     torch.testing.assert_close(steps[1], steps[0], rtol=1e-5, atol=1e-6)
+
+def test_a_free_stays_after_the_picking_of_the_stretch_result_it_frees():
+    """``_frees_in_place`` moves a free back to just after the last op the IR runs before
+    it, but never above the node that makes what it frees: the picking of a compiled
+    stretch's result (``getitem``) follows the call and may carry no IR op (seen in a
+    bf16 plan under accumulation: the program raised UnboundLocalError on its backward)."""
+    native.load()
+    split = torch.nn.Module()
+    split.submod_1 = torch.nn.Module()
+    split.submod_1.ops = [0, 1]
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    call = graph.call_module("submod_1", (x,))
+    first, second = (graph.call_function(operator.getitem, (call, i)) for i in (0, 1))
+    free = graph.call_function(torch.ops.dcir.free, (first,))
+    free.meta[OP_INDEX] = 2
+    graph.output(second)
+    order = [n.name for n in stretches._frees_in_place(split, graph).nodes]
+    assert order.index(free.name) > order.index(first.name) > order.index(call.name), order
+
 
 def test_training_with_fused_stretches_matches_eager():
     """The fuse pass on the captured program (analytic costs), lowered: the marked
