@@ -8,8 +8,10 @@ steps: 2 sequences per rank and micro-step, 2 micro-steps per step, AdamW with w
 decay, warmup then a cosine schedule, gradients clipped to norm 1, a checkpoint every 5
 steps, an evaluation on 16 held-out sequences every 10. ``--resume`` continues from the
 newest complete checkpoint in ``--out`` (a job stopped by SIGKILL, restarted). At the
-end the model is saved in ``--out/final`` (``from_pretrained`` loads it) and rank 0
-writes the logged training and evaluation losses to ``--out/log.json``.
+end the model is saved in ``--out/final`` (``from_pretrained`` loads it), rank 0
+writes the logged training and evaluation losses to ``--out/log.json``, and the process
+group is destroyed: a rank that exits with it alive can abort at exit while gloo's worker
+threads still hold work (seen once in CI: SIGABRT after the final save).
 """
 
 import argparse
@@ -84,6 +86,8 @@ def main():
                   for key in ("loss", "eval_loss")}
         with open(os.path.join(ns.out, "log.json"), "w") as f:
             json.dump(logged, f)
+    if torch.distributed.is_initialized():  # before the interpreter ends: gloo's threads may still hold work
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
