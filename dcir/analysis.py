@@ -10,6 +10,7 @@ import networkx as nx
 from dcir import ops as registry
 from dcir.ir import Function, Op, Value
 
+
 def waits(func: Function) -> dict[Value, Op]:
     """For every pending value of ``func``, the wait (``comm.wait``, ``mem.wait``) that joins it."""
     return {v: op for op in func.ops if registry.has_trait(op, registry.WAITS) for v in op.operands}
@@ -34,14 +35,15 @@ def converts(op: Op) -> bool:
 
 def shard_read(value: Value) -> tuple[Op, Op | None] | None:
     """The state read behind ``value``: (the read, None) when ``value`` is what a
-    ``param.get`` read; (the read, the op) when one op converting its one operand into
-    one result made it from such a read (a shard cast to bf16 before its gather); else None."""
+    ``param.get`` read; (the read, the op) when one op converting its one operand made it
+    from such a read (a shard cast to bf16 before its gather, or its int8 copy or scales,
+    ``quantize``'s ``mem.quantize``); else None."""
     owner = value.owner
     if not isinstance(owner, Op):
         return None
     if registry.has_trait(owner, registry.LOADS_STATE):
         return owner, None
-    if converts(owner) and len(owner.operands) == 1 and len(owner.results) == 1:
+    if converts(owner) and len(owner.operands) == 1:
         read = owner.operands[0].owner
         if isinstance(read, Op) and registry.has_trait(read, registry.LOADS_STATE):
             return read, owner
@@ -64,7 +66,8 @@ def dependency_graph(func: Function) -> nx.DiGraph:
     Edges carry ``kind``: ``"data"`` (a result feeds an operand), ``"state"`` (reads and
     writes of the same symbol keep their order), ``"collective"`` (collectives keep
     their order on every rank) and ``"free"`` (a ``mem.free`` follows every reader of
-    what it frees or of a view of it, and the wait of every async op that reads it). Any topological order of this graph is a valid schedule.
+    what it frees or of a view of it, and the wait of every async op that reads it).
+    Any topological order of this graph is a valid schedule.
     """
     g = nx.DiGraph()
     g.add_nodes_from(range(len(func.ops)))

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 import dcir
+from dcir import ops as registry
 from dcir.layout import ShardLayout
 from dcir_runtime import RankFailure
 from dcir_runtime.accounting import fixed_bytes, scheduled_bytes
@@ -751,46 +752,58 @@ def _many_in_flight(d, g, rank: int, world: int, outbox: int, where: torch.devic
 
 def _gather_bytes(module) -> int:
     """Bytes this rank hands to the gathers of one micro-step's forward and backward."""
-    from dcir import ops as registry
     return sum(v.type.nbytes for name in ("forward", "backward") for op in module.functions[name].ops
                if registry.has_trait(op, registry.GATHERS) for v in op.operands)
 
 
+def _train_quantized(config: dict, steps: int, rank: int, world: int) -> dict:
+    """A Llama trained ``steps`` AdamW steps under ``config`` (over the process group
+    unless it says otherwise), from the seed every run starts from, on the same batches:
+    the ranks' mean loss of each micro-step, the bytes this rank sent per step (either
+    transport counts them), the bytes its gathers moved per micro-step (from the
+    program), and the final parameters' checksum."""
+    torch.manual_seed(0)
+    engine = dcir.initialize(tiny_llama(), lambda ps: torch.optim.AdamW(ps, lr=3e-3),
+                             config={"timeout_s": 60, "transport": "process_group", **config},
+                             loss_fn=lambda o: o.loss)
+    ENGINES.append(engine)
+    micro = config.get("gradient_accumulation_steps", 1)
+    g, losses = torch.Generator().manual_seed(1), []
+    before = engine.process_group.traffic()["world"]["bytes"]
+    for _ in range(steps * micro):
+        args, kwargs = _slice(_llama_batch(g, ROWS * world), rank * ROWS, (rank + 1) * ROWS)
+        loss = engine(*args, **kwargs)
+        engine.backward(loss)
+        engine.step()
+        losses.append(torch.tensor(loss.item()).reshape(1).clone())
+    sent = (engine.process_group.traffic()["world"]["bytes"] - before) / steps
+    mean = [torch.distributed.all_reduce(x) or x.item() / world for x in losses]
+    module = engine.ir()
+    backward_gathers = sum(1 for op in module.role("backward").ops if registry.has_trait(op, registry.GATHERS))
+    return {"losses": mean, "bytes_per_step": sent, "gather_bytes": _gather_bytes(module),
+            "shm": engine.transport_bytes > 0, "backward_gathers": backward_gathers,
+            "unshard": module.role("unshard") is not None,
+            "checksum": sum(float(t.double().sum()) for t in engine.full_parameters().values())}
+
+
 def quantized(out: str, steps: int) -> None:
-    """A Llama trained ``steps`` AdamW steps three times from one init, on the same
-    batches: ZeRO-3 in fp32, with int8 parameter gathers (``zero_quantized_weights``,
-    over the process group) and with int8 gathers and gradient reductions (also
-    ``zero_quantized_gradients``, over shared memory, with the schedule passes). Rank 0
-    writes the loss curves, the
-    bytes this rank sent per step (either transport counts them), and the bytes its
-    gathers moved per micro-step (from each program)."""
+    """The Llama of ``_train_quantized`` trained in ZeRO-3 fp32, with int8 parameter
+    gathers (``zero_quantized_weights``), and with int8 gathers and gradient reductions
+    (also ``zero_quantized_gradients``, over shared memory, with the schedule passes);
+    then int8 gathers with the schedule passes over the process group, and under 2
+    micro-steps without and with ``unshard`` (copies gathered once a step). Rank 0 writes
+    each run's figures."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    runs = {}
-    both = {"zero_quantized_weights": True, "zero_quantized_gradients": True, "transport": "auto",
-            "passes": ["prefetch", "unshard", "bucket"]}
-    for name, extra in (("fp32", {}), ("int8", {"zero_quantized_weights": True}), ("int8_grads", both)):
-        torch.manual_seed(0)
-        engine = dcir.initialize(tiny_llama(), lambda ps: torch.optim.AdamW(ps, lr=3e-3),
-                                 config={"timeout_s": 60, "transport": "process_group", **extra},
-                                 loss_fn=lambda o: o.loss)
-        ENGINES.append(engine)
-        g, losses = torch.Generator().manual_seed(1), []
-        before = engine.process_group.traffic()["world"]["bytes"]
-        for _ in range(steps):
-            args, kwargs = _slice(_llama_batch(g, ROWS * world), rank * ROWS, (rank + 1) * ROWS)
-            loss = engine(*args, **kwargs)
-            engine.backward(loss)
-            engine.step()
-            losses.append(torch.tensor(loss.item()).reshape(1).clone())
-        sent = (engine.process_group.traffic()["world"]["bytes"] - before) / steps
-        mean = [torch.distributed.all_reduce(x) or x.item() / world for x in losses]
-        runs[name] = {"losses": mean, "bytes_per_step": sent, "gather_bytes": _gather_bytes(engine.ir()),
-                      "shm": engine.transport_bytes > 0}
+    int8, scheduled = {"zero_quantized_weights": True}, {"passes": ["prefetch", "unshard", "bucket"]}
+    both = {**int8, **scheduled, "zero_quantized_gradients": True, "transport": "auto"}
+    accumulate = {**int8, "gradient_accumulation_steps": 2}
+    runs = {name: _train_quantized(config, steps, rank, world) for name, config in (
+        ("fp32", {}), ("int8", int8), ("int8_grads", both), ("int8_scheduled", {**int8, **scheduled}),
+        ("int8_accumulate2", accumulate), ("int8_accumulate2_unshard", {**accumulate, "passes": ["unshard"]}))}
     if rank == 0:
         Path(out).write_text(json.dumps(runs, indent=1))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()  # gloo's threads must not outlive the interpreter
-
 
 if __name__ == "__main__":
     if sys.argv[1] == "equivalence":

@@ -7,8 +7,8 @@ it:
 
 * all_gathers: the later start moves up to the bucket's start (with the
   ``param.get`` of its shard, and the ``mem.cast`` of that shard under
-  ``mixed_precision``), as one ``comm.all_gather_coalesced``; its buffer is
-  then live from there (``memory budget``);
+  ``mixed_precision`` or its ``mem.quantize`` under ``quantize``), as one
+  ``comm.all_gather_coalesced``; its buffer is then live from there (``memory budget``);
 * reduce_scatters: the earlier starts move down to the last one's place, as one
   ``comm.reduce_scatter_coalesced`` (same reduction and group); each full gradient
   then lives until that start (``memory budget``), and no wait of a merged
@@ -88,9 +88,9 @@ def _merge(rewriter: Rewriter, a: Op, b: Op, gather: bool) -> Op | None:
 
 def _gather_inputs(b: Op, inside: set[Op]) -> list[Op] | None:
     """The ops between two gathers that make what the later one, ``b``, sends, in their
-    order, which move up with it: its shard reads, and the cast of each shard to the
-    dtype it is sent in (``mixed_precision``) with that shard's read; None when ``b``
-    reads anything else made between them."""
+    order, which move up with it: its shard reads, and what converts each shard to what
+    is sent (``mixed_precision``'s cast, ``quantize``'s int8 copy and scales) with that
+    shard's read; None when ``b`` reads anything else made between them."""
     moved = []
     for v in b.operands:
         if v.owner not in inside:

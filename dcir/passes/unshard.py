@@ -13,8 +13,10 @@ is ranked by communication saved per byte held, the backward gather's transfer t
 (profiled ``prof.time_us``, else the analytic alpha-beta model) over the parameter's
 bytes, and taken in that order while the memory model keeps both functions within
 ``budget``. Without a budget every candidate is kept gathered. A gather that sends
-its shard cast first (``mixed_precision``) is a candidate too: the backward's cast goes
-with its gather.
+its shard cast first (``mixed_precision``), or quantized to int8 and rebuilt after its
+wait (``quantize``), is a candidate too: the backward's cast, or quantize and rebuild,
+go with its gather; the forward hands over what its own gather made, so a parameter is
+kept only where both send it the same way.
 
 With ``micro_steps`` > 1 (gradient accumulation; the Engine passes its own), kept
 parameters stay gathered across the micro-steps of an optimizer step: each gets a
@@ -24,7 +26,8 @@ micro-step of every optimizer step), and every gather of them in ``@forward`` an
 ``@backward`` becomes a read of the copy. Ranked by the transfer time saved per step
 per byte; a copy is held at every op, so it is taken while the larger function peak
 plus the copies stays within ``budget``. A copy holds what the gathers made: bf16 where
-they sent the shard cast (``mixed_precision``), and ``@unshard`` casts it too.
+they sent the shard cast (``mixed_precision``), the weight rebuilt from int8 where they
+quantized it (``quantize``), and ``@unshard`` sends the shard the same way.
 
 Before -> after::
 
@@ -77,12 +80,45 @@ class Gather:
     wait: Op         # comm.wait
     full: Value      # the gathered tensor
     free: Op | None  # the mem.free that releases it
-    cast: Op | None = None  # what converts the shard before it is sent (``mixed_precision``'s mem.cast)
+    #: what converts the shard before it is sent: ``mixed_precision``'s mem.cast, or ``quantize``'s
+    #: mem.quantize (its int8 copy and scales, both sent)
+    cast: Op | None = None
+    #: what makes the gathered tensor of what the wait gave (``quantize``'s mem.dequantize)
+    rebuild: Op | None = None
+
+
+def _same(values: list[Value], others: list[Value]) -> bool:
+    return len(values) == len(others) and all(a is b for a, b in zip(values, others))
+
+
+def _sent_from(start: Op) -> tuple[Op, Op | None] | None:
+    """The shard read behind all that ``start`` sends and the op that converts it (None:
+    the shard is sent as read): one tensor, or every result of one converting op (the
+    int8 copy and scales of ``mem.quantize``); None when it sends anything else."""
+    sources = [analysis.shard_read(v) for v in start.operands]
+    if any(s is None for s in sources) or len({(id(r), id(c)) for r, c in sources}) != 1:
+        return None
+    read, convert = sources[0]
+    return (read, convert) if _same(start.operands, convert.results if convert else read.results) else None
+
+
+def _rebuilt(wait: Op) -> tuple[Value, Op | None] | None:
+    """The gathered tensor ``wait`` makes: its one result, or the one result of the
+    converting op that alone reads all of them (``mem.dequantize``); else None."""
+    if len(wait.results) == 1:
+        return wait.results[0], None
+    readers = {u for r in wait.results for u in r.users() if not registry.has_trait(u, registry.FREES)}
+    rebuild = readers.pop() if len(readers) == 1 else None
+    if rebuild is None or not analysis.converts(rebuild) or len(rebuild.results) != 1 \
+            or not _same(rebuild.operands, wait.results):
+        return None
+    return rebuild.results[0], rebuild
 
 
 def param_gathers(func: Function, through_casts: bool = False) -> dict[str, list[Gather]]:
-    """Single-tensor gathers of a parameter, by parameter; ``through_casts``: also those
-    that send the shard converted (``analysis.shard_read``)."""
+    """Gathers of one parameter each, waited alone, by parameter; ``through_casts``: also
+    those that send the shard converted (``analysis.shard_read``): cast to bf16, or
+    quantized to int8 and rebuilt after the wait."""
     waits = analysis.waits(func)
     storage = storage_bases(func)
     frees = {}
@@ -92,32 +128,41 @@ def param_gathers(func: Function, through_casts: bool = False) -> dict[str, list
                 frees.setdefault(storage.get(v, v), op)
     out: dict[str, list[Gather]] = {}
     for op in func.ops:
-        if not registry.has_trait(op, registry.GATHERS) or registry.is_coalesced(op):
+        if not registry.has_trait(op, registry.GATHERS):
             continue
-        source = analysis.shard_read(op.operands[0])
-        wait = waits.get(op.results[0])
+        source, wait = _sent_from(op), waits.get(op.results[0])
         if source is None or (source[1] is not None and not through_casts) or wait is None \
-                or len(wait.operands) != 1:
+                or not _same(wait.operands, op.results):
             continue
-        src, cast = source
-        full = wait.results[0]
-        out.setdefault(src.symbol, []).append(Gather(src, op, wait, full, frees.get(storage.get(full, full)), cast))
+        made = _rebuilt(wait)
+        if made is None:
+            continue
+        (src, cast), (full, rebuild) = source, made
+        free = frees.get(storage.get(full, full))
+        out.setdefault(src.symbol, []).append(Gather(src, op, wait, full, free, cast, rebuild))
     return out
 
 
 def _split_coalesced(func: Function) -> list[tuple[Op, list[Op]]]:
-    """Each coalesced gather becomes one single gather per tensor at its place, yielding
-    the same values, so that every gather of a parameter is seen (a kept parameter
-    gathered again in a coalesced gather would be gathered twice). Returns (coalesced
-    op, its parts) for ``_merge_back``."""
-    rewriter, groups = Rewriter(func), []
+    """Each coalesced gather becomes one gather per wait that joins it (one tensor, or
+    the int8 copy and scales of a quantized one) at its place, yielding the same values,
+    so that every gather of a parameter is seen (a kept parameter gathered again in a
+    coalesced gather would be gathered twice). Returns (coalesced op, its parts) for
+    ``_merge_back``."""
+    rewriter, groups, waits = Rewriter(func), [], analysis.waits(func)
     for op in list(func.ops):
         if not registry.has_trait(op, registry.GATHERS) or not registry.is_coalesced(op):
             continue
-        parts = [Op(registry.single_form(op), [v], [Value(r.name, r.type)], loc=op.loc)
-                 for v, r in zip(op.operands, op.results)]
+        joined: dict[int, list[int]] = {}
+        for k, r in enumerate(op.results):
+            joined.setdefault(id(waits.get(r, r)), []).append(k)
+        attrs = {k: v for k, v in op.attrs.items() if not k.startswith("prof.")}  # the group stays
+        parts = [Op(op.name if len(ks) > 1 else registry.single_form(op), [op.operands[k] for k in ks],
+                    [Value(op.results[k].name, op.results[k].type) for k in ks], dict(attrs), loc=op.loc)
+                 for ks in joined.values()]
         rewriter.insert_before(op, parts)
-        rewriter.replace_op(op, [p.results[0] for p in parts])
+        by_name = {r.name: r for p in parts for r in p.results}
+        rewriter.replace_op(op, [by_name[r.name] for r in op.results])
         groups.append((op, parts))
     return groups
 
@@ -132,11 +177,12 @@ def _merge_back(func: Function, groups: list[tuple[Op, list[Op]]]) -> None:
             continue
         attrs = coalesced.attrs if len(left) == len(parts) else \
             {k: v for k, v in coalesced.attrs.items() if not k.startswith("prof.")}
-        merged = Op(coalesced.name, [p.operands[0] for p in left],
-                    [Value(p.results[0].name, p.results[0].type) for p in left], dict(attrs), loc=coalesced.loc)
+        merged = Op(coalesced.name, [v for p in left for v in p.operands],
+                    [Value(r.name, r.type) for p in left for r in p.results], dict(attrs), loc=coalesced.loc)
         rewriter.insert_before(left[0], [merged])
-        for p, r in zip(left, merged.results):
-            rewriter.replace_op(p, [r])
+        made = iter(merged.results)
+        for p in left:
+            rewriter.replace_op(p, [next(made) for _ in p.results])
 
 
 def _drop_from_free(rewriter: Rewriter, free: Op, value: Value) -> None:
@@ -148,24 +194,34 @@ def _drop_from_free(rewriter: Rewriter, free: Op, value: Value) -> None:
         rewriter.erase(free)
 
 
+def _drop_frees(rewriter: Rewriter, values: list[Value]) -> None:
+    """No free releases ``values`` any more."""
+    for v in values:
+        for free in [u for u in v.users() if registry.has_trait(u, registry.FREES)]:
+            _drop_from_free(rewriter, free, v)
+
+
 def _drop_gather(rewriter: Rewriter, g: Gather) -> None:
-    """Erase a gather whose result is no longer read, and its shard read if only it read it."""
+    """Erase a gather whose result is no longer read, with what converted the shard for
+    it and rebuilt its result, and its shard read if only it read it."""
+    if g.rebuild is not None:
+        rewriter.erase(g.rebuild)
+        _drop_frees(rewriter, g.wait.results)
     rewriter.erase(g.wait)
     rewriter.erase(g.start)
     if g.cast is not None:
-        converted = g.cast.results[0]
-        for free in [u for u in converted.users() if registry.has_trait(u, registry.FREES)]:
-            _drop_from_free(rewriter, free, converted)
-        if not converted.uses:
+        _drop_frees(rewriter, g.cast.results)
+        if not any(r.uses for r in g.cast.results):
             rewriter.erase(g.cast)
     if not g.get.results[0].uses:
         rewriter.erase(g.get)
 
 
 def _sends(g: Gather) -> tuple:
-    """What ``g`` sends: the shard as stored, or cast (the cast's attributes)."""
-    return () if g.cast is None else (g.cast.name, *sorted((k, str(v)) for k, v in g.cast.attrs.items()
-                                                          if not k.startswith("prof.")))
+    """What ``g`` sends and makes of it: the shard as stored, or converted and rebuilt
+    (those ops' names and attributes)."""
+    return tuple((op.name, *sorted((k, str(v)) for k, v in op.attrs.items() if not k.startswith("prof.")))
+                 for op in (g.cast, g.rebuild) if op is not None)
 
 
 def _keep(module: Module, name: str, fw: Gather, bw: Gather) -> None:
@@ -203,31 +259,52 @@ def _resident(module: Module, name: str, gathers: list[Gather]) -> str:
     return copy
 
 
-def _unshard_function(module: Module, copies: list[tuple[str, str, Op | None]]) -> None:
-    """``@unshard``: gathers each kept parameter into its copy (name, copy, and the
-    ``mem.cast`` its gathers sent the shard through, which this one sends it through
-    too); the Engine runs it before the first micro-step of every optimizer step. Each
-    gathered buffer is freed once stored, by the free placement (``dcir.passes.free``)."""
+def _like(op: Op, operands: list[Value], results: list[Value]) -> Op:
+    """An op doing what ``op`` does, on ``operands`` (its profile left behind)."""
+    return Op(op.name, operands, results, {k: v for k, v in op.attrs.items() if not k.startswith("prof.")})
+
+
+def _unshard_function(module: Module, copies: list[tuple[str, str, Gather | None]]) -> None:
+    """``@unshard``: gathers each kept parameter into its copy (name, copy, and one of
+    the gathers it replaces: what that one sent the shard through, cast or quantized,
+    and rebuilt the tensor with, this one does too); the Engine runs it before the first
+    micro-step of every optimizer step. Each gathered buffer is freed once stored, by the
+    free placement (``dcir.passes.free``)."""
     func = Function(roles.UNSHARD, role=roles.UNSHARD)
-    rewriter = Rewriter(func)
-    for name, copy, cast in copies:
+    rewriter, fresh = Rewriter(func), func.name_maker()
+    for name, copy, like in copies:
         decl = module.decls[name]
         base = name.replace(".", "_")
-        shard = Value(func.fresh_name(base + "_shard"), decl.type)
-        rewriter.append([Op("param.get", [], [shard], symbol=name)])
-        if cast is not None:
-            sent = Value(func.fresh_name(base + "_sent"), cast.results[0].type)
-            rewriter.append([Op(cast.name, [shard], [sent], {k: v for k, v in cast.attrs.items()
-                                                              if not k.startswith("prof.")})])
-            shard = sent
-        pending = Value(func.fresh_name(base + "_pending"), PendingType(module.decls[copy].type))
+        sent = [Value(fresh(base + "_shard"), decl.type)]
+        rewriter.append([Op("param.get", [], sent, symbol=name)])
+        if like is not None and like.cast is not None:
+            converted = [Value(fresh(base + "_sent"), r.type) for r in like.cast.results]
+            rewriter.append([_like(like.cast, sent, converted)])
+            sent = converted
+        pending = [Value(fresh(base + "_pending"), PendingType(v.type.full)) for v in sent]
         over = decl.type.over  # gathered over the ranks the shards are split over (HSDP: the node's)
-        start = Op("comm.all_gather", [shard], [pending], {"group": over} if over else {})
-        rewriter.append([start])
-        full = Value(func.fresh_name(base), module.decls[copy].type)
-        rewriter.append([Op(registry.wait_for(start), [pending], [full]), Op("param.set", [full], [], symbol=copy)])
+        start = Op("comm.all_gather" if len(sent) == 1 else "comm.all_gather_coalesced", sent, pending,
+                   {"group": over} if over else {})
+        rebuild = like.rebuild if like is not None else None
+        got = [Value(fresh(base + ("_got" if rebuild else "")), p.type.inner) for p in pending]
+        rewriter.append([start, Op(registry.wait_for(start), pending, got)])
+        full = got[0]
+        if rebuild is not None:
+            full = Value(fresh(base), module.decls[copy].type)
+            rewriter.append([_like(rebuild, got, [full])])
+        rewriter.append([Op("param.set", [full], [], symbol=copy)])
     place_frees(func, Counter())
     module.functions[roles.UNSHARD] = func
+
+
+def gather_once_a_step(module: Module, params: list[tuple[str, list[Gather]]]) -> None:
+    """Every parameter of ``params`` (its name, and its gathers in every function) read
+    from a copy that ``@unshard`` gathers once per optimizer step, the way its gathers
+    did: what ``zero2`` does to every parameter, and ``unshard`` under accumulation to
+    those it keeps."""
+    copies = [(name, _resident(module, name, gathers), gathers[0] if gathers else None) for name, gathers in params]
+    if copies:
+        _unshard_function(module, copies)
 
 
 @dataclass(frozen=True)
@@ -268,8 +345,9 @@ class Unshard(Pass):
         ranked = []
         for name, fw in fws.items():
             bw = bws.get(name)
-            if len(fw) != 1 or not bw or len(bw) != 1 or fw[0].free is None or fw[0].full.type != bw[0].full.type:
-                continue
+            if len(fw) != 1 or not bw or len(bw) != 1 or fw[0].free is None or fw[0].full.type != bw[0].full.type \
+                    or _sends(fw[0]) != _sends(bw[0]):
+                continue  # the backward would read another tensor than its gather made
             nbytes = fw[0].full.type.nbytes
             saved = op_seconds(bw[0].start, machine)[0]
             ranked.append((saved / max(nbytes, 1), name, fw[0], bw[0]))
@@ -310,14 +388,13 @@ class Unshard(Pass):
             ranked.append((saved / max(nbytes, 1), name, gathers))
         ranked.sort(key=lambda c: (-c[0], c[1]))
         worst = max(t.peak for t in timelines(module).values())
-        copies = []
+        kept = []
         for _, name, gathers in ranked:
             nbytes = gathers[0].full.type.nbytes
             if self.budget is not None and worst + nbytes > self.budget:
                 stats["unshard: parameters left sharded (memory budget)"] += 1
                 continue
             worst += nbytes  # held at every op, over the peak of either function at worst
-            copies.append((name, _resident(module, name, gathers), gathers[0].cast))
+            kept.append((name, gathers))
             stats["unshard: parameters kept gathered across micro-steps"] += 1
-        if copies:
-            _unshard_function(module, copies)
+        gather_once_a_step(module, kept)

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from dcir.context import PlanContext
 from dcir.ir import Module, ShardType
 from dcir.passes import Pass
-from dcir.passes.unshard import _resident, _unshard_function, param_gathers
+from dcir.passes.unshard import gather_once_a_step, param_gathers
 from dcir.passes.zero3 import Zero3
 
 
@@ -65,13 +65,11 @@ def replicate_parameters(module: Module, stats: Counter, pass_name: str) -> None
     for func in module.functions.values():
         for name, gs in param_gathers(func).items():
             gathers.setdefault(name, []).extend(gs)
-    copies = []
-    for name, decl in list(module.decls.items()):
-        if decl.kind == "param" and isinstance(decl.type, ShardType):
-            copies.append((name, _resident(module, name, gathers.get(name, [])), None))
-            stats[f"{pass_name}: parameters replicated"] += 1
-    if copies:
-        _unshard_function(module, copies)
+    replicated = [(name, gathers.get(name, [])) for name, decl in module.decls.items()
+                  if decl.kind == "param" and isinstance(decl.type, ShardType)]
+    if replicated:
+        stats[f"{pass_name}: parameters replicated"] += len(replicated)
+    gather_once_a_step(module, replicated)
 
 
 @dataclass(frozen=True)
