@@ -5,10 +5,20 @@ Passes read these and do not re-derive them.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import networkx as nx
 
 from dcir import ops as registry
-from dcir.ir import Function, Op, Value
+from dcir.ir import Function, Module, Op, Value
+
+
+def collectives(module: Module) -> dict[str, int]:
+    """How many collectives of each kind ``module``'s functions hold (``all_gather``,
+    ``reduce_scatter_coalesced``...), one count per op, however often a step runs it."""
+    counts = Counter(op.name.removeprefix("comm.") for _, op in module.ops()
+                     if registry.has_trait(op, registry.COLLECTIVE))
+    return dict(sorted(counts.items()))
 
 
 def waits(func: Function) -> dict[Value, Op]:

@@ -28,6 +28,7 @@ from typing import Callable
 import torch.distributed as dist
 
 import dcir
+from dcir import analysis
 from dcir.context import PlanContext
 from dcir.cost import FUSED, SHARED_MEMORY, fitted_fused_share, profiled_us
 from dcir.sim import estimate_module
@@ -221,7 +222,8 @@ class Planner:
         forced, self._forced = self._forced, False
         take, reason = self._verdict(profiled, module, running, base.attrs.get(NOISE, 0.0), forced, record)
         record.update(budget=budget, switched=take, pipeline=module.attrs.get(PLANNED_BY, ""), reason=reason,
-                      predicted_peak=memory_peaks(module if take else running))
+                      predicted_peak=memory_peaks(module if take else running),
+                      collectives={"captured": analysis.collectives(base), "plan": analysis.collectives(module)})
         self.log.append(record)
         if take and trial and not forced and self.config.optimize["trial_steps"]:
             self.trial = Trial(module, running, record, self.config.optimize["trial_steps"],

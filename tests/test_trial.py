@@ -176,6 +176,9 @@ def test_the_engine_runs_a_trial_and_trains_as_without_one():
     assert losses == plain
     [cycle] = engine.optimize_log
     assert cycle["step"] == 2 and cycle["gain"] > cycle["needed_gain"], cycle
+    # what the passes did to the collectives: the backward's one gather gone
+    assert cycle["collectives"] == {"captured": {"all_gather": 5, "reduce_scatter": 4},
+                                    "plan": {"all_gather": 4, "reduce_scatter": 4}}, cycle
     assert cycle["reason"] in ("faster", "measured slower") and set(cycle["trial"]) == \
         {"previous_s", "plan_s", "lead", "noise", "steps", "times"}, cycle
     stays = cycle["reason"] == "faster"
