@@ -286,9 +286,10 @@ class Dcir:
 
     def optimize_log(self) -> list[dict]:
         """Each cycle's record: the pipeline planned, why it was taken, its budget, predicted peak and step,
-        and the profiled step's measured peak per function beside the memory model's for it."""
+        the profiled step's measured peak per function beside the memory model's for it, and the collectives
+        of the captured schedule and of the plan."""
         keys = ("step", "pipeline", "reason", "switched", "budget", "predicted_s", "planned_s", "predicted_peak",
-                "measured_peak", "predicted_peak_profiled", "noise", "gain", "needed_gain", "trial")
+                "measured_peak", "predicted_peak_profiled", "noise", "gain", "needed_gain", "trial", "collectives")
         return [{**{k: r.get(k) for k in keys}, "cached": r.get("cached", False)} for r in self.engine.optimize_log]
 
     def save(self, path: str) -> None:
