@@ -21,6 +21,12 @@ def collectives(module: Module) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+def unprofiled(attrs: dict) -> dict:
+    """An op's attributes without what a profile wrote into them (``prof.*``): what a
+    copy of the op, or a merge of several, carries."""
+    return {k: v for k, v in attrs.items() if not k.startswith("prof.")}
+
+
 def waits(func: Function) -> dict[Value, Op]:
     """For every pending value of ``func``, the wait (``comm.wait``, ``mem.wait``) that joins it."""
     return {v: op for op in func.ops if registry.has_trait(op, registry.WAITS) for v in op.operands}

@@ -49,10 +49,6 @@ def _kind(trait: str):
     return lambda op: registry.has_trait(op, trait) and registry.coalesced_form(op) is not None
 
 
-def _unprofiled(attrs: dict) -> dict:
-    return {k: v for k, v in attrs.items() if not k.startswith("prof.")}
-
-
 def _merge(rewriter: Rewriter, a: Op, b: Op, gather: bool) -> Op | None:
     """Merge ``b`` into ``a`` (gathers: at ``a``'s place; reductions: at ``b``'s) and return
     the coalesced op, or None (nothing changed) when the merge would break an order it must keep."""
@@ -66,10 +62,10 @@ def _merge(rewriter: Rewriter, a: Op, b: Op, gather: bool) -> Op | None:
             return None
         for op in moved:
             rewriter.move_before(op, a)
-        anchor, attrs = a, _unprofiled(a.attrs)
+        anchor, attrs = a, analysis.unprofiled(a.attrs)
     else:
-        attrs = _unprofiled(a.attrs)
-        if name != registry.coalesced_form(b) or attrs != _unprofiled(b.attrs):
+        attrs = analysis.unprofiled(a.attrs)
+        if name != registry.coalesced_form(b) or attrs != analysis.unprofiled(b.attrs):
             return None  # a different reduction or group
         if len({v.type.dtype for v in (*a.operands, *b.operands)}) > 1:
             return None  # one buffer is summed: another dtype would be converted (gathers move bytes)

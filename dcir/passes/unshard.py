@@ -156,7 +156,7 @@ def _split_coalesced(func: Function) -> list[tuple[Op, list[Op]]]:
         joined: dict[int, list[int]] = {}
         for k, r in enumerate(op.results):
             joined.setdefault(id(waits.get(r, r)), []).append(k)
-        attrs = {k: v for k, v in op.attrs.items() if not k.startswith("prof.")}  # the group stays
+        attrs = analysis.unprofiled(op.attrs)  # the group stays
         parts = [Op(op.name if len(ks) > 1 else registry.single_form(op), [op.operands[k] for k in ks],
                     [Value(op.results[k].name, op.results[k].type) for k in ks], dict(attrs), loc=op.loc)
                  for ks in joined.values()]
@@ -175,8 +175,7 @@ def _merge_back(func: Function, groups: list[tuple[Op, list[Op]]]) -> None:
         left = [p for p in parts if p in where]
         if len(left) < 2 and len(left) != len(parts):
             continue
-        attrs = coalesced.attrs if len(left) == len(parts) else \
-            {k: v for k, v in coalesced.attrs.items() if not k.startswith("prof.")}
+        attrs = coalesced.attrs if len(left) == len(parts) else analysis.unprofiled(coalesced.attrs)
         merged = Op(coalesced.name, [v for p in left for v in p.operands],
                     [Value(r.name, r.type) for p in left for r in p.results], dict(attrs), loc=coalesced.loc)
         rewriter.insert_before(left[0], [merged])
@@ -220,7 +219,7 @@ def _drop_gather(rewriter: Rewriter, g: Gather) -> None:
 def _sends(g: Gather) -> tuple:
     """What ``g`` sends and makes of it: the shard as stored, or converted and rebuilt
     (those ops' names and attributes)."""
-    return tuple((op.name, *sorted((k, str(v)) for k, v in op.attrs.items() if not k.startswith("prof.")))
+    return tuple((op.name, *sorted((k, str(v)) for k, v in analysis.unprofiled(op.attrs).items()))
                  for op in (g.cast, g.rebuild) if op is not None)
 
 
@@ -261,7 +260,7 @@ def _resident(module: Module, name: str, gathers: list[Gather]) -> str:
 
 def _like(op: Op, operands: list[Value], results: list[Value]) -> Op:
     """An op doing what ``op`` does, on ``operands`` (its profile left behind)."""
-    return Op(op.name, operands, results, {k: v for k, v in op.attrs.items() if not k.startswith("prof.")})
+    return Op(op.name, operands, results, analysis.unprofiled(op.attrs))
 
 
 def _unshard_function(module: Module, copies: list[tuple[str, str, Gather | None]]) -> None:
