@@ -46,7 +46,8 @@ class Config:
     #: taken when predicted faster by more than the profiles' noise and by enough to pay
     #: for any peak it raises (``memory_price``, default 0.1: a plan raising the peak by
     #: 30% must save 3% of the step), then measured against the running program over
-    #: ``trial_steps`` steps each (default 3; 0: no trial)
+    #: ``trial_steps`` steps each (default 3; 0: no trial; twice as many when only the
+    #: plan's median step was faster at the first look)
     optimize: dict | None = None
     #: clip the gradients of every optimizer step to this global L2 norm, taken over every
     #: rank's shards (DeepSpeed's ``gradient_clipping``; ``engine.clip_grad_norm_`` is

@@ -159,9 +159,9 @@ class Planner:
         return module
 
     def _try(self, seconds: float, steps: int, stretches=None) -> dcir.Module | None:
-        """A step of the trial (``runtime.trial``): the replaced program's turn after the plan's,
-        then the verdict (the plan back, if it won). A ``profile_at`` step in it profiles after.
-        What the plan's compiled stretches took prices the next plans' (``_learn_fusion``)."""
+        """A step of the trial (``runtime.trial``): the replaced program's turn after the plan's, then
+        the verdict (the plan back, if it won; undecided: both once more). A ``profile_at`` step in it
+        profiles after. What the plan's compiled stretches took prices the next plans' (``_learn_fusion``)."""
         trial = self.trial
         trial.due = trial.due or (steps in self.config.optimize["profile_at"] and steps > self.planned_through)
         skipped = trial.skip
@@ -173,8 +173,10 @@ class Planner:
             if stretches is not None:
                 _learn_fusion(self.group, self.history, trial.plan, stretches())
             return trial.next_side()
-        self.trial = None
         stays = trial.verdict(self.group)
+        if stays is None:  # undecided: each side once more
+            return trial.again()
+        self.trial = None
         winner = trial.plan if stays else trial.previous
         if not stays:
             self.rejected.add(schedule_text(trial.plan))
