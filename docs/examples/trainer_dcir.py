@@ -93,8 +93,8 @@ def main():
 if __name__ == "__main__":
     main()
     # Under the Trainer the gloo group can outlive destroy_process_group: DDP holds it, and so does
-    # DeepSpeed where it is installed (transformers imports it once the group exists, and its comm
-    # module's barrier keeps the group as a default argument). A worker thread of the group can then
+    # DeepSpeed where it is installed (the Trainer's stack imports it once the group exists, and its
+    # comm module's barrier keeps the group as a default argument). A worker thread of the group can then
     # still be dropping the last collective's work while the interpreter finalizes. That work holds
     # a Python object, Python ends the thread as it takes the GIL, and the rank aborts ("terminate
     # called without an active exception", SIGABRT): 10 of 63 runs of a two-rank DDP script here,
