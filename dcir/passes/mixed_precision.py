@@ -15,7 +15,8 @@ places the casts where they pay:
 * a gradient is cast to ``reduce_dtype`` before its reduction (``comm.reduce_scatter``
   or ``comm.all_reduce``), so the ranks sum in that dtype, and the reduced gradient is
   cast to fp32 before ``grad.set`` when ``reduce_dtype`` is not fp32: the optimizer
-  always sees fp32 gradients;
+  always sees fp32 gradients. The cast copy is freed after the reduction's wait; the
+  gradient itself right after the cast, when the reduction was its last reader;
 * ``zero1``'s gradient accumulators hold ``reduce_dtype`` when it is wider than
   ``param_dtype``, so the micro-steps' gradients are summed in it (the add promotes).
 
@@ -40,6 +41,7 @@ Before -> after (``zero3`` on 2 ranks, then ``mixed_precision{param_dtype=bf16}`
     mem.free(%w_shard)
     ...
     %g_f32 = mem.cast(%g) {dtype = f32} : f32[4, 8]
+    mem.free(%g)
     %g_pending = comm.reduce_scatter(%g_f32) {op = "avg"} : pending<shard<f32[4, 8], 2>>
     %g_shard = comm.wait(%g_pending) : shard<f32[4, 8], 2>
     mem.free(%g_f32)
@@ -105,6 +107,17 @@ class _Edit:
         """Free ``value`` once ``reader`` is done reading it (after its wait, when it is async)."""
         self.frees.release(self.rewriter, value, after=reader)
 
+    def free_at_cast(self, value: Value, was_read_by: Op) -> None:
+        """``value``'s storage, last read by ``was_read_by`` (an async op, until its wait)
+        until a cast of it took its place there, goes right after that cast: its free moves
+        up to ``was_read_by``'s place, before it starts."""
+        base = self.frees.bases.get(value, value)
+        sharing = [base, *(v for v, b in self.frees.bases.items() if b is base)]
+        readers = [u for v in sharing for u in v.users() if u in self.order]
+        free = next((u for u in readers if registry.has_trait(u, registry.FREES)), None)
+        if free is not None and all(self.order[u] < self.order[was_read_by] for u in readers if u is not free):
+            self.rewriter.move_before(free, was_read_by)
+
     def set_operand(self, op: Op, index: int, value: Value) -> None:
         self.rewriter.set_operands(op, [value if k == index else v for k, v in enumerate(op.operands)])
 
@@ -141,7 +154,8 @@ def cast_parameter_read(m: Match) -> object:
 
 def cast_gradient(m: Match) -> object:
     """grad.set @p(%g_shard) of a reduced gradient: the reduction's operand %g is cast to
-    reduce_dtype before it (and freed after its wait), the reduction's results retyped;
+    reduce_dtype before it (the copy freed after its wait, %g after the cast when the
+    reduction was its last reader), the reduction's results retyped;
     then %g_shard is cast to f32 before grad.set when it is not f32 already."""
     edit, op, policy, stats = m["edit"], m.root, m["policy"], m["stats"]
     grad = op.operands[0]
@@ -149,8 +163,10 @@ def cast_gradient(m: Match) -> object:
     if reduction is not None:
         start, k = reduction
         if start.operands[k].type.dtype != policy.reduce_dtype:
-            edit.set_operand(start, k, edit.cast(start.operands[k], policy.reduce_dtype, start))
+            low = start.operands[k]
+            edit.set_operand(start, k, edit.cast(low, policy.reduce_dtype, start))
             edit.free_when_done(start.operands[k], start)
+            edit.free_at_cast(low, start)
             stats["gradients reduced in " + policy.reduce_dtype] += 1
         reduced = start.operands[k].type.dtype  # (an accumulated sum may be in reduce_dtype already)
         edit.retype(start.results[k], reduced)

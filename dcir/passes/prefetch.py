@@ -211,31 +211,38 @@ def _reduction_done(sweep: Sweep, i: int, group: list[int]) -> int:
 
 
 def _start_group(sweep: Sweep, i: int) -> list[int]:
-    """A reduction's start; a quantized one's (``comm.all_to_all`` of the rows) with the
-    run that begins at the ``mem.quantize`` making them: the all-to-alls of the rows and
-    of their scales and the free of the gradient they were made from, which move together."""
+    """A reduction's start, with the run that begins at the op making what it sends from
+    the gradient, when one does: ``mixed_precision``'s ``mem.cast`` to ``reduce_dtype``
+    (the start reads only the cast), or a quantized reduction's ``mem.quantize`` (the
+    ``comm.all_to_all`` of the rows and of their scales). The frees of the gradient that
+    follow the run move with it."""
     ops, own = sweep.func.ops, sweep.storage
     made_by = ops[i].operands[0].owner
     j = sweep.position.get(made_by)
-    if not registry.has_trait(ops[i], registry.EXCHANGES) or j is None:
+    quantized = registry.has_trait(ops[i], registry.EXCHANGES)
+    cast = len(ops[i].operands) == 1 and j is not None and registry.has_trait(made_by, registry.CASTS)
+    if j is None or not (quantized or cast):
         return [i]
     source = {own.get(v, v) for v in made_by.operands}
     group = [j]
     for k in range(j + 1, len(ops)):
         op = ops[k]
-        exchanged = registry.has_trait(op, registry.EXCHANGES) and op.operands[0].owner is made_by
-        if not (exchanged or (registry.has_trait(op, registry.FREES) and {own.get(v, v) for v in op.operands} <= source)):
+        sends = k == i or (registry.has_trait(op, registry.EXCHANGES) and op.operands[0].owner is made_by)
+        if not (sends or (registry.has_trait(op, registry.FREES) and {own.get(v, v) for v in op.operands} <= source)):
             break
         group.append(k)
     return group if i in group else [i]
 
 
 def _reduction_cost(sweep: Sweep, i: int, group: list[int], pos: int) -> tuple[int, int, int]:
-    return sum(device_bytes(r) for r in sweep.func.ops[i].results), pos, group[0]
+    """What a start moved earlier makes live from there: its results, and what the ops
+    moving with it make (a cast's copy, a quantized gradient's rows and scales)."""
+    return sum(device_bytes(r) for j in group for r in sweep.func.ops[j].results), pos, group[0]
 
 
 # A reduction starts as soon as its gradient is computed (captured backward graphs
-# compute every gradient before handing any over) ...
+# compute every gradient before handing any over), with the cast or quantization
+# making what it sends ...
 HOIST_REDUCTIONS = Move(
     "reduce_scatter", anchor=_reduces, group=_start_group, direction="earlier",
     limits=(AFTER_DEPENDENCIES,), cost=_reduction_cost)
