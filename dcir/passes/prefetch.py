@@ -148,8 +148,9 @@ def _reduction_start(sweep: Sweep, i: int) -> int:
 
 def _wait_group(sweep: Sweep, i: int) -> list[int] | None:
     """The wait, then the ops right after it that only finish the reduction: the sum of
-    a quantized reduction's rows (``mem.dequantize_reduce``), the grad.set of its
-    results, and the frees of what the reduction read and of the rows once summed."""
+    a quantized reduction's rows (``mem.dequantize_reduce``), the cast of its results
+    to fp32 (``mixed_precision`` reducing in bf16), the grad.set of its results, and the
+    frees of what the reduction read and of the rows once summed."""
     ops = sweep.func.ops
     wait = ops[i]
     own = sweep.storage
@@ -162,8 +163,8 @@ def _wait_group(sweep: Sweep, i: int) -> list[int] | None:
         reads = set(op.operands)
         if registry.has_trait(op, registry.GRADIENT) and reads <= results:
             group.append(j)
-        elif registry.has_trait(op, registry.REDUCES) and not registry.has_trait(op, registry.ASYNC) \
-                and reads <= results:
+        elif (registry.has_trait(op, registry.CASTS) or registry.has_trait(op, registry.REDUCES)
+              and not registry.has_trait(op, registry.ASYNC)) and reads <= results:
             group.append(j)
             results |= set(op.results)
         elif registry.has_trait(op, registry.FREES) and {own.get(v, v) for v in reads} <= inputs | results:
