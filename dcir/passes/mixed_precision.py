@@ -108,9 +108,9 @@ class _Edit:
         self.frees.release(self.rewriter, value, after=reader)
 
     def free_at_cast(self, value: Value, was_read_by: Op) -> None:
-        """``value``'s storage, last read by ``was_read_by`` (an async op, until its wait)
-        until a cast of it took its place there, goes right after that cast: its free moves
-        up to ``was_read_by``'s place, before it starts."""
+        """``was_read_by`` (an async op, reading until its wait) reads a cast of ``value``
+        now, inserted right before it: when nothing else read ``value``'s storage after
+        that, its free moves up to just after the cast, its last reader now."""
         base = self.frees.bases.get(value, value)
         sharing = [base, *(v for v, b in self.frees.bases.items() if b is base)]
         readers = [u for v in sharing for u in v.users() if u in self.order]
