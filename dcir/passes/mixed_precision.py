@@ -84,7 +84,8 @@ def retyped(t: Type, dtype: str) -> Type:
 
 class _Edit:
     """The rewriter of one function, with what this pass's rewrites read: fresh names,
-    the ops' original order, and the placer of its frees (``dcir.passes.free``)."""
+    the ops' original order, the placer of its frees (``dcir.passes.free``) and the
+    values sharing each storage (a base and its views)."""
 
     def __init__(self, func: Function):
         self.func = func
@@ -92,6 +93,9 @@ class _Edit:
         self.fresh = func.name_maker()
         self.order = {op: i for i, op in enumerate(func.ops)}
         self.frees = FreePlacer(func)
+        self.sharing: dict[Value, list[Value]] = {}
+        for view, base in self.frees.bases.items():
+            self.sharing.setdefault(base, [base]).append(view)
 
     def first_user(self, value: Value) -> Op | None:
         users = [u for u in value.users() if u in self.order]
@@ -112,8 +116,7 @@ class _Edit:
         now, inserted right before it: when nothing else read ``value``'s storage after
         that, its free moves up to just after the cast, its last reader now."""
         base = self.frees.bases.get(value, value)
-        sharing = [base, *(v for v, b in self.frees.bases.items() if b is base)]
-        readers = [u for v in sharing for u in v.users() if u in self.order]
+        readers = [u for v in self.sharing.get(base, [base]) for u in v.users() if u in self.order]
         free = next((u for u in readers if registry.has_trait(u, registry.FREES)), None)
         if free is not None and all(self.order[u] < self.order[was_read_by] for u in readers if u is not free):
             self.rewriter.move_before(free, was_read_by)
