@@ -24,7 +24,8 @@ time (``first_step_time_s``: capture or compiling, and the step). DCIR systems t
 ``--program-cache DIR`` (the Engine's ``program_cache``), ``--save-checkpoint DIR`` (after
 the last step) and ``--load-checkpoint DIR`` (before the first, timed: ``load_s``), what
 ``bench_restart.py`` runs a restart with. ``--rss-trace``
-prints each rank's resident and peak memory at each stage to stderr. ``--trace DIR``
+prints each rank's resident and peak memory at each stage to stderr, and after the last
+step its resident memory by what holds it (``resident_by_kind``). ``--trace DIR``
 (DCIR systems): after the measured steps, one more optimizer step runs traced
 (``Engine.trace``), each rank writing ``DIR/rank<N>.json``; it is not among the measured.
 
@@ -166,6 +167,32 @@ def process_age_s() -> float:
             return float(f.read().split()[0]) - started
     except (OSError, ValueError, IndexError):
         return time.monotonic() - _IMPORTED
+
+
+def resident_by_kind(smaps: str = "/proc/self/smaps") -> dict[str, float]:
+    """This process's resident memory now by what holds it, in MiB (Linux ``smaps``):
+    ``anonymous`` (the heap and anonymous maps: tensors, Python's objects, and the freed
+    memory glibc keeps), ``shared memory`` (``/dev/shm``: DCIR's outboxes, each rank's
+    mapped by every rank, so each counts them all), ``libraries`` (``.so`` files) and
+    ``files`` (other mapped files)."""
+    kinds = dict.fromkeys(("anonymous", "shared memory", "libraries", "files"), 0.0)
+    kind = "anonymous"
+    with open(smaps) as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if fields[0] == "Rss:":
+                kinds[kind] += int(fields[1]) / 1024
+            elif not fields[0].endswith(":"):  # a mapping's header: address range, ..., path
+                kind = _mapping_kind(fields[5].strip() if len(fields) == 6 else "")
+    return kinds
+
+
+def _mapping_kind(path: str) -> str:
+    if not path or path.startswith("["):  # [heap], [stack], [anon:...]
+        return "anonymous"
+    if path.startswith("/dev/shm/"):
+        return "shared memory"
+    return "libraries" if ".so" in path.rsplit("/", 1)[-1] else "files"
 
 
 def rss_trace(ns, stage: str, runner=None) -> None:
@@ -626,6 +653,9 @@ def main() -> None:
             waits.append(waited)
             sent.append(runner.sent_bytes() - sent0 if sent0 is not None else None)
         step += 1
+    if ns.rss_trace:
+        by_kind = ", ".join(f"{k} {v:.1f}" for k, v in resident_by_kind().items())
+        print(f"rss-trace rank {os.environ.get('RANK', '0')} resident MiB by kind: {by_kind}", file=sys.stderr, flush=True)
     if ns.trace and hasattr(runner, "trace"):  # one more step, traced, not measured
         os.makedirs(ns.trace, exist_ok=True)
         runner.trace(os.path.join(ns.trace, f"rank{rank}.json"))

@@ -12,6 +12,7 @@ import pytest
 
 import bench_train  # benchmarks/ (pytest's pythonpath)
 import trace_lateness
+import train_worker
 
 #: the smallest workload the benchmark Llama takes (one head is 64 wide); 4 steps, so DCIR's
 #: profiled steps (2-4) are behind it when --trace traces the fifth
@@ -159,6 +160,20 @@ def test_both_transports_put_each_dcir_rows_process_group_run_beside_it():
     summary = bench_train.summarize({"dcir+pg": [_result([2.0])], "dcir-bf16+pg": [_result([1.0])]},
                                     argparse.Namespace(batch=2, seq=8, accumulate=1))
     assert summary["dcir-bf16+pg"]["x_fp32"] == 0.5
+
+
+def test_resident_memory_is_split_by_what_maps_it(tmp_path):
+    """``--rss-trace``'s breakdown: each mapping's ``Rss`` goes to its kind, a shared-memory
+    outbox (unlinked once every rank mapped it) to shared memory."""
+    smaps = tmp_path / "smaps"
+    smaps.write_text(
+        "55d0-55e0 rw-p 00000000 00:00 0                          [heap]\nSize: 64 kB\nRss: 2048 kB\n"
+        "7f00-7f10 rw-p 00000000 00:00 0 \nRss: 1024 kB\nAnonymous: 1024 kB\n"
+        "7f10-7f20 rw-s 00000000 00:1a 12 /dev/shm/dcir-3fa2-1 (deleted)\nRss: 3072 kB\n"
+        "7f20-7f30 r-xp 00000000 08:01 99 /usr/lib/libtorch_cpu.so\nRss: 512 kB\n"
+        "7f30-7f40 r--p 00000000 08:01 98 /usr/lib/locale/C.utf8/LC_CTYPE\nRss: 256 kB\n")
+    assert train_worker.resident_by_kind(str(smaps)) == {
+        "anonymous": 3.0, "shared memory": 3.0, "libraries": 0.5, "files": 0.25}
 
 
 def test_a_tiny_run_writes_the_report_and_the_traces(tmp_path, capfd):
