@@ -140,11 +140,12 @@ MiB" the peak before the first step (building, sharding and initializing the mod
 DCIR's capture; the largest rank's); "first
 step s" the time from a rank's process start to the end of its first step (start-up,
 model, capture, first step; the slowest rank's, median over rounds). ``--rss-trace``
-makes every rank log its resident and peak memory at each stage (in
-``bench_train_logs/*.log``). ``--trace`` makes every DCIR run trace one more step after
-its measured ones (not measured): ``bench_train_logs/<system>-<round>-trace/rank<N>.json``,
-Chrome traces with the measured and predicted schedule (``docs/simulator.md``, "Reading
-a trace"; ``benchmarks/trace_lateness.py`` reads them).
+makes every rank log its resident and peak memory at each stage, and after its last step
+its resident memory by what maps it (in ``bench_train_logs/*.log``). ``--trace`` makes
+every DCIR run trace one more step after its measured ones (not measured):
+``bench_train_logs/<system>-<round>-trace/rank<N>.json``, Chrome traces with the measured
+and predicted schedule (``docs/simulator.md``, "Reading a trace";
+``benchmarks/trace_lateness.py`` reads them).
 """
 
 from __future__ import annotations
@@ -506,7 +507,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--init", choices=("real", "meta"), default="real",
                     help="real: every rank builds the model with its values; meta: the sharded systems build it on "
                          "the meta device and initialize only their shards (default real)")
-    ap.add_argument("--rss-trace", action="store_true", help="each rank logs its RSS at each stage")
+    ap.add_argument("--rss-trace", action="store_true", help="each rank logs its RSS at each stage, and "
+                    "after the last step its resident memory by kind (anonymous, shared memory, libraries, files)")
     ap.add_argument("--trace", action="store_true",
                     help="each DCIR run traces one more step after the measured ones (Chrome JSON per rank in "
                          "bench_train_logs/<system>-<round>-trace/)")

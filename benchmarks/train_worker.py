@@ -655,7 +655,7 @@ def main() -> None:
         step += 1
     if ns.rss_trace:
         by_kind = ", ".join(f"{k} {v:.1f}" for k, v in resident_by_kind().items())
-        print(f"rss-trace rank {os.environ.get('RANK', '0')} resident MiB by kind: {by_kind}", file=sys.stderr, flush=True)
+        print(f"rss-trace rank {rank} resident MiB by kind: {by_kind}", file=sys.stderr, flush=True)
     if ns.trace and hasattr(runner, "trace"):  # one more step, traced, not measured
         os.makedirs(ns.trace, exist_ok=True)
         runner.trace(os.path.join(ns.trace, f"rank{rank}.json"))
