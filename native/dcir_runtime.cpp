@@ -278,9 +278,19 @@ int64_t chunk_of(int64_t numel, int64_t world) { return (numel + world - 1) / wo
 // region would overlap one not yet waited on, or that is larger than the outbox, goes
 // over the process group instead: the decision depends only on the program, so every
 // rank takes it alike.
+//
+// A transfer of more than kStreamAbove bytes streams through the outbox instead, at its
+// start: in parts of at most kStreamPart bytes, each copied in, published, read by every
+// rank and acknowledged before the next takes the same region. Its start returns with
+// the transfer done, and the next op may take that region, so the outbox needs a part, not the whole (the largest transfers,
+// an embedding's gather, no longer set its size), at the cost of meeting the peers at
+// the start rather than at the wait. Its parts take consecutive sequence numbers before
+// any later op starts, so the peers still publish in order.
 
 constexpr int64_t kAckSlots = 4096;  // acknowledgements kept per outbox, by sequence number
 constexpr int64_t kAlign = 64;
+constexpr int64_t kStreamAbove = 8 << 20;  // transport.STREAM_ABOVE
+constexpr int64_t kStreamPart = 4 << 20;   // transport.STREAM_PART
 constexpr auto kAliveEvery = std::chrono::milliseconds(5);  // how often a wait looks at its peers' processes
 
 // A peer's process has ended: a wait on it fails now, not at the timeout.
@@ -376,30 +386,41 @@ struct Shm {
     }
   }
   // A region of `bytes` for the next op and its sequence number, or -1: send it over the
-  // process group (see above). Waits for the peers to have read what it reuses.
-  std::pair<int64_t, int64_t> reserve(int64_t bytes) {
+  // process group (see above). Waits for the peers to have read what it reuses. `parts`:
+  // the sequence numbers the op takes (a stream's parts), whose acknowledgement slots
+  // must not be one an op not yet waited still needs.
+  std::pair<int64_t, int64_t> reserve(int64_t bytes, int64_t parts = 1) {
     bytes = (bytes + kAlign - 1) / kAlign * kAlign;
     if (bytes > capacity) return {-1, -1};
-    int64_t next = seq + 1;
     // nothing in flight (every op waited here, so on every rank): start at the ring's
     // start, so each function of a program lays its transfers out alike (transport.py sizes it so)
     if (std::all_of(live.begin(), live.end(), [](const Region& g) { return g.waited; })) head = 0;
     int64_t offset = head + bytes > capacity ? 0 : head;
-    // a region this op reuses: its memory, or its acknowledgement slot
-    auto reused = [&](const Region& g) {
-      return (g.offset < offset + bytes && offset < g.offset + g.bytes) || g.seq <= next - kAckSlots;
-    };
     for (const auto& g : live) {
-      if (reused(g) && !g.waited) return {-1, -1};
+      if (!g.waited && (overlaps(g, offset, bytes) || g.seq <= seq + parts - kAckSlots)) return {-1, -1};
     }
+    head = offset + bytes;
+    return {offset, take(offset, bytes)};
+  }
+  // The next part of a stream, in the region its first part took (`reserve`): the region
+  // holds only that stream's earlier parts, waited, so it waits for the peers to have read them.
+  int64_t reserve_part(int64_t offset, int64_t bytes) {
+    return take(offset, (bytes + kAlign - 1) / kAlign * kAlign);
+  }
+  static bool overlaps(const Region& g, int64_t offset, int64_t bytes) {
+    return g.offset < offset + bytes && offset < g.offset + g.bytes;
+  }
+  // The next sequence number, for `bytes` at `offset`, once the peers have read what it
+  // reuses there (its memory, or its acknowledgement slot).
+  int64_t take(int64_t offset, int64_t bytes) {
+    int64_t next = seq + 1;
     for (auto it = live.begin(); it != live.end();) {
-      if (reused(*it)) await_acknowledged(*it);
+      if (overlaps(*it, offset, bytes) || it->seq <= next - kAckSlots) await_acknowledged(*it);
       it = it->waited && acknowledged(*it) ? live.erase(it) : std::next(it);
     }
     seq = next;
-    head = offset + bytes;
     live.push_back({offset, bytes, seq, false});
-    return {offset, seq};
+    return seq;
   }
   void publish(int64_t s) { written(rank).store(s, std::memory_order_release); }
   bool arrived(int64_t s) {
@@ -541,25 +562,67 @@ void shm_commit(const std::string& group_name, bool use) {
   if (!use) transports.erase(group_name);
 }
 
+// A finished transfer (a stream's, done at its start).
+class DoneWork : public Work {
+ public:
+  bool isCompleted() override { return true; }
+  bool wait(std::chrono::milliseconds) override { return true; }
+};
+
+// What a collective puts in each rank's outbox, as `units` of `unit_bytes` each, and how:
+// `send(shm, at, lo, len)` copies this rank's units [lo, lo + len) to byte `at` of its
+// outbox, `receive(shm, at, lo, len)` reads (or sums) those of every rank from theirs.
+// A transfer moves them all at once, a stream a part at a time. `receive` runs after the
+// start returns, so it holds what it reads and writes.
+using Part = std::function<void(Shm&, int64_t at, int64_t lo, int64_t len)>;
+
+// A stream (above): every part through the region its first part takes. nullptr: that
+// part does not fit, and the whole transfer runs over the process group.
+intrusive_ptr<Work> stream(const std::shared_ptr<Shm>& shm, int64_t units, int64_t unit_bytes, const Part& send,
+                           const Part& receive) {
+  int64_t per = std::max<int64_t>(1, kStreamPart / unit_bytes), offset = 0;
+  for (int64_t lo = 0; lo < units; lo += per) {
+    int64_t len = std::min(per, units - lo), seq;
+    {
+      std::lock_guard<std::mutex> g(mu);
+      if (lo == 0) {
+        std::tie(offset, seq) = shm->reserve(len * unit_bytes, (units + per - 1) / per);
+        if (seq < 0) {
+          stats.shm_fallbacks += 1;
+          return nullptr;
+        }
+      } else {
+        seq = shm->reserve_part(offset, len * unit_bytes);
+      }
+    }
+    send(*shm, offset, lo, len);
+    shm->publish(seq);
+    c10::make_intrusive<ShmWork>(shm, seq, [&] { receive(*shm, offset, lo, len); })->wait(timeout);
+  }
+  std::lock_guard<std::mutex> g(mu);
+  shm->head = offset;  // done: the next op may take its region (transport._places_all)
+  return c10::make_intrusive<DoneWork>();
+}
+
 // Starts a collective over the group's shared memory when it has one and the op fits
-// (see above): reserves its region, lets `send` fill this rank's part, publishes it.
-// nullptr: run it over the process group.
-intrusive_ptr<Work> try_shm(const std::string& group_name, const at::Tensor& like, int64_t bytes,
-                            const std::string& what, const std::function<void(Shm&, int64_t)>& send,
-                            const std::function<std::function<void()>(const std::shared_ptr<Shm>&, int64_t)>& receive) {
+// (see above): reserves its region, lets `send` fill this rank's part, publishes it;
+// or streams it. nullptr: run it over the process group.
+intrusive_ptr<Work> try_shm(const std::string& group_name, const at::Tensor& like, int64_t units, int64_t unit_bytes,
+                            const std::string& what, const Part& send, const Part& receive) {
   auto shm = transport_of(group_name, like);
   if (!shm) return nullptr;
   try {
+    if (units * unit_bytes > kStreamAbove) return stream(shm, units, unit_bytes, send, receive);
     int64_t offset, seq;
     {
       std::lock_guard<std::mutex> g(mu);
-      std::tie(offset, seq) = shm->reserve(bytes);
+      std::tie(offset, seq) = shm->reserve(units * unit_bytes);
       if (seq < 0) stats.shm_fallbacks += 1;
     }
     if (seq < 0) return nullptr;
-    send(*shm, offset);
+    send(*shm, offset, 0, units);
     shm->publish(seq);
-    return c10::make_intrusive<ShmWork>(shm, seq, receive(shm, offset));
+    return c10::make_intrusive<ShmWork>(shm, seq, [shm, offset, units, receive] { receive(*shm, offset, 0, units); });
   } catch (const c10::Error& e) {
     fail(what, group_name, e.what_without_backtrace());
   } catch (const PeerExited& e) {
@@ -599,13 +662,13 @@ at::Tensor all_gather(const at::Tensor& shard, at::IntArrayRef size, const std::
   auto input = shard.contiguous();
   track_gathered(buffer);
   int64_t n = input.numel();
-  auto work = try_shm(group_name, input, nbytes(input), "all_gather of " + tag,
-      [&](Shm& shm, int64_t at) { outbox(shm, shm.rank, at, n, input).copy_(input); },
-      [&](const std::shared_ptr<Shm>& shm, int64_t at) -> std::function<void()> {
-        return [shm, at, n, buffer, input] {
-          auto rows = buffer.view({shm->world, n});
-          for (int64_t r = 0; r < shm->world; ++r) rows[r].copy_(outbox(*shm, r, at, n, input));
-        };
+  auto work = try_shm(group_name, input, n, input.element_size(), "all_gather of " + tag,
+      [&](Shm& shm, int64_t at, int64_t lo, int64_t len) {
+        outbox(shm, shm.rank, at, len, input).copy_(input.narrow(0, lo, len));
+      },
+      [n, buffer, input](Shm& shm, int64_t at, int64_t lo, int64_t len) {
+        auto rows = buffer.view({shm.world, n});
+        for (int64_t r = 0; r < shm.world; ++r) rows[r].narrow(0, lo, len).copy_(outbox(shm, r, at, len, input));
       });
   auto send = work ? input : gather_send(input, world);
   start({input}, {result}, [&] { return work ? work : gather_into(*pg, buffer, send); }, [buffer, send] {},
@@ -640,21 +703,27 @@ std::vector<at::Tensor> all_gather_coalesced(at::TensorList shards, at::IntArray
     result_bytes.push_back(results.back().view(-1).view(at::kByte));
   }
   for (const auto& r : results) track_gathered(r);
-  auto work = try_shm(group_name, flat[0], total, "all_gather_coalesced of " + tag,
-      [&](Shm& shm, int64_t at) {
-        auto mine = outbox(shm, shm.rank, at, total, flat[0]);
-        for (size_t i = 0; i < flat.size(); ++i) mine.narrow(0, offsets[i], flat[i].numel()).copy_(flat[i]);
+  // bytes [lo, lo + len) of the shards side by side: of shard i, [a, b) from its offset
+  auto overlap = [](int64_t offset, int64_t n, int64_t lo, int64_t len) {
+    return std::make_pair(std::max(offset, lo), std::min(offset + n, lo + len));
+  };
+  auto work = try_shm(group_name, flat[0], total, 1, "all_gather_coalesced of " + tag,
+      [&](Shm& shm, int64_t at, int64_t lo, int64_t len) {
+        auto mine = outbox(shm, shm.rank, at, len, flat[0]);
+        for (size_t i = 0; i < flat.size(); ++i) {
+          auto [a, b] = overlap(offsets[i], flat[i].numel(), lo, len);
+          if (a < b) mine.narrow(0, a - lo, b - a).copy_(flat[i].narrow(0, a - offsets[i], b - a));
+        }
       },
-      [&](const std::shared_ptr<Shm>& shm, int64_t at) -> std::function<void()> {
-        return [shm, at, total, result_bytes, offsets, flat] {
-          for (int64_t r = 0; r < shm->world; ++r) {
-            auto theirs = outbox(*shm, r, at, total, flat[0]);
-            for (size_t i = 0; i < result_bytes.size(); ++i) {
-              int64_t n = flat[i].numel(), len = std::min(n, result_bytes[i].numel() - r * n);
-              if (len > 0) result_bytes[i].narrow(0, r * n, len).copy_(theirs.narrow(0, offsets[i], len));
-            }
+      [result_bytes, offsets, flat, overlap](Shm& shm, int64_t at, int64_t lo, int64_t len) {
+        for (int64_t r = 0; r < shm.world; ++r) {
+          auto theirs = outbox(shm, r, at, len, flat[0]);
+          for (size_t i = 0; i < result_bytes.size(); ++i) {  // rank r's shard i, less padding past the end
+            int64_t n = flat[i].numel();
+            auto [a, b] = overlap(offsets[i], std::min(n, result_bytes[i].numel() - r * n), lo, len);
+            if (a < b) result_bytes[i].narrow(0, r * n + a - offsets[i], b - a).copy_(theirs.narrow(0, a - lo, b - a));
           }
-        };
+        }
       });
   if (work) {
     start(flat, results, [&] { return work; }, [] {}, "all_gather_coalesced of " + tag, group_name);
@@ -705,21 +774,22 @@ void reduce_rows(const std::vector<at::Tensor>& rows, const at::Tensor& out, con
   if (op == "avg") into.div_(world);
 }
 
-// An all-to-all's start over shared memory: chunk p of `send` ([world * n], flat) goes to
-// this rank's outbox slot for rank p (its own chunk stays in `send`).
-void post_chunks(Shm& shm, int64_t at, int64_t n, const at::Tensor& send) {
+// An all-to-all's start over shared memory: elements [lo, lo + len) of chunk p of `send`
+// ([world * n], flat) go to this rank's outbox slot for rank p (its own chunk stays in `send`).
+void post_chunks(Shm& shm, int64_t at, int64_t n, int64_t lo, int64_t len, const at::Tensor& send) {
   for (int64_t p = 0; p < shm.world; ++p) {
-    if (p != shm.rank) outbox(shm, shm.rank, at + slot_of(p, shm.rank) * n * send.element_size(), n, send)
-                           .copy_(send.narrow(0, p * n, n));
+    if (p != shm.rank) outbox(shm, shm.rank, at + slot_of(p, shm.rank) * len * send.element_size(), len, send)
+                           .copy_(send.narrow(0, p * n + lo, len));
   }
 }
 
-// Its wait: what each rank r sent this one, in rank order (views of their outboxes).
-std::vector<at::Tensor> chunks_for_me(Shm& shm, int64_t at, int64_t n, const at::Tensor& send) {
+// Its wait: those elements of what each rank r sent this one, in rank order (views of their outboxes).
+std::vector<at::Tensor> chunks_for_me(Shm& shm, int64_t at, int64_t n, int64_t lo, int64_t len,
+                                      const at::Tensor& send) {
   std::vector<at::Tensor> rows;
   for (int64_t r = 0; r < shm.world; ++r) {
-    rows.push_back(r == shm.rank ? send.narrow(0, r * n, n)
-                                 : outbox(shm, r, at + slot_of(shm.rank, r) * n * send.element_size(), n, send));
+    rows.push_back(r == shm.rank ? send.narrow(0, r * n + lo, len)
+                                 : outbox(shm, r, at + slot_of(shm.rank, r) * len * send.element_size(), len, send));
   }
   return rows;
 }
@@ -747,10 +817,10 @@ void start_reduce_scatter(const at::Tensor& send, const at::Tensor& received, co
     return;
   }
   int64_t n = received.numel();
-  auto work = try_shm(group_name, send, (world - 1) * n * send.element_size(), what,
-      [&](Shm& shm, int64_t at) { post_chunks(shm, at, n, send); },
-      [&](const std::shared_ptr<Shm>& shm, int64_t at) -> std::function<void()> {
-        return [shm, at, n, send, received, op, world] { reduce_rows(chunks_for_me(*shm, at, n, send), received, op, world); };
+  auto work = try_shm(group_name, send, n, (world - 1) * send.element_size(), what,
+      [&](Shm& shm, int64_t at, int64_t lo, int64_t len) { post_chunks(shm, at, n, lo, len, send); },
+      [n, send, received, op, world](Shm& shm, int64_t at, int64_t lo, int64_t len) {
+        reduce_rows(chunks_for_me(shm, at, n, lo, len, send), received.narrow(0, lo, len), op, world);
       });
   if (work) {
     start({send}, results, [&] { return work; }, [] {}, what, group_name);
@@ -837,13 +907,12 @@ at::Tensor all_to_all(const at::Tensor& rows, const std::string& group_name, con
   int64_t n = send.numel() / world;
   auto flat_send = send.view(-1), flat = result.view(-1);
   intrusive_ptr<Work> work;
-  if (!send.is_cuda()) work = try_shm(group_name, send, (world - 1) * n * send.element_size(),
-      "all_to_all of " + tag, [&](Shm& shm, int64_t at) { post_chunks(shm, at, n, flat_send); },
-      [&](const std::shared_ptr<Shm>& shm, int64_t at) -> std::function<void()> {
-        return [shm, at, n, flat_send, flat] {
-          auto mine = chunks_for_me(*shm, at, n, flat_send);
-          for (int64_t r = 0; r < shm->world; ++r) flat.narrow(0, r * n, n).copy_(mine[r]);
-        };
+  if (!send.is_cuda()) work = try_shm(group_name, send, n, (world - 1) * send.element_size(),
+      "all_to_all of " + tag,
+      [&](Shm& shm, int64_t at, int64_t lo, int64_t len) { post_chunks(shm, at, n, lo, len, flat_send); },
+      [n, flat_send, flat](Shm& shm, int64_t at, int64_t lo, int64_t len) {
+        auto mine = chunks_for_me(shm, at, n, lo, len, flat_send);
+        for (int64_t r = 0; r < shm.world; ++r) flat.narrow(0, r * n + lo, len).copy_(mine[r]);
       });
   c10d::AllToAllOptions opts;
   opts.timeout = timeout;

@@ -23,12 +23,19 @@ found by running the runtime's ring allocator over the program's collectives (th
 bytes come from the IR: the same on every rank). ``initialize`` opens a 64 KiB outbox;
 the first training program, and every plan the optimization cycle switches to,
 resize it (``fit``, with every rank, between steps). So plain ZeRO-3, which waits for
-each transfer before the next, needs its largest parameter's shard; a planned program
-that gathers ahead needs what it gathers ahead. The outbox counts against the memory
+each transfer before the next, needs its largest parameter's shard (or a stream's part,
+below); a planned program that gathers ahead needs what it gathers ahead. The outbox counts against the memory
 budget (``MemoryStats.transport``; among the plans the cycle weighs, what each needs:
 ``dcir.search.best_pipeline``'s ``extra``). A collective that does not fit (more than
 ``MAX_OUTBOX``, or a program of other shapes that waits later than the one it was
 sized for) runs over the process group, which every rank decides alike.
+
+A transfer of more than ``STREAM_ABOVE`` bytes streams instead: its start moves it
+through one region of at most ``STREAM_PART`` bytes, a part at a time, each read by
+every rank before the next, and returns with it done. So the largest transfers (an
+embedding's gather, a vocabulary's gradient) need a part of the outbox, not their size,
+and a transfer of any size can go through shared memory; the price is that the ranks
+meet at its start rather than at its wait.
 
 Every rank maps every outbox, so each rank's resident set counts every outbox it has
 touched (world times its own), though the host holds each once.
@@ -49,8 +56,10 @@ from dcir.ir import DTYPE_BYTES
 log = logging.getLogger("dcir")
 
 MIN_OUTBOX = 64 << 10   # before the first program sizes it, and the least it gets
-MAX_OUTBOX = 256 << 20  # beyond it, the program's largest transfers go over the process group
+MAX_OUTBOX = 256 << 20  # beyond it, the transfers in flight at once go over the process group
 ALIGN = 64              # a region's alignment in the ring (kAlign in native/dcir_runtime.cpp)
+STREAM_ABOVE = 8 << 20  # a larger transfer streams through the outbox (kStreamAbove)...
+STREAM_PART = 4 << 20   # ... in parts of at most this (kStreamPart)
 
 
 def set_up(group, mode: str, device: torch.device) -> int:
@@ -120,7 +129,7 @@ def outbox_bytes(module) -> int:
     need = MIN_OUTBOX
     for func in module.functions.values():
         events = _ring_events(func)
-        sizes = [b for kind, _, b in events if kind == "start"]
+        sizes = [b for kind, _, b in events if kind != "wait"]
         if not sizes:
             continue
         # the in-flight peak is the least; wrapping round can waste up to one region more,
@@ -134,7 +143,8 @@ def outbox_bytes(module) -> int:
 
 def _ring_events(func) -> list[tuple[str, int, int]]:
     """The function's transfers over shared memory, in order: ("start", op, region bytes)
-    and ("wait", op, 0), the first wait on a result of the op (it finishes them all)."""
+    and ("wait", op, 0), the first wait on a result of the op (it finishes them all); a
+    stream, which its start finishes: ("stream", op, its part's bytes)."""
     events, started, waited = [], {}, set()
     for k, op in enumerate(func.ops):
         if registry.has_trait(op, registry.WAITS):
@@ -143,48 +153,58 @@ def _ring_events(func) -> list[tuple[str, int, int]]:
                 waited.add(start)
                 events.append(("wait", start, 0))
             continue
-        nbytes = _region_bytes(op)
-        if nbytes:
+        units, width = _region(op)
+        if units * width > STREAM_ABOVE:
+            events.append(("stream", k, _aligned(min(units, max(1, STREAM_PART // width)) * width)))
+        elif units * width:
             started[id(op)] = k
-            events.append(("start", k, -(-nbytes // ALIGN) * ALIGN))
+            events.append(("start", k, _aligned(units * width)))
     return events
 
 
-def _region_bytes(op) -> int:
-    """What ``op`` puts in this rank's outbox (``native/dcir_runtime.cpp``): a gather, its
-    shards' bytes (whatever their dtypes); a reduce-scatter or an all-to-all, the chunks
-    the other ranks keep. 0: not over shared memory (an all-reduce, another group)."""
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _region(op) -> tuple[int, int]:
+    """What ``op`` puts in this rank's outbox (``native/dcir_runtime.cpp``), as (units,
+    bytes each), the units a stream's parts are cut in: a gather, its shards' bytes
+    (whatever their dtypes); a reduce-scatter or an all-to-all, per element of the chunk
+    a rank keeps, that element of every other rank's chunk. (0, 0): not over shared
+    memory (an all-reduce, another group)."""
     if "group" in op.attrs:
-        return 0
+        return 0, 0
     if registry.has_trait(op, registry.GATHERS):
-        return sum(v.type.nbytes for v in op.operands)
+        return sum(v.type.nbytes for v in op.operands), 1
     if registry.has_trait(op, registry.EXCHANGES):  # every row but its own
         t = op.operands[0].type
-        return t.nbytes - t.nbytes // t.shape[0]
+        return t.numel // t.shape[0], (t.shape[0] - 1) * DTYPE_BYTES[t.dtype]
     if registry.has_trait(op, registry.SCATTERS):
         shards = [v.type.inner for v in op.results]
         width = max(DTYPE_BYTES[v.type.dtype] for v in op.operands)
-        return (shards[0].parts - 1) * sum(t.numel for t in shards) * width
-    return 0
+        return sum(t.numel for t in shards), (shards[0].parts - 1) * width
+    return 0, 0
 
 
 def _in_flight(events) -> int:
-    """The most bytes started and not yet waited at once."""
+    """The most bytes started and not yet waited at once (a stream's part, while it runs)."""
     held, most, sizes = 0, 0, {}
     for kind, k, nbytes in events:
+        if kind == "wait":
+            held -= sizes[k]
+            continue
+        most = max(most, held + nbytes)
         if kind == "start":
             sizes[k] = nbytes
             held += nbytes
-            most = max(most, held)
-        else:
-            held -= sizes[k]
     return most
 
 
 def _places_all(events, capacity: int) -> bool:
     """Whether the runtime's ring (``Shm::reserve``) of ``capacity`` bytes places every
     start: at the head, or at 0 when it does not fit before the end, or at 0 when
-    nothing is in flight; never over a region not yet waited."""
+    nothing is in flight; never over a region not yet waited. A stream, done at its
+    start, leaves the head where it began."""
     head, live = 0, {}  # op -> (offset, bytes), not yet waited
     for kind, k, nbytes in events:
         if kind == "wait":
@@ -197,6 +217,7 @@ def _places_all(events, capacity: int) -> bool:
         offset = head if head + nbytes <= capacity else 0
         if any(o < offset + nbytes and offset < o + b for o, b in live.values()):
             return False
-        live[k] = (offset, nbytes)
-        head = offset + nbytes
+        if kind == "start":
+            live[k] = (offset, nbytes)
+        head = offset + nbytes if kind == "start" else offset
     return True

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 import dcir
 from dcir import ops as registry
 from dcir.layout import ShardLayout
-from dcir_runtime import RankFailure
+from dcir_runtime import RankFailure, transport
 from dcir_runtime.accounting import fixed_bytes, scheduled_bytes
 from dcir_lowering.calls import flat_shard
 from dcir_runtime.native import runtime_stats
@@ -687,6 +687,7 @@ def native_ops(transport: str) -> None:
     assert runtime_stats().gathered_peak - before.gathered_now == ShardLayout(10, world).padded * 4
     _layouts_agree(d, g, rank, world, where)
     _many_in_flight(d, g, rank, world, engine.transport_bytes, where)
+    _streamed(engine, d, g, rank, world, where)
     try:
         d.reduce_scatter(grad, "mean", g, "t")
     except RuntimeError as e:
@@ -748,6 +749,39 @@ def _many_in_flight(d, g, rank: int, world: int, outbox: int, where: torch.devic
     for t in gathers:
         d.free(t)
     assert (runtime_stats().shm_fallbacks > fallbacks) == (outbox > 0), "the outbox's overflow was not counted"
+
+
+def _streamed(engine, d, g, rank: int, world: int, where: torch.device) -> None:
+    """Transfers larger than ``STREAM_ABOVE`` stream through an outbox of one part and a
+    small transfer: every kind, with parts that split a coalesced gather's shards and a
+    last part shorter than the rest, while a small gather is in flight and waited after.
+    Every value is right, and none went over the process group when the outbox has room."""
+    if engine.transport_bytes:
+        engine.transport_bytes = transport.resize(engine.process_group, "auto", engine.transport_bytes,
+                                                  transport.STREAM_PART + (64 << 10))
+    fallbacks = runtime_stats().shm_fallbacks
+    n = transport.STREAM_ABOVE // 4 + 12345  # f32 elements per shard: 3 parts, the last short
+    small = d.all_gather(torch.full((1000,), float(rank), device=where), [1000 * world], g, "t")
+    shard = torch.arange(n, dtype=torch.float32, device=where) + rank * n
+    everything = torch.arange(n * world, dtype=torch.float32, device=where)
+    assert torch.equal(d.wait(d.all_gather(shard, [n * world], g, "t")), everything)
+    codes = (torch.arange(n + 7, device=where) % 100 + rank).to(torch.int8)
+    a, b = d.all_gather_coalesced([codes, shard], [(n + 7) * world, n * world], [1, 1], g, "t")
+    d.wait(b)
+    want = torch.cat([(torch.arange(n + 7, device=where) % 100 + r).to(torch.int8) for r in range(world)])
+    assert torch.equal(a, want) and torch.equal(b, everything)
+    grad = everything % 1000 * (rank + 1)
+    ranks_sum = sum(range(1, world + 1))
+    whole = everything % 1000 * ranks_sum
+    assert torch.equal(d.wait(d.reduce_scatter(grad, "sum", g, "t")), whole[rank * n:(rank + 1) * n])
+    s1, s2 = d.reduce_scatter_coalesced([grad, grad[:3]], "avg", g, "t")
+    d.wait(s1)
+    assert torch.equal(s1, whole[rank * n:(rank + 1) * n] / world), "a streamed coalesced reduce-scatter"
+    rows = (torch.arange(world * n, device=where).reshape(world, n) + rank).to(torch.int32)
+    sent = [(torch.arange(world * n, device=where).reshape(world, n) + r).to(torch.int32)[rank] for r in range(world)]
+    assert torch.equal(d.wait(d.all_to_all(rows, g, "t")), torch.stack(sent))
+    assert torch.equal(d.wait(small).view(world, -1)[:, 0], torch.arange(world, dtype=torch.float32, device=where))
+    assert runtime_stats().shm_fallbacks == fallbacks, "a stream went over the process group with room for a part"
 
 
 def _gather_bytes(module) -> int:

@@ -461,6 +461,38 @@ def test_the_outbox_holds_what_the_program_has_in_flight():
     assert outbox_bytes(ahead) == 256 << 10
 
 
+STREAMED = """
+module @m attributes {world_size = 2} {
+  param @big : shard<f32[4096, 4096], 2> {trainable}
+  param @w2 : shard<f32[256, 256], 2> {trainable}
+  func @forward(%x: f32[256, 4096] {input}) -> (f32[256, 4096] {output}) role forward {
+    %s1 = param.get @big : shard<f32[4096, 4096], 2>
+    %s2 = param.get @w2 : shard<f32[256, 256], 2>
+    %p2 = comm.all_gather(%s2) : pending<f32[256, 256]>
+    %p1 = comm.all_gather(%s1) : pending<f32[4096, 4096]>
+    %w1 = comm.wait(%p1) : f32[4096, 4096]
+    %w2 = comm.wait(%p2) : f32[256, 256]
+    %y = aten.mm.default(%x, %w1) : f32[256, 4096]
+    %z = aten.mm.default(%w2, %y) : f32[256, 4096]
+    return %z
+  }
+}
+"""
+
+
+def test_a_transfer_above_the_stream_size_needs_a_part_of_the_outbox():
+    """The gather of @big (a 32 MiB shard) streams through one part of 4 MiB; the gather
+    of @w2, in flight across it, keeps its 128 KiB. The runtime's counterpart:
+    ``dist_worker._streamed``."""
+    from dcir_runtime.transport import STREAM_PART, outbox_bytes
+
+    assert outbox_bytes(dcir.parse(STREAMED)) == STREAM_PART + (128 << 10)
+    alone = STREAMED.replace("    %p2 = comm.all_gather(%s2) : pending<f32[256, 256]>\n", "")
+    alone = alone.replace("    %w2 = comm.wait(%p2)", "    %p2 = comm.all_gather(%s2) : pending<f32[256, 256]>\n"
+                          "    %w2 = comm.wait(%p2)")
+    assert outbox_bytes(dcir.parse(alone)) == STREAM_PART
+
+
 def test_a_rank_whose_program_runs_other_collectives_is_stopped():
     """A rank's program for its own input shapes must run its mode's first program's
     collectives in order (``programs.check_collectives``): waits placed elsewhere are
