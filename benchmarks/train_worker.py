@@ -357,18 +357,21 @@ class Dcir:
         where they outlive a backward), ``step_peak`` the memory model's peak of the step
         (a lone backward's gradient shards in it), ``outbox`` the shared-memory
         outbox, ``held`` what ``memory_budget`` is checked against (fixed and the schedule's
-        peak), and ``least_step_peak`` the step's peak with every activation ``recompute`` can
-        rebuild rebuilt (``recompute{budget=1}`` on the running program)."""
+        peak), ``least_step_peak`` the step's peak with every activation ``recompute`` can
+        rebuild rebuilt (``recompute{budget=1}`` on the running program), and
+        ``shm_fallbacks`` the transfers the outbox could not place, sent over the process
+        group instead (0 when it is sized right)."""
         import dcir
         from dcir.passes.recompute import Recompute, footprint
         from dcir_runtime.accounting import fixed_bytes, scheduled_bytes
+        from dcir_runtime.native import runtime_stats
 
         m = self.engine.memory()
         fixed = fixed_bytes(m)
         least = self.engine.ir().clone()
         dcir.run_passes(least, [Recompute(budget=1)])
         return {"fixed": fixed, "step_peak": m.step_peak, "outbox": m.transport, "held": fixed + scheduled_bytes(m),
-                "least_step_peak": footprint(least)[0]}
+                "least_step_peak": footprint(least)[0], "shm_fallbacks": runtime_stats().shm_fallbacks}
 
 
 class _Plain:
