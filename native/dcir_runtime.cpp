@@ -282,10 +282,11 @@ int64_t chunk_of(int64_t numel, int64_t world) { return (numel + world - 1) / wo
 // A transfer of more than kStreamAbove bytes streams through the outbox instead, at its
 // start: in parts of at most kStreamPart bytes, each copied in, published, read by every
 // rank and acknowledged before the next takes the same region. Its start returns with
-// the transfer done, and the next op may take that region, so the outbox needs a part, not the whole (the largest transfers,
-// an embedding's gather, no longer set its size), at the cost of meeting the peers at
-// the start rather than at the wait. Its parts take consecutive sequence numbers before
-// any later op starts, so the peers still publish in order.
+// the transfer done, and the next op may take that region. So the outbox needs a part,
+// not the whole (the largest transfers, an embedding's gather, no longer set its size),
+// at the cost of meeting the peers at the start rather than at the wait. Its parts take
+// consecutive sequence numbers before any later op starts, so the peers still publish
+// in order.
 
 constexpr int64_t kAckSlots = 4096;  // acknowledgements kept per outbox, by sequence number
 constexpr int64_t kAlign = 64;
