@@ -577,24 +577,28 @@ class DoneWork : public Work {
 // start returns, so it holds what it reads and writes.
 using Part = std::function<void(Shm&, int64_t at, int64_t lo, int64_t len)>;
 
+// A region of `bytes` in the outbox (`Shm::reserve`), under the lock; one that does not
+// fit is counted (its transfer runs over the process group).
+std::pair<int64_t, int64_t> place(Shm& shm, int64_t bytes, int64_t parts = 1) {
+  std::lock_guard<std::mutex> g(mu);
+  auto placed = shm.reserve(bytes, parts);
+  if (placed.second < 0) stats.shm_fallbacks += 1;
+  return placed;
+}
+
 // A stream (above): every part through the region its first part takes. nullptr: that
 // part does not fit, and the whole transfer runs over the process group.
 intrusive_ptr<Work> stream(const std::shared_ptr<Shm>& shm, int64_t units, int64_t unit_bytes, const Part& send,
                            const Part& receive) {
-  int64_t per = std::max<int64_t>(1, kStreamPart / unit_bytes), offset = 0;
+  int64_t per = std::max<int64_t>(1, kStreamPart / unit_bytes);
+  int64_t offset, seq;  // not a structured binding: the part's wait captures them
+  std::tie(offset, seq) = place(*shm, std::min(per, units) * unit_bytes, (units + per - 1) / per);
+  if (seq < 0) return nullptr;
   for (int64_t lo = 0; lo < units; lo += per) {
-    int64_t len = std::min(per, units - lo), seq;
-    {
+    int64_t len = std::min(per, units - lo);
+    if (lo > 0) {
       std::lock_guard<std::mutex> g(mu);
-      if (lo == 0) {
-        std::tie(offset, seq) = shm->reserve(len * unit_bytes, (units + per - 1) / per);
-        if (seq < 0) {
-          stats.shm_fallbacks += 1;
-          return nullptr;
-        }
-      } else {
-        seq = shm->reserve_part(offset, len * unit_bytes);
-      }
+      seq = shm->reserve_part(offset, len * unit_bytes);
     }
     send(*shm, offset, lo, len);
     shm->publish(seq);
@@ -614,16 +618,13 @@ intrusive_ptr<Work> try_shm(const std::string& group_name, const at::Tensor& lik
   if (!shm) return nullptr;
   try {
     if (units * unit_bytes > kStreamAbove) return stream(shm, units, unit_bytes, send, receive);
-    int64_t offset, seq;
-    {
-      std::lock_guard<std::mutex> g(mu);
-      std::tie(offset, seq) = shm->reserve(units * unit_bytes);
-      if (seq < 0) stats.shm_fallbacks += 1;
-    }
+    auto [offset, seq] = place(*shm, units * unit_bytes);
     if (seq < 0) return nullptr;
     send(*shm, offset, 0, units);
     shm->publish(seq);
-    return c10::make_intrusive<ShmWork>(shm, seq, [shm, offset, units, receive] { receive(*shm, offset, 0, units); });
+    return c10::make_intrusive<ShmWork>(shm, seq, [shm, offset = offset, units, receive] {
+      receive(*shm, offset, 0, units);
+    });
   } catch (const c10::Error& e) {
     fail(what, group_name, e.what_without_backtrace());
   } catch (const PeerExited& e) {

@@ -24,8 +24,8 @@ bytes come from the IR: the same on every rank). ``initialize`` opens a 64 KiB o
 the first training program, and every plan the optimization cycle switches to,
 resize it (``fit``, with every rank, between steps). So plain ZeRO-3, which waits for
 each transfer before the next, needs its largest parameter's shard (or a stream's part,
-below); a planned program that gathers ahead needs what it gathers ahead. The outbox counts against the memory
-budget (``MemoryStats.transport``; among the plans the cycle weighs, what each needs:
+below); a planned program that gathers ahead needs what it gathers ahead. The outbox
+counts against the memory budget (``MemoryStats.transport``; among the plans the cycle weighs, what each needs:
 ``dcir.search.best_pipeline``'s ``extra``). A collective that does not fit (more than
 ``MAX_OUTBOX``, or a program of other shapes that waits later than the one it was
 sized for) runs over the process group, which every rank decides alike.
@@ -219,5 +219,7 @@ def _places_all(events, capacity: int) -> bool:
             return False
         if kind == "start":
             live[k] = (offset, nbytes)
-        head = offset + nbytes if kind == "start" else offset
+            head = offset + nbytes
+        else:  # a stream, done at its start: the next op may take its region
+            head = offset
     return True

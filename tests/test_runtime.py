@@ -468,9 +468,10 @@ module @m attributes {world_size = 2} {
   func @forward(%x: f32[256, 4096] {input}) -> (f32[256, 4096] {output}) role forward {
     %s1 = param.get @big : shard<f32[4096, 4096], 2>
     %s2 = param.get @w2 : shard<f32[256, 256], 2>
-    %p2 = comm.all_gather(%s2) : pending<f32[256, 256]>
+    SMALL_AHEAD
     %p1 = comm.all_gather(%s1) : pending<f32[4096, 4096]>
     %w1 = comm.wait(%p1) : f32[4096, 4096]
+    SMALL_AFTER
     %w2 = comm.wait(%p2) : f32[256, 256]
     %y = aten.mm.default(%x, %w1) : f32[256, 4096]
     %z = aten.mm.default(%w2, %y) : f32[256, 4096]
@@ -486,11 +487,11 @@ def test_a_transfer_above_the_stream_size_needs_a_part_of_the_outbox():
     ``dist_worker._streamed``."""
     from dcir_runtime.transport import STREAM_PART, outbox_bytes
 
-    assert outbox_bytes(dcir.parse(STREAMED)) == STREAM_PART + (128 << 10)
-    alone = STREAMED.replace("    %p2 = comm.all_gather(%s2) : pending<f32[256, 256]>\n", "")
-    alone = alone.replace("    %w2 = comm.wait(%p2)", "    %p2 = comm.all_gather(%s2) : pending<f32[256, 256]>\n"
-                          "    %w2 = comm.wait(%p2)")
-    assert outbox_bytes(dcir.parse(alone)) == STREAM_PART
+    small = "%p2 = comm.all_gather(%s2) : pending<f32[256, 256]>"
+    across = dcir.parse(STREAMED.replace("SMALL_AHEAD", small).replace("SMALL_AFTER", ""))
+    assert outbox_bytes(across) == STREAM_PART + (128 << 10)
+    alone = dcir.parse(STREAMED.replace("SMALL_AHEAD", "").replace("SMALL_AFTER", small))
+    assert outbox_bytes(alone) == STREAM_PART
 
 
 def test_a_rank_whose_program_runs_other_collectives_is_stopped():
