@@ -198,11 +198,18 @@ def memory_budget(probe: dict, fraction: str) -> int:
     ``fraction`` of the step's own memory without recompute (``min``: the step's peak with
     every activation ``recompute`` can rebuild rebuilt), all as the plain ``zero3``
     engine of ``probe`` accounts them (its largest rank: ``train_worker.Dcir.accounting``)."""
-    def need(a):
-        step = a["least_step_peak"] if fraction == "min" else float(fraction) * a["step_peak"]
-        return a["fixed"] + a["outbox"] + int(step)
+    return max(a["fixed"] + a["outbox"] + _step_part(a, fraction) for a in probe["accounted"])
 
-    return max(need(a) for a in probe["accounted"])
+
+def step_allowance(probe: dict, fraction: str) -> int:
+    """The part of ``memory_budget(probe, fraction)`` left to the step itself (bytes per
+    rank, its largest rank's): what the step may allocate over what the rank holds
+    between steps."""
+    return max(_step_part(a, fraction) for a in probe["accounted"])
+
+
+def _step_part(accounted: dict, fraction: str) -> int:
+    return int(accounted["least_step_peak"] if fraction == "min" else float(fraction) * accounted["step_peak"])
 
 
 def probe(ns, logs: Path) -> dict:
