@@ -41,11 +41,10 @@ GPU's ``torch.cuda.max_memory_allocated`` reports; the memory profiler it needs 
 that run, whose step time is not used), and "step alloc MiB", the most the step
 allocated over what was live at its start, which a budgeted point's plan keeps within
 the part of its budget left to the step (``bench_train.step_allowance``). The profiler
-does not see a free made where it does not run, so what is live at a step's start
-can count a block already freed (its address handed out again later): on the tiny
-workload up to a set of gradient shards, 0.15 MiB, from run to run; the step's own
-part does not carry that. The matched-memory lines compare on the allocator peak and
-peak RSS.
+misses some frees, so what is live at a step's start can count a block already
+freed (its address handed out again later): on the tiny workload up to a set of
+gradient shards, 0.15 MiB, from run to run; the step's own part does not carry that.
+The matched-memory lines compare on the allocator peak and peak RSS.
 
 Ratios are against the baselines of the same run: "x ckpt speed" is ``fsdp2-ckpt``'s step
 over a point's (above 1: faster), "x ckpt RSS" a point's peak over ``fsdp2-ckpt``'s; the
