@@ -132,6 +132,7 @@ def summarize(runs: dict[str, list[dict]], budgets: dict[str, int], allocated: d
             continue
         steps = [t for r in results for t in r["step_s"]]
         accounted = [a["held"] for r in results for a in r.get("accounted") or () if a]
+        peak, step = allocated.get(label, (None, None))
         rows[label] = {"step_s": statistics.median(steps), "step_s_min": min(steps), "step_s_max": max(steps),
                        "measured_steps": len(steps),
                        "peak_rss_mib": max(m for r in results for m in r["steps_rss_mib"]),
@@ -141,8 +142,7 @@ def summarize(runs: dict[str, list[dict]], budgets: dict[str, int], allocated: d
                        "predicted_s": bench_train._median([r.get("predicted_s") for r in results]),
                        "pipeline": next((log[-1]["pipeline"] for r in results if (log := r.get("optimize_log"))), None),
                        "x_predicted_peak": _peak_ratio(results),
-                       "allocated_mib": allocated[label][0] if label in allocated else None,
-                       "allocated_step_mib": allocated[label][1] if label in allocated else None,
+                       "allocated_mib": peak, "allocated_step_mib": step,
                        "step_allowance_mib": allowances[label] / 2**20 if label in allowances else None}
         if rows[label]["predicted_s"]:
             rows[label]["x_predicted_step"] = rows[label]["step_s"] / rows[label]["predicted_s"]

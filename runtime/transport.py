@@ -25,10 +25,11 @@ the first training program, and every plan the optimization cycle switches to,
 resize it (``fit``, with every rank, between steps). So plain ZeRO-3, which waits for
 each transfer before the next, needs its largest parameter's shard (or a stream's part,
 below); a planned program that gathers ahead needs what it gathers ahead. The outbox
-counts against the memory budget (``MemoryStats.transport``; among the plans the cycle weighs, what each needs:
-``dcir.search.best_pipeline``'s ``extra``). A collective that does not fit (more than
-``MAX_OUTBOX``, or a program of other shapes that waits later than the one it was
-sized for) runs over the process group, which every rank decides alike.
+counts against the memory budget (``MemoryStats.transport``; among the plans the cycle
+weighs, what each needs: ``dcir.search.best_pipeline``'s ``extra``). A collective that
+does not fit (more than ``MAX_OUTBOX``, or a program of other shapes that waits later
+than the one it was sized for) runs over the process group, which every rank decides
+alike.
 
 A transfer of more than ``STREAM_ABOVE`` bytes streams instead: its start moves it
 through one region of at most ``STREAM_PART`` bytes, a part at a time, each read by
