@@ -401,3 +401,31 @@ def test_the_checkpoint_benchmark_times_both_systems(tmp_path, capfd):
     rows = json.loads(out.read_text())["rows"]
     assert set(rows) == {"dcir", "fsdp2"} and all(r["save_s"] > 0 and r["load_s"] > 0 for r in rows.values())
     assert rows["dcir"]["checkpoint_mb"] > 0 and "load vs fsdp2" in text.out
+
+
+def test_the_transport_benchmark_prices_both_transports_on_the_same_bytes(capfd):
+    """``bench_transport.py``: each transport's row moves what the step asks (2 gathers
+    and 2 reduce-scatters of 1 MiB tensors at world 2: 2 x (0.5 + 1) MiB handed to the
+    collectives, as the runtime counts them), and spends time and CPU on it."""
+    import bench_transport
+
+    code = bench_transport.main(["--mib", "3", "--part-mib", "1", "--repeats", "1"])
+    out = capfd.readouterr().out
+    assert code == 0, out
+    rows = {line.split()[0]: [float(x) for x in line.split()[1:]] for line in out.splitlines()
+            if line.split()[:1] in (["process_group"], ["shared_memory"])}
+    assert set(rows) == {"process_group", "shared_memory"}, out
+    assert all(sent == 3.0 and wall > 0 and cpu > 0 for sent, wall, cpu, *_ in rows.values()), out
+    assert rows["shared_memory"][4] == 1.0, out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world", "1"], "--world 1: a transport moves bytes between ranks; give at least 2"),
+    (["--part-mib", "0"], "--mib, --part-mib and --repeats must be positive"),
+])
+def test_the_transport_benchmark_rejects_what_it_cannot_measure(argv, message, capsys):
+    import bench_transport
+
+    with pytest.raises(SystemExit) as exit_:
+        bench_transport.main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
