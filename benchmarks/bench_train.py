@@ -84,7 +84,12 @@ The distributed systems run ``--world`` ranks with one thread each (``floor`` on
 process with one thread). Runs are interleaved, round by round (A B C ... A B C ...),
 so drift of the machine hits every system alike; each run's steps after warm-up are
 timed (the slowest rank's), and the figure per system is the median over all
-measured steps of all rounds. DeepSpeed's own compiler (DeepCompile) needs CUDA
+measured steps of all rounds. A DCIR run warms up for as long as its optimization
+cycle still works (``--warmup``), so each round runs its DCIR rows first and then the
+others with as many warm-up steps as the longest of them: every row of a round is
+measured after the same number of steps. Resident memory grows over a run's first tens
+of steps, as glibc's heap settles (FSDP2's peak RSS on the mixture of experts: 879 MiB
+after 5 steps, 932 after 30), so a row measured earlier would look smaller. DeepSpeed's own compiler (DeepCompile) needs CUDA
 (``cuda.h``) and is reported as unavailable on a CPU-only machine.
 
 With ``--device cuda`` the systems run on GPUs over NCCL (``--world`` of them; one
@@ -549,7 +554,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=5,
                     help="steps before measuring, per run (default 5); a DCIR run warms up longer while its "
                          "optimization cycle still profiles (steps 2-4), tries a plan against the program it "
-                         "replaces (4 steps a side) or compiles a plan's stretches")
+                         "replaces (4 steps a side) or compiles a plan's stretches, and each round's other rows "
+                         "then warm up as long as its longest DCIR run")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated (default {','.join(SYSTEMS)})")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one run may take (default 900)")
@@ -583,14 +589,17 @@ def main(argv=None) -> int:
     logs = Path(ns.json).resolve().parent / "bench_train_logs"  # each run's JSON and output
     logs.mkdir(exist_ok=True)
     for r in range(ns.rounds):
-        for system in runnable:
+        warmup = ns.warmup  # the others warm up as long as this round's longest DCIR run
+        for system in sorted(runnable, key=lambda s: not s.startswith("dcir")):
             out = logs / f"{system}-{r}.json"
             out.unlink(missing_ok=True)
-            result = _run(system, ns, out)
+            dcir = system.startswith("dcir")
+            result = _run(system, ns if dcir else argparse.Namespace(**{**vars(ns), "warmup": warmup}), out)
             if result:
                 runs[system].append(result)
-                print(f"  round {r + 1}: {system:<18} median step {statistics.median(result['step_s']):.3f} s",
-                      flush=True)
+                warmup = max(warmup, result["warmup_steps"]) if dcir else warmup
+                print(f"  round {r + 1}: {system:<18} median step {statistics.median(result['step_s']):.3f} s "
+                      f"(+{result['warmup_steps']} warm-up)", flush=True)
     allocated = {}
     for system in runnable if ns.allocator_peak else ():  # one more run each, under the memory profiler
         if (result := allocator_run(system, ns, logs / f"{system}-allocated.json")) is not None:

@@ -214,6 +214,11 @@ def test_a_tiny_run_writes_the_report_and_the_traces(tmp_path, capfd):
     assert late.count > 0 and len(late.waits_s) == 2 and late.predicted_s is not None
     assert "x floor" in text and "x fsdp2 speed" in text and "x fp32" in text and "init meta" in text
     assert "unavailable: DeepSpeed's compiler needs CUDA" in text
+    # every row of a round is measured after as many steps: FSDP2 warms up as long as the
+    # longest DCIR run, whose cycle went on past --warmup 3
+    warmups = {n: json.loads((logs / f"{n}-0.json").read_text())["warmup_steps"] for n in rows}
+    assert warmups["fsdp2"] == max(warmups["dcir"], warmups["dcir-bf16"]) > 3, warmups
+    assert f"fsdp2              median step {fsdp2['step_s']:.3f} s (+{warmups['fsdp2']} warm-up)" in text
 
 
 @pytest.mark.slow
