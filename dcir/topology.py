@@ -29,7 +29,7 @@ from dcir.memory import format_bytes
 from dcir.passes import PassManager
 from dcir.passes.hierarchical import Hierarchical
 from dcir.passes.quantize import Quantize
-from dcir.passes.zero3 import LOCAL, Zero3
+from dcir.passes.zero3 import LOCAL, SHARD, Zero3
 from dcir.sim import simulate_module
 
 
@@ -52,13 +52,14 @@ class Layout:
         """Whether it trains the numbers ZeRO-3 trains (quantizing changes them)."""
         return not (self.weights or self.gradients)
 
-    def sharding(self, world: int, per_node: int, micro_steps: int = 1) -> list:
+    def sharding(self, world: int, per_node: int, micro_steps: int = 1, accumulate: str = SHARD) -> list:
         """The passes that shard an unsharded step this way, on ``world`` ranks of
-        ``per_node`` a node (the stage's, and ``hierarchical``'s across nodes)."""
+        ``per_node`` a node (the stage's, and ``hierarchical``'s across nodes), with
+        gradients accumulated across ``micro_steps`` in ``accumulate`` (``zero3``'s)."""
         nodes = max(1, world // per_node)
         if self.hsdp:
             return [Zero3(world_size=world, nodes=nodes, shard=LOCAL, micro_steps=micro_steps)]
-        stage = Zero3(world_size=world, nodes=nodes if self.hpz else 1)
+        stage = Zero3(world_size=world, nodes=nodes if self.hpz else 1, micro_steps=micro_steps, accumulate=accumulate)
         return [stage, *([Hierarchical()] if self.hpz and nodes > 1 else [])]  # one node: nothing to keep
 
     def quantizing(self) -> list:

@@ -31,7 +31,7 @@ from dcir.passes.quantize import Quantize
 from dcir.passes.recompute import Recompute
 from dcir.passes.zero1 import Zero1
 from dcir.passes.zero2 import Zero2
-from dcir.passes.zero3 import LOCAL
+from dcir.passes.zero3 import LOCAL, SHARD
 from dcir.sim import held_bytes
 from dcir.topology import Layout
 from dcir_lowering.frontend import NotOneGraph, capture as frontend_capture
@@ -72,7 +72,7 @@ def stage_pass(config: Config, world: int, layout: Layout, per_node: int) -> lis
         return [Zero1(world_size=world, micro_steps=config.gradient_accumulation_steps)]
     if config.zero_stage == 2:
         return [Zero2(world_size=world)]
-    return layout.sharding(world, per_node, config.gradient_accumulation_steps)
+    return layout.sharding(world, per_node, config.gradient_accumulation_steps, config.accumulate_gradients or SHARD)
 
 
 def offload_pass(config: Config, state_keys: Callable[[], list[str]]) -> list:

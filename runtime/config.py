@@ -15,6 +15,7 @@ from dcir.diagnostics import DcirError, Diagnostic
 from dcir.machine import HardwareError, Machine, load as load_machine
 from dcir.memory import parse_bytes
 from dcir.passes import parse_pipeline
+from dcir.passes.zero3 import FULL, SHARD
 from dcir.topology import Layout, layout
 from dcir_runtime import precision
 
@@ -33,6 +34,11 @@ class Config:
     #: micro-steps per optimizer step (``engine.backward(loss)`` backpropagates ``loss``
     #: as given: divide it by N, or pass ``scale_wrt_gas=True`` as DeepSpeed does by default)
     gradient_accumulation_steps: int = 1
+    #: ZeRO-3 under accumulation: ``"shard"`` reduce-scatters every micro-step's gradients
+    #: into the shards (FSDP2's default); ``"full"`` sums them in full gradients and
+    #: reduce-scatters once per optimizer step (``zero3{accumulate=full}``, FSDP2's
+    #: ``set_requires_gradient_sync(False)`` on the early micro-steps); None: ``"shard"``
+    accumulate_gradients: str | None = None
     #: the most bytes the runtime may hold per rank (``"2GiB"``); None: no limit
     memory_budget: int | None = None
     #: seconds a collective may wait for the other ranks before the step fails
@@ -141,9 +147,24 @@ class Config:
         if self.mesh is not None and self.zero_stage != 3:
             raise _error(f"the config's mesh shards parameters within a node (HSDP), which is ZeRO-3's: give zero_stage "
                          f"3, not {self.zero_stage}")
+        self._check_accumulation()
         if self.fp16 is not None and self.nonfinite == "error":
             raise _error("fp16's loss scaler skips the steps that overflow: give nonfinite 'skip' or leave it out, "
                          "not 'error'")
+
+    def _check_accumulation(self) -> None:
+        if self.accumulate_gradients is None:
+            return
+        if self.zero_stage != 3:
+            raise _error(f"accumulate_gradients chooses where ZeRO-3 accumulates (stage 1 always sums full gradients, "
+                         f"stage 2 reduces every micro-step's into its shards): give zero_stage 3, not "
+                         f"{self.zero_stage}")
+        if self.accumulate_gradients == FULL and self.gradient_accumulation_steps == 1:
+            raise _error("accumulate_gradients 'full' sums the micro-steps' gradients before reducing them, and "
+                         "there is one micro-step a step: give gradient_accumulation_steps above 1, or leave it out")
+        if self.accumulate_gradients == FULL and self.mesh is not None:
+            raise _error("accumulate_gradients 'full' reduces over one flat group, and the config's mesh (HSDP) "
+                         "already averages across nodes once per optimizer step: give one of them")
 
     @property
     def auto_knobs(self) -> list[str]:
@@ -307,6 +328,12 @@ def _transport(v):
     return v
 
 
+def _accumulate_gradients(v):
+    if v is not None and v not in (SHARD, FULL):
+        raise ValueError(f"{v!r}; one of {SHARD}, {FULL} (or null: {SHARD})")
+    return v
+
+
 #: the values of ``nonfinite`` (``dcir_runtime.precision``)
 NONFINITE = ("error", "skip")
 
@@ -383,6 +410,7 @@ ELSEWHERE = {
 
 
 _CHECKS = {"zero_stage": _stage, "passes": _passes, "gradient_accumulation_steps": _positive_int,
+           "accumulate_gradients": _accumulate_gradients,
            "memory_budget": _budget, "timeout_s": _seconds, "inductor": _bool,
            "optimize": _optimize, "offload": _offload, "gradient_clipping": _max_norm,
            "mixed_precision": _precision("check_policy"), "bf16": _precision("check_bf16"),

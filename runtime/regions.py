@@ -40,7 +40,7 @@ import dcir
 from dcir import signature
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.memory import peaks
-from dcir.passes.zero3 import LOCAL, NODES
+from dcir.passes.zero3 import FULL, LOCAL, NODES
 from dcir.roles import BACKWARD, EVAL, FORWARD, UNSHARD
 from dcir_lowering.breaks import benign_breaks
 from dcir_lowering.dynamo import specialize, symbolic_inputs
@@ -142,8 +142,9 @@ class RegionStep:
             return self._eager_region(gm, example_inputs, f"{name} ({where})" if where else name, e)
         module.name = f"{type(engine.model).__name__}_{name}"
         config = engine.config
-        if config.zero_stage == 1:  # reduced at every micro-step: a region that a branch skips in the last
-            config = dataclasses.replace(config, gradient_accumulation_steps=1)  # would never reduce its sum
+        if config.zero_stage == 1 or config.accumulate_gradients == FULL:  # reduced at every micro-step: a region
+            # that a branch skips in the last would never reduce its sum
+            config = dataclasses.replace(config, gradient_accumulation_steps=1, accumulate_gradients=None)
         capture.run_pipeline(module, config, engine.world, engine.process_group.mesh.get(LOCAL, engine.world),
                              training and module.role(FORWARD) is not None, engine.optimizer_state_keys,
                              engine.planner.passes)

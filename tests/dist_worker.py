@@ -181,6 +181,13 @@ CASES.update({
     "hf_llama_zero2_accumulate4_optimize": (tiny_llama, _llama_batch, lambda out: out.loss,
                                             {"zero_stage": 2, "gradient_accumulation_steps": 4,
                                              "optimize": {"passes": _SCHEDULE, "profile_at": [1]}}),
+    # ZeRO-3 with gradients summed in full across micro-steps and reduced once per optimizer
+    # step (FSDP2's set_requires_gradient_sync(False)); plain, and under the cycle
+    "transformer_full_accumulate4": (TinyTransformer, _transformer_batch, None,
+                                     {"gradient_accumulation_steps": 4, "accumulate_gradients": "full"}),
+    "hf_llama_full_accumulate2_optimize": (tiny_llama, _llama_batch, lambda out: out.loss,
+                                           {"gradient_accumulation_steps": 2, "accumulate_gradients": "full",
+                                            "optimize": {"passes": _SCHEDULE, "profile_at": [1]}}),
     # optimizer state over the budget: the rest lives in host memory between steps
     "mlp_offload": (mlp, _mlp_batch, _squared, {"offload": {"budget": 520}}),
     "transformer_offload_accumulate4": (TinyTransformer, _transformer_batch, None,
@@ -360,8 +367,8 @@ def _add_average(model, per_rank: list[list[torch.Tensor]]) -> None:
 def _eager_micro_step(model, loss_fn, whole, world: int, accumulate: int, local: list | None,
                       shard: int | None = None) -> None:
     """One micro-step on one device. Gradients are averaged across ranks on every
-    micro-step, or, with ``local`` (ZeRO-1 under accumulation, which reduces once per
-    optimizer step), summed per rank into ``local`` and averaged at the boundary by the
+    micro-step, or, with ``local`` (ZeRO-1 under accumulation, and ZeRO-3 accumulating in
+    full gradients, which reduce once per optimizer step), summed per rank into ``local`` and averaged at the boundary by the
     caller; under HSDP (``shard`` ranks a node) each node's ranks are averaged first (the
     reduce-scatter in the node) and ``local`` sums per node. All orders are the same sum;
     computing the reference in the order the program adds keeps the comparison bit for
@@ -406,7 +413,8 @@ def run_case(name: str, rank: int, world: int) -> dict:
     g = torch.Generator().manual_seed(1)
     memory = None
     shard = config["mesh"]["shard"] if "mesh" in config else None
-    reduce_once = (config.get("zero_stage") == 1 and accumulate > 1) or shard
+    reduce_once = ((config.get("zero_stage") == 1 or config.get("accumulate_gradients") == "full") and accumulate > 1
+                   or shard)
     traffic = []  # under a mesh: each micro-step's collectives and bytes, by mesh dimension
     for _ in range(STEPS):
         opt.zero_grad()

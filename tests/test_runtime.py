@@ -26,6 +26,8 @@ CASES = ["mlp", "mlp_accumulate2", "tied_frozen", "transformer", "hf_llama", "hf
          # ZeRO-1 / ZeRO-2, and optimizer state over an offload budget (accumulation 1 and 4)
          "mlp_zero1", "mlp_zero2", "transformer_zero1_accumulate4", "transformer_zero2_accumulate4",
          "hf_llama_zero1_optimize", "hf_llama_zero2_accumulate4_optimize",
+         # ZeRO-3 summing full gradients across micro-steps, reducing once per optimizer step
+         "transformer_full_accumulate4", "hf_llama_full_accumulate2_optimize",
          "mlp_offload", "transformer_offload_accumulate4", "hf_llama_offload_optimize", "transformer_zero2_offload",
          # clipping by the global norm (ZeRO-3, -1, -2, offload; config and engine.clip_grad_norm_), a schedule
          "mlp_clip", "transformer_zero1_accumulate4_clip", "transformer_zero2_clip", "mlp_offload_clip",
@@ -105,9 +107,11 @@ def _check_memory(case: str, r: dict, world: int) -> None:
             re.search(r"mem\.reload\(%[\w.]+\) \{act\.offload", r["ir"])
     if "zero1" in case or "zero2" in case:  # parameters replicated: every rank holds them all
         assert m["replicas"] == m["full_parameters"], (case, m)
-    if "zero1_accumulate" in case:  # full gradients summed locally, reduced once per optimizer step
-        assert m["gradient_accumulators"] == m["full_parameters"], (case, m)
+    if "zero1_accumulate" in case or "full_accumulate" in case:  # full gradients summed locally, reduced once
+        assert m["gradient_accumulators"] == m["full_parameters"], (case, m)  # per optimizer step
         assert "func @backward_last" in r["ir"] or not r["ir"]
+    if "full_accumulate" in case:  # ... with the parameters still sharded
+        assert m["parameters"] < m["full_parameters"], (case, m)
 
 
 # Llama variants of kinds the default tier trains on other cases (the process group with the
@@ -395,6 +399,16 @@ def test_meta_kernels_trace_the_ops():
     ({"inductor": True, "optimize": {"passes": ["bucket,fuse"]}},
      "the config sets inductor, which compiles every stretch of compute, and runs the fuse pass, which chooses the stretches to compile: give one of them"),
     ({"gradient_accumulation_steps": 0}, "bad value for 'gradient_accumulation_steps': 0; a whole number >= 1"),
+    ({"accumulate_gradients": "sum"}, "bad value for 'accumulate_gradients': 'sum'; one of shard, full (or null: "
+     "shard)"),
+    ({"accumulate_gradients": "full", "zero_stage": 2, "gradient_accumulation_steps": 4},
+     "accumulate_gradients chooses where ZeRO-3 accumulates (stage 1 always sums full gradients, stage 2 reduces every "
+     "micro-step's into its shards): give zero_stage 3, not 2"),
+    ({"accumulate_gradients": "full"}, "accumulate_gradients 'full' sums the micro-steps' gradients before reducing "
+     "them, and there is one micro-step a step: give gradient_accumulation_steps above 1, or leave it out"),
+    ({"accumulate_gradients": "full", "gradient_accumulation_steps": 2, "mesh": {"replicate": 2, "shard": 1}},
+     "accumulate_gradients 'full' reduces over one flat group, and the config's mesh (HSDP) already averages across "
+     "nodes once per optimizer step: give one of them"),
     ({"memory_budget": "2 gigs"}, "bad value for 'memory_budget': '2 gigs' is not a size"),
     ({"timeout_s": -1}, "bad value for 'timeout_s': -1; a number of seconds > 0"),
     ({"gradient_clipping": 0}, "bad value for 'gradient_clipping': 0; a finite norm > 0, like 1.0"),

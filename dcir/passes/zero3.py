@@ -206,6 +206,8 @@ RULES = [
 
 #: the mesh ``zero3{nodes=N}`` declares: ``nodes`` × ``local`` ranks (row-major: a node's ranks are consecutive)
 NODES, LOCAL = "nodes", "local"
+#: where ``zero3{accumulate=...}`` keeps gradients across micro-steps
+SHARD, FULL = "shard", "full"
 
 
 @dataclass(frozen=True)
@@ -219,6 +221,11 @@ class Zero3(Pass):
     shard: str = "world"
     #: micro-steps per optimizer step; above 1, HSDP averages across nodes once per optimizer step
     micro_steps: int = 1
+    #: where gradients accumulate across micro-steps: "shard" (each micro-step's gradient
+    #: reduce-scattered into the shard, FSDP2's default) or "full" (summed in full
+    #: gradients and reduce-scattered once per optimizer step, FSDP2's
+    #: ``set_requires_gradient_sync(False)``: fewer bytes for a full gradient held)
+    accumulate: str = "shard"
 
     def __post_init__(self):
         if self.world_size < 1:
@@ -229,6 +236,11 @@ class Zero3(Pass):
             raise ValueError(f'shard must be "world" or "local"; got "{self.shard}"')
         if self.micro_steps < 1:
             raise ValueError("micro_steps must be at least 1")
+        if self.accumulate not in (SHARD, FULL):
+            raise ValueError(f'accumulate must be "{SHARD}" or "{FULL}"; got "{self.accumulate}"')
+        if self.accumulate == FULL and self.shard == LOCAL:
+            raise ValueError(f'accumulate="{FULL}" sums over one flat group; shard=local already averages across '
+                             f'nodes once per optimizer step')
 
     def run(self, module: Module, stats: Counter, ctx: PlanContext) -> None:
         if any(isinstance(d.type, ShardType) for d in module.decls.values()):
@@ -248,3 +260,6 @@ class Zero3(Pass):
         if over is not None and self.nodes > 1 and self.micro_steps > 1:
             once_per_step(module, stats, registry.REDUCES, lambda decl, grad: grad.type,
                           "zero3: gradients averaged across nodes once per optimizer step")
+        if self.accumulate == FULL and self.micro_steps > 1:
+            once_per_step(module, stats, registry.SCATTERS, lambda decl, grad: grad.type,
+                          "zero3: gradients summed in full and reduce-scattered once per optimizer step")
