@@ -225,6 +225,7 @@ def probe(ns, logs: Path) -> dict:
 
     out = logs / "dcir-probe.json"
     key = {n: getattr(ns, n) for n, _ in WORKLOAD} | {"world": ns.world, "init": ns.init, "transport": ns.transport,
+                                                      "accumulate_gradients": ns.accumulate_gradients,
                                                       "code": sources_digest()[:16]}
     if out.exists() and json.loads(out.read_text()).get("key") == key:
         return json.loads(out.read_text())
@@ -270,7 +271,8 @@ def _run(system: str, ns, out: Path, extra: tuple[str, ...] = (), env: dict | No
             *extra]
     for name, _ in WORKLOAD:
         args += [f"--{name}", str(getattr(ns, name))]
-    args += ["--device", ns.device, "--init", ns.init, "--transport", ns.transport]
+    args += ["--device", ns.device, "--init", ns.init, "--transport", ns.transport,
+             "--accumulate-gradients", ns.accumulate_gradients]
     if system in RECOMPUTING and ns.activation_budget != "none":
         args += ["--memory-budget", str(memory_budget(probe(ns, out.parent), ns.activation_budget))]
     if system == "fsdp2-compile-budget":
@@ -504,6 +506,17 @@ def _fraction(text: str) -> str:
     return text
 
 
+def check_full_accumulation(ap, ns, systems: list[str]) -> None:
+    """``--accumulate-gradients full`` changes what each row's micro-steps send: refused
+    where there is one micro-step, or a row that cannot accumulate that way."""
+    if ns.accumulate == 1:
+        ap.error("--accumulate-gradients full sums the micro-steps' gradients: give --accumulate above 1")
+    cannot = [s for s in systems if s.startswith("deepspeed") or s == "dcir-zero2"]
+    if cannot:
+        ap.error(f"--accumulate-gradients full: {', '.join(cannot)} reduce every micro-step (DeepSpeed's ZeRO-2 and "
+                 f"-3 refuse no_sync; dcir-zero2 summing full gradients is dcir-zero1): leave them out")
+
+
 def parser() -> argparse.ArgumentParser:
     from dcir_runtime.config import TRANSPORTS  # imports torch: not at the script's start
 
@@ -547,6 +560,12 @@ def parser() -> argparse.ArgumentParser:
                          "profiler: 'alloc MiB' is the largest rank's allocator peak over that step (the tensors "
                          "it holds and allocates, what torch.cuda.max_memory_allocated gives on a GPU; a DCIR row "
                          "adds its shared-memory outbox), 'x fsdp2 alloc' that over the FSDP2 baseline's (CPU)")
+    ap.add_argument("--accumulate-gradients", choices=("shard", "full"), default="shard",
+                    help="under --accumulate: shard reduce-scatters every micro-step's gradients (FSDP2's and "
+                         "DeepSpeed's default); full sums them in full gradients and reduces once per optimizer "
+                         "step (DCIR's accumulate_gradients 'full', FSDP2's set_requires_gradient_sync(False) on "
+                         "the early micro-steps), for DCIR's ZeRO-3 and the FSDP2 rows; not with DeepSpeed's "
+                         "rows, whose ZeRO-2 and -3 reduce every micro-step, nor dcir-zero2 (default shard)")
     ap.add_argument("--world", type=int, default=2, help="ranks of the distributed systems (default 2)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu (gloo, 1 thread per rank) or cuda (one GPU per rank, NCCL); default cpu")
@@ -573,6 +592,8 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown systems {unknown}; known: {', '.join(SYSTEMS)}")
     unavailable = {s: why for s in systems if (why := _available(s, ns.device))}
+    if ns.accumulate_gradients == "full":
+        check_full_accumulation(ap, ns, systems)
     if ns.allocator_peak and ns.device != "cpu":
         ap.error("--allocator-peak measures the CPU allocator; on a GPU the table's peak CUDA MiB is that figure")
     if ns.device == "cpu":
@@ -581,7 +602,8 @@ def main(argv=None) -> int:
     workload = ", ".join(f"{n} {getattr(ns, n)}" for n, _ in WORKLOAD)
     where = "1 GPU per rank (NCCL)" if ns.device == "cuda" else "1 thread per rank"
     count = parameters(ns)
-    print(f"{family(ns)} {count / 1e6:.1f} M parameters ({workload}); init {ns.init}; malloc {ns.malloc}; "
+    summed = "; gradients summed in full across micro-steps" if ns.accumulate_gradients == "full" else ""
+    print(f"{family(ns)} {count / 1e6:.1f} M parameters ({workload}{summed}); init {ns.init}; malloc {ns.malloc}; "
           f"world {ns.world}, {where}; "
           f"{ns.rounds} rounds x {ns.steps} steps (+{ns.warmup} warm-up), interleaved")
     runs: dict[str, list[dict]] = {s: [] for s in runnable}
@@ -616,7 +638,7 @@ def main(argv=None) -> int:
     if ns.device == "cuda":
         machine = f"{torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}; {machine}"
     setting = {"world": ns.world, "threads_per_rank": 1, "device": ns.device, "init": ns.init, "malloc": ns.malloc,
-               "model": ns.model, "parameters": count}
+               "model": ns.model, "parameters": count, "accumulate_gradients": ns.accumulate_gradients}
     report = {"workload": {n: getattr(ns, n) for n, _ in WORKLOAD} | setting, "baselines": baselines(rows),
               "rounds": ns.rounds, "steps": ns.steps, "warmup": ns.warmup, "machine": machine,
               "torch": torch.__version__, "seconds": round(time.time() - begin), "results": rows,

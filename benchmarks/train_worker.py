@@ -281,6 +281,8 @@ class Dcir:
         config = {"gradient_accumulation_steps": ns.accumulate, "inductor": inductor, "timeout_s": 600,
                   "transport": ns.transport,
                   "optimize": {"passes": list(passes), "profile_at": PROFILE_AT}}
+        if ns.accumulate_gradients == "full" and (extra or {}).get("zero_stage", 3) == 3:
+            config["accumulate_gradients"] = "full"
         config.update(extra or {})
         if ns.program_cache:
             config["program_cache"] = ns.program_cache
@@ -429,6 +431,11 @@ class Fsdp2(_Plain):
             model.to_empty(device="cpu" if offload else device(ns))  # offload: the shards live on the host
             model.initialize_weights()  # transformers v5; it writes the DTensor parameters and the rotary buffers
         super().__init__(model, ns)
+
+    def micro_step(self, batch):
+        if self.ns.accumulate_gradients == "full":  # FSDP2's own switch: reduce in the last micro-step only
+            self.model.set_requires_gradient_sync((self.n + 1) % self.ns.accumulate == 0)
+        super().micro_step(batch)
 
 
 class DeepSpeed:
@@ -592,6 +599,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--rss-trace", action="store_true")
     ap.add_argument("--transport", choices=TRANSPORTS, default="auto",
                     help="DCIR's transport for gathers and reduce-scatters (the Engine's config key)")
+    ap.add_argument("--accumulate-gradients", choices=("shard", "full"), default="shard",
+                    help="under --accumulate, DCIR's ZeRO-3 and FSDP2: each micro-step's gradients reduce-scattered "
+                         "(shard), or summed in full and reduced once per optimizer step (full)")
     ap.add_argument("--trace", default=None, help="trace one more step after the measured ones into DIR/rank<N>.json")
     ap.add_argument("--memory-budget", type=int, default=0,
                     help="the Engine's memory_budget in bytes per rank, for the systems the cycle plans "

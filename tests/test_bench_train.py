@@ -243,6 +243,38 @@ def test_the_other_systems_run(tmp_path, capfd):
     assert {n for n, r in rows.items() if r["predicted_s"] is not None} == {n for n in systems if n.startswith("dcir")}
 
 
+def test_gradients_summed_in_full_send_one_reduction_a_step(tmp_path, capfd):
+    """``--accumulate-gradients full`` under 2 micro-steps: DCIR's ZeRO-3 reduce-scatters
+    every gradient once a step instead of once a micro-step, the rest of what it sends
+    unchanged; FSDP2 runs with its own switch."""
+    sent = {}
+    for how, systems in (("full", "dcir,fsdp2"), ("shard", "dcir")):
+        out = tmp_path / f"{how}.json"
+        code = bench_train.main([*TINY, "--accumulate", "2", "--accumulate-gradients", how, "--systems", systems,
+                                 "--json", str(out), "--chart", str(tmp_path / f"{how}.png")])
+        text = capfd.readouterr().out
+        assert code == 0, text
+        report = json.loads(out.read_text())
+        assert report["workload"]["accumulate_gradients"] == how
+        assert ("gradients summed in full across micro-steps" in text) == (how == "full")
+        sent[how] = report["results"]["dcir"]["sent_bytes_per_step"]
+    parameters = 2 * 64 * 64 + 4 * 64 * 64 + 3 * 64 * 256 + 3 * 64
+    assert sent["shard"] - sent["full"] == 4 * parameters, sent
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--accumulate-gradients", "full"],
+     "--accumulate-gradients full sums the micro-steps' gradients: give --accumulate above 1"),
+    (["--accumulate", "2", "--accumulate-gradients", "full", "--systems", "dcir,deepspeed,dcir-zero2"],
+     "--accumulate-gradients full: deepspeed, dcir-zero2 reduce every micro-step (DeepSpeed's ZeRO-2 and -3 refuse "
+     "no_sync; dcir-zero2 summing full gradients is dcir-zero1): leave them out"),
+])
+def test_gradients_summed_in_full_only_where_every_row_can(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench_train.main(argv)
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_the_allocator_peak_runs_each_row_once_more_under_the_memory_profiler(tmp_path, capfd):
     """``--allocator-peak`` on the tiny workload: after the rounds, each row's allocator
