@@ -402,13 +402,11 @@ def test_meta_kernels_trace_the_ops():
     ({"accumulate_gradients": "sum"}, "bad value for 'accumulate_gradients': 'sum'; one of shard, full (or null: "
      "shard)"),
     ({"accumulate_gradients": "full", "zero_stage": 2, "gradient_accumulation_steps": 4},
-     "accumulate_gradients chooses where ZeRO-3 accumulates (stage 1 always sums full gradients, stage 2 reduces every "
-     "micro-step's into its shards): give zero_stage 3, not 2"),
-    ({"accumulate_gradients": "full"}, "accumulate_gradients 'full' sums the micro-steps' gradients before reducing "
-     "them, and there is one micro-step a step: give gradient_accumulation_steps above 1, or leave it out"),
+     "accumulate_gradients chooses where ZeRO-3 accumulates (stage 1 always sums full gradients, stage 2 reduces every micro-step's into its shards): give zero_stage 3, not 2"),
+    ({"accumulate_gradients": "full"},
+     "accumulate_gradients 'full' sums the micro-steps' gradients before reducing them, and there is one micro-step a step: give gradient_accumulation_steps above 1, or leave it out"),
     ({"accumulate_gradients": "full", "gradient_accumulation_steps": 2, "mesh": {"replicate": 2, "shard": 1}},
-     "accumulate_gradients 'full' reduces over one flat group, and the config's mesh (HSDP) already averages across "
-     "nodes once per optimizer step: give one of them"),
+     "accumulate_gradients 'full' reduces over one flat group, and the config's mesh (HSDP) already averages across nodes once per optimizer step: give one of them"),
     ({"memory_budget": "2 gigs"}, "bad value for 'memory_budget': '2 gigs' is not a size"),
     ({"timeout_s": -1}, "bad value for 'timeout_s': -1; a number of seconds > 0"),
     ({"gradient_clipping": 0}, "bad value for 'gradient_clipping': 0; a finite norm > 0, like 1.0"),
