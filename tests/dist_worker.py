@@ -228,6 +228,8 @@ for _how in ("item", "call", "print"):
                                                 {"zero_stage": _stage})
 CASES["breaks_item_zero1_accumulate2"] = (BreakingNet, _mlp_batch, _squared,
                                           {"zero_stage": 1, "gradient_accumulation_steps": 2})
+CASES["breaks_item_full_accumulate2"] = (BreakingNet, _mlp_batch, _squared,
+                                         {"gradient_accumulation_steps": 2, "accumulate_gradients": "full"})
 # a layer Dynamo does not trace, run eagerly with its parameters gathered for it
 for _stage in (1, 3):
     CASES[f"eager_layer_zero{_stage}"] = (EagerLayerNet, _mlp_batch, _squared, {"zero_stage": _stage})

@@ -86,14 +86,15 @@ def _reference_step(ref: torch.nn.Module, opt, loss_fn, micro: list, world: int,
 #: with the optimization cycle's schedule passes (planned after step 1's profile); the MLP, and a transformer
 #: (embedding, LayerNorm, attention, cross-entropy in bf16) at ZeRO-3, also with the schedule passes from the
 #: first step (the bf16 weights kept from forward to backward, gathers coalesced; under accumulation, gathered
-#: once a step into bf16 copies); ZeRO-1 under accumulation
+#: once a step into bf16 copies); ZeRO-1 under accumulation, and ZeRO-3 summing full gradients across micro-steps
 CONFIGS = {"mixed_precision": BF16, "bf16": {"bf16": {"enabled": True}}, "zero2": {**BF16, "zero_stage": 2},
            "offload": {**BF16, "offload": {"budget": 512}},
            "optimized": {**BF16, "optimize": {"passes": ["prefetch", "unshard", "bucket"], "profile_at": [1]}},
            "transformer": BF16, "zero1_accumulate2": {**BF16, "zero_stage": 1, "gradient_accumulation_steps": 2},
            "transformer_scheduled": {**BF16, "passes": ["prefetch", "unshard", "bucket"]},
            "transformer_accumulate2_scheduled": {**BF16, "passes": ["prefetch", "unshard", "bucket"],
-                                                 "gradient_accumulation_steps": 2}}
+                                                 "gradient_accumulation_steps": 2},
+           "full_accumulate2": {**BF16, "gradient_accumulation_steps": 2, "accumulate_gradients": "full"}}
 
 
 def _model(name: str, n: int):

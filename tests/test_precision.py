@@ -196,12 +196,13 @@ def test_bf16_matches_a_reference_that_casts_per_micro_batch(tmp_path, capfd):
     at ZeRO-3, ZeRO-2, with optimizer-state offload and with the schedule passes; a
     transformer, also with the schedule passes from the first step, which keep its bf16
     weights from forward to backward and coalesce its gathers, and under 2 micro-steps
-    gather them once a step into bf16 copies; ZeRO-1 summing 2 micro-steps in fp32),
+    gather them once a step into bf16 copies; ZeRO-1 and ZeRO-3 summing 2 micro-steps'
+    full gradients in fp32),
     5 AdamW steps: the fp32 master parameters match the reference in the worker to
     1e-5; a reference without the casts is 1e-3 away, so the casts are what is matched."""
     r = _run(capfd, "reference", tmp_path / "out.json")
     for name in ("mixed_precision", "bf16", "zero2", "offload", "optimized", "transformer", "zero1_accumulate2",
-                 "transformer_scheduled", "transformer_accumulate2_scheduled"):
+                 "transformer_scheduled", "transformer_accumulate2_scheduled", "full_accumulate2"):
         case = r[name]
         print(name, "largest relative difference", case["max_rel_err"], "vs fp32 reference", case["fp32_rel_err"])
         assert case["max_rel_err"] <= 1e-5
@@ -217,6 +218,8 @@ def test_bf16_matches_a_reference_that_casts_per_micro_batch(tmp_path, capfd):
     accumulated = r["transformer_accumulate2_scheduled"]["collectives"]  # gathered once a step, by @unshard
     print("under 2 micro-steps:", accumulated)
     assert [f for f, counts in accumulated.items() if any("all_gather" in op for op in counts)] == ["unshard"]
+    full = r["full_accumulate2"]["collectives"]  # the fp32 sum reduce-scattered once, in the last micro-step
+    assert "comm.reduce_scatter" not in full["backward"] and full["backward_last"]["comm.reduce_scatter"] > 0, full
 
 
 def test_bf16_training_matches_fsdp2(tmp_path, capfd):

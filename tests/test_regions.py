@@ -82,7 +82,7 @@ def test_regions_train_sharded_equal_to_eager(world, every, tmp_path, capfd):
     cases = [f"breaks_{how}_zero{stage}" for how in ("item", "call", "print") for stage in (1, 2, 3)]
     cases += ["breaks_item_zero3_optimize", "breaks_call_zero2_optimize", "breaks_call_zero1_optimize",
               "eager_layer_zero1", "eager_layer_zero3", "inplace_eager_zero2", "inplace_eager_zero3",
-              "breaks_item_zero1_accumulate2"]
+              "breaks_item_zero1_accumulate2", "breaks_item_full_accumulate2"]
     if not every:
         cases = ["breaks_item_zero3", "breaks_call_zero1", "breaks_print_zero2", "breaks_item_zero1_accumulate2",
                  "eager_layer_zero3"]
