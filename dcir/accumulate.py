@@ -4,10 +4,12 @@ With ``micro_steps`` N > 1 a reduction that needs to run only once per optimizer
 (``zero1``'s reduce-scatter of full gradients; HSDP's all-reduce across nodes of the
 node-local shards, ``zero3{shard=local}``) moves to the last micro-step. Each such
 gradient gets an accumulator buffer (``{grad_acc.of = @w}``) of the reduced value's
-type; ``@backward`` (micro-steps 1 to N-1) adds the gradient into it and communicates
-nothing more; ``@backward_last`` (micro-step N, which the Engine runs at the
-accumulation boundary) adds the last gradient, reduces the sum where the reduction
-was, hands it over and zeroes the accumulator for the next optimizer step.
+type; ``@backward`` (micro-steps 1 to N-1) adds the gradient into it in place
+(``param.add``: no sum is allocated, nothing copied back) and communicates nothing
+more; ``@backward_last`` (micro-step N, which the Engine runs at the accumulation
+boundary) adds the last gradient into a fresh sum, which the reduction reads while
+it runs, reduces it where the reduction was, hands it over and zeroes the
+accumulator for the next optimizer step.
 """
 
 from __future__ import annotations
@@ -66,22 +68,24 @@ def reductions(func: Function, trait: str) -> list[tuple[Op, Op, Op]]:
 
 
 def _accumulate(func: Function, accumulators: dict[str, str], trait: str, last: bool) -> None:
-    """Each gradient is added to its accumulator; in the last micro-step the sum is
-    reduced (and the accumulator zeroed), in the others nothing is communicated."""
+    """Each gradient is added to its accumulator: in place in the early micro-steps, which
+    communicate nothing; in the last into a fresh sum that is reduced (a state write would
+    have to wait for the reduction to finish reading), and the accumulator is zeroed."""
     rewriter = Rewriter(func)
     fresh = func.name_maker()
     for start, wait, hand in reductions(func, trait):
         grad, acc_name = start.operands[0], accumulators[hand.symbol]
-        acc = Value(fresh(grad.name + "_acc"), grad.type)
-        total = Value(fresh(grad.name + "_sum"), grad.type)
-        add = [Op("param.get", [], [acc], symbol=acc_name), Op(_ADD[isinstance(grad.type, ShardType)], [acc, grad], [total])]
-        if last:
-            rewriter.insert_before(start, add)
-            rewriter.set_operands(start, [total])
-            zero = Value(fresh(grad.name + "_zero"), grad.type)
-            rewriter.insert_after(wait, [Op("mem.free", [total]), Op(_ZERO[isinstance(grad.type, ShardType)], [acc], [zero]),
-                                         Op("param.set", [zero], symbol=acc_name), Op("mem.free", [zero])])
-        else:
-            rewriter.insert_before(start, [*add, Op("param.set", [total], symbol=acc_name), Op("mem.free", [total])])
+        if not last:  # summed in place: the accumulator's storage is the only memory it takes
+            rewriter.insert_before(start, [Op("param.add", [grad], symbol=acc_name)])
             for op in (hand, wait, start):  # readers first
                 rewriter.erase(op)
+            continue
+        acc = Value(fresh(grad.name + "_acc"), grad.type)
+        total = Value(fresh(grad.name + "_sum"), grad.type)
+        sharded = isinstance(grad.type, ShardType)
+        read = Op("param.get", [], [acc], symbol=acc_name)
+        rewriter.insert_before(start, [read, Op(_ADD[sharded], [acc, grad], [total])])
+        rewriter.set_operands(start, [total])
+        zero = Value(fresh(grad.name + "_zero"), grad.type)
+        rewriter.insert_after(wait, [Op("mem.free", [total]), Op(_ZERO[sharded], [acc], [zero]),
+                                     Op("param.set", [zero], symbol=acc_name), Op("mem.free", [zero])])

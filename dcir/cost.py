@@ -185,6 +185,10 @@ def analytic_s(op: Op, machine: Machine) -> float:
     if registry.has_trait(op, registry.PURE) and registry.has_trait(op, registry.ALLOCATES):
         # a cast, a quantization, an accumulation: one pass over what it reads and writes
         return machine.dispatch_s + touched_bytes(op) / machine.mem_bw
+    if registry.has_trait(op, registry.READS_STATE) and registry.has_trait(op, registry.WRITES_STATE) \
+            and not registry.has_trait(op, registry.OPTIMIZES):
+        # an update in place (param.add): the state and the operand read, the state written
+        return machine.dispatch_s + 3 * touched_bytes(op) / machine.mem_bw
     return machine.dispatch_s
 
 

@@ -45,6 +45,7 @@ from functools import lru_cache
 from typing import Callable
 
 from dcir import aten, shapes
+from dcir.buffers import GRAD_ACC_OF
 from dcir.ir import DTYPE_BYTES, NONE, DType, HostType, Op, PendingType, ShardType, TensorType, Type
 
 PURE, COMPUTE, ASYNC, WAITS, COLLECTIVE, REDUCES = "pure", "compute", "async", "waits", "collective", "reduces"
@@ -148,6 +149,19 @@ def _rule_param_set(op, types, module):
     decl = module.decls[op.symbol]
     if types[0] != decl.type:
         raise TypeRuleError(f"@{op.symbol} holds {decl.type}, but the value written is {types[0]}", 0)
+    return []
+
+
+def _rule_param_add(op, types, module):
+    decl = module.decls[op.symbol]
+    if decl.kind != "buffer" or GRAD_ACC_OF not in decl.attrs:
+        raise TypeRuleError(f"{op.name} adds into a gradient accumulator (a buffer with {GRAD_ACC_OF}); @{op.symbol} "
+                            "is not one: write it with param.set", 0)
+    t = _full_or_shard(types[0], f"the operand of {op.name}")
+    held = decl.type.full.dtype if isinstance(decl.type, ShardType) else decl.type.dtype
+    same_layout = replace(t, full=replace(t.full, dtype=held)) if isinstance(t, ShardType) else replace(t, dtype=held)
+    if same_layout != decl.type:
+        raise TypeRuleError(f"@{op.symbol} holds {decl.type}, but the value added is {t}", 0)
     return []
 
 
@@ -402,6 +416,9 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
     OpDef("param.set", "Overwrite a parameter's or buffer's storage (BatchNorm running stats, optimizer updates).",
           (1, 1), (0, 0), frozenset({WRITES_STATE, SIDE_EFFECT}), _rule_param_set, symbol=True,
           example="param.set @bn.running_mean(%new_mean)"),
+    OpDef("param.add", "Add a gradient into its accumulator's storage, in place (a tensor, or this rank's shard).",
+          (1, 1), (0, 0), frozenset({READS_STATE, WRITES_STATE, SIDE_EFFECT}), _rule_param_add, symbol=True,
+          example="param.add @fc1.weight.grad_acc(%g)"),
     OpDef("grad.set", "Hand the (reduced) gradient of a trainable parameter to the optimizer.",
           (1, 1), (0, 0), frozenset({SIDE_EFFECT, GRADIENT}), _rule_grad_set, symbol=True,
           example="grad.set @fc1.weight(%grad_shard)"),

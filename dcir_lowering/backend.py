@@ -55,7 +55,7 @@ from dcir.printer import locate
 from dcir.shapes import call_arguments, torch_dtype
 from dcir.verifier import verify
 from dcir_lowering import copies, state_store
-from dcir_lowering.calls import (OP_INDEX, _grad_set, _item, _rng_get, _rng_set, _state_get, _state_set,
+from dcir_lowering.calls import (OP_INDEX, _grad_set, _item, _rng_get, _rng_set, _state_add, _state_get, _state_set,
                                  _dequantize, _dequantize_reduce, _quantize, _quantize_rows, _take_shard, _unbox)
 from dcir_lowering.program import Program, constants, device_of, gathered_copies
 from dcir_lowering.state_store import OPTIMIZER_STATE, OptimizerStateStore
@@ -290,6 +290,8 @@ def _lower_op(module: Module, func: Function, op: Op, g: fx.Graph, env: dict, st
         env[op.results[0]] = g.call_function(_state_get, (state, op.symbol))
     elif op.name == "param.set":
         g.call_function(_state_set, (state, op.symbol, env[op.operands[0]]))
+    elif op.name == "param.add":
+        g.call_function(_state_add, (state, op.symbol, env[op.operands[0]]))
     elif op.name == "grad.set":
         g.call_function(_grad_set, (grads, op.symbol, env[op.operands[0]]))
     elif op.name == "mem.free":

@@ -32,6 +32,11 @@ def _state_set(state: dict, name: str, value: torch.Tensor) -> None:
         state[name].copy_(value)
 
 
+def _state_add(state: dict, name: str, value: torch.Tensor) -> None:
+    with torch.no_grad():
+        state[name].add_(value)
+
+
 def _grad_set(grads: dict, name: str, value: torch.Tensor) -> None:
     grads[name] = value
 
@@ -82,7 +87,7 @@ def reads_state(node: fx.Node) -> bool:
 
 
 #: what a lowered graph calls that is state access or the runtime's (``dcir_lowering.stretches``)
-RUNTIME_CALLS = (_state_get, _state_set, _grad_set, *state_store.CALLS, _rng_get, _rng_set, _unbox)
+RUNTIME_CALLS = (_state_get, _state_set, _state_add, _grad_set, *state_store.CALLS, _rng_get, _rng_set, _unbox)
 
 
 def _blockwise(rows: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -283,3 +283,33 @@ def test_missing_state_is_an_error():
     module = dcir.parse((ROOT / "examples" / "mlp.dcir").read_text())
     with pytest.raises(dcir.DcirError, match="no tensor for @fc1.weight, @fc1.bias, .* in the program's state"):
         dcir.lower(module, {})
+
+
+def test_early_micro_steps_sum_gradients_into_their_accumulators_in_place():
+    """zero1 under accumulation at world 1, in one process: @backward adds each gradient
+    into its accumulator's own tensor (``param.add``: nothing allocated, nothing copied
+    back); @backward_last hands over the sum and zeroes that same tensor."""
+    torch.manual_seed(0)
+    ref = mlp()
+    x = torch.randn(4, 8)
+    module = dcir.compile_to_ir(ref, (x,), loss_fn=squared)
+    dcir.run_passes(module, "zero1{world_size=1, micro_steps=2}")
+    program = dcir.lower(module, state_of(copy.deepcopy(ref)))
+    early = program.graphs["backward"]
+    targets = {getattr(n.target, "__name__", "") for n in early.graph.nodes if n.op == "call_function"}
+    assert "_state_add" in targets and "_state_set" not in targets, sorted(targets)
+    squared(ref(x)).backward()
+    accumulators = {name: t for name, t in program.state.items() if name.endswith(".grad_acc")}
+    assert len(accumulators) == len(list(ref.parameters()))
+    program.unshard()  # zero1's replicas, gathered once an optimizer step
+    _, saved = program.forward(x)
+    assert program.backward(saved, program.tangents(), last=False) == {}  # nothing handed over before the last
+    for name, acc in accumulators.items():
+        assert program.state[name] is acc
+        assert torch.equal(acc.reshape(-1), dict(ref.named_parameters())[name[:-len(".grad_acc")]].grad.reshape(-1))
+    _, saved = program.forward(x)
+    handed = program.backward(saved, program.tangents(), last=True)
+    for fqn, p in ref.named_parameters():
+        assert torch.equal(handed[fqn].reshape(-1), (p.grad + p.grad).reshape(-1)), fqn
+        assert program.state[fqn + ".grad_acc"] is accumulators[fqn + ".grad_acc"]
+        assert not accumulators[fqn + ".grad_acc"].any(), fqn  # zeroed for the next optimizer step

@@ -10,8 +10,8 @@ reduce-scattered once, in the last micro-step:
 
 * each trainable parameter gets an accumulator of its full size (``buffer
   @w.grad_acc : f32[4, 8] {grad_acc.of = @w}``): ZeRO-1 holds full gradients;
-* ``@backward`` (micro-steps 1 to N-1) adds each gradient into its accumulator and
-  communicates nothing;
+* ``@backward`` (micro-steps 1 to N-1) adds each gradient into its accumulator, in
+  place (``param.add``), and communicates nothing;
 * ``@backward_last`` (micro-step N, which the Engine runs at the accumulation
   boundary) adds the last gradient to the accumulator, reduce-scatters the sum
   (average across ranks) where ``zero3`` reduced the gradient, so the reduction
@@ -25,10 +25,7 @@ Before -> after (``micro_steps=4``; the ``zero2`` part is as in ``zero2``)::
     buffer @fc.weight.grad_acc : f32[4, 8] {grad_acc.of = @fc.weight}
     func @backward(...) {
       ...
-      %g_acc = param.get @fc.weight.grad_acc : f32[4, 8]
-      %g_sum = aten.add.Tensor(%g_acc, %g) : f32[4, 8]
-      param.set @fc.weight.grad_acc(%g_sum)
-      mem.free(%g_sum)
+      param.add @fc.weight.grad_acc(%g)
       mem.free(%g)
     }
     func @backward_last(...) {
