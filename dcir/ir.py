@@ -127,6 +127,18 @@ class NoneType:
 NONE = NoneType()
 Type = Union[TensorType, ShardType, PendingType, HostType, NoneType]
 
+
+def retyped(t: Type, dtype: str) -> Type:
+    """``t`` with its element type replaced (through shard and pending wrappers)."""
+    if isinstance(t, TensorType):
+        return TensorType(dtype, t.shape)
+    if isinstance(t, ShardType):
+        return replace(t, full=TensorType(dtype, t.full.shape))
+    if isinstance(t, PendingType):
+        return PendingType(retyped(t.inner, dtype))
+    return t
+
+
 # ---- values, ops, functions, modules -----------------------------------------------
 
 Loc = tuple  # (line, column), both 1-based, in the file the module was parsed from

@@ -46,7 +46,7 @@ from typing import Callable
 
 from dcir import aten, shapes
 from dcir.buffers import GRAD_ACC_OF
-from dcir.ir import DTYPE_BYTES, NONE, DType, HostType, Op, PendingType, ShardType, TensorType, Type
+from dcir.ir import DTYPE_BYTES, NONE, DType, HostType, Op, PendingType, ShardType, TensorType, Type, retyped
 
 PURE, COMPUTE, ASYNC, WAITS, COLLECTIVE, REDUCES = "pure", "compute", "async", "waits", "collective", "reduces"
 FREES, ALLOCATES, SIDE_EFFECT, READS_STATE, WRITES_STATE = "frees", "allocates", "side_effect", "reads_state", "writes_state"
@@ -158,9 +158,7 @@ def _rule_param_add(op, types, module):
         raise TypeRuleError(f"{op.name} adds into a gradient accumulator (a buffer with {GRAD_ACC_OF}); @{op.symbol} "
                             "is not one: write it with param.set", 0)
     t = _full_or_shard(types[0], f"the operand of {op.name}")
-    held = decl.type.full.dtype if isinstance(decl.type, ShardType) else decl.type.dtype
-    same_layout = replace(t, full=replace(t.full, dtype=held)) if isinstance(t, ShardType) else replace(t, dtype=held)
-    if same_layout != decl.type:
+    if retyped(t, decl.type.dtype) != decl.type:  # the element type may differ (bf16 into f32)
         raise TypeRuleError(f"@{op.symbol} holds {decl.type}, but the value added is {t}", 0)
     return []
 

@@ -51,7 +51,7 @@ Before -> after (``zero3`` on 2 ranks, then ``mixed_precision{param_dtype=bf16}`
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from dcir import analysis
 from dcir import ops as registry
@@ -59,24 +59,13 @@ from dcir.buffers import GRAD_ACC_OF
 from dcir.context import PlanContext
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.dtypes import is_float, parse_dtype
-from dcir.ir import DTYPE_BYTES, DType, Function, Module, Op, PendingType, ShardType, TensorType, Type, Value
+from dcir.ir import DTYPE_BYTES, DType, Function, Module, Op, ShardType, TensorType, Value, retyped
 from dcir.passes import Pass
 from dcir.passes.free import FreePlacer
 from dcir.rewrite import EDITED, Constraint, Match, P, Rewriter, Rule, apply_rules
 
 #: the dtype of the master parameters (and so of the optimizer state and the gradients it sees)
 MASTER = "f32"
-
-
-def retyped(t: Type, dtype: str) -> Type:
-    """``t`` with its element type replaced (through shard and pending wrappers)."""
-    if isinstance(t, TensorType):
-        return TensorType(dtype, t.shape)
-    if isinstance(t, ShardType):
-        return replace(t, full=TensorType(dtype, t.full.shape))
-    if isinstance(t, PendingType):
-        return PendingType(retyped(t.inner, dtype))
-    return t
 
 
 # ---- the edits: every change goes through the rewriter ---------------------------------
