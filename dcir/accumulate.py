@@ -4,12 +4,12 @@ With ``micro_steps`` N > 1 a reduction that needs to run only once per optimizer
 (``zero1``'s reduce-scatter of full gradients; HSDP's all-reduce across nodes of the
 node-local shards, ``zero3{shard=local}``) moves to the last micro-step. Each such
 gradient gets an accumulator buffer (``{grad_acc.of = @w}``) of the reduced value's
-type; ``@backward`` (micro-steps 1 to N-1) adds the gradient into it in place
-(``param.add``: no sum is allocated, nothing copied back) and communicates nothing
-more; ``@backward_last`` (micro-step N, which the Engine runs at the accumulation
-boundary) adds the last gradient into a fresh sum, which the reduction reads while
-it runs, reduces it where the reduction was, hands it over and zeroes the
-accumulator for the next optimizer step.
+type; every micro-step adds the gradient into it in place (``param.add``: no sum is
+allocated, nothing copied back). ``@backward`` (micro-steps 1 to N-1) communicates
+nothing more; ``@backward_last`` (micro-step N, which the Engine runs at the
+accumulation boundary) reduces the accumulator itself where the reduction was, hands
+the result over, and ends by zeroing every accumulator in place (``param.zero``) for
+the next optimizer step.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Callable
 from dcir import analysis, roles
 from dcir import ops as registry
 from dcir.buffers import GRAD_ACC_OF
-from dcir.ir import Decl, Function, Module, Op, ShardType, SymbolRef, Type, Value
+from dcir.ir import Decl, Function, Module, Op, SymbolRef, Type, Value
 from dcir.rewrite import Rewriter
 
 
@@ -47,12 +47,6 @@ def once_per_step(module: Module, stats: Counter, trait: str, acc_type: Callable
     module.functions[roles.BACKWARD_LAST] = last
 
 
-#: how a gradient is summed and an accumulator zeroed: a full tensor's by compute, a shard's
-#: (which compute does not take) by the grad ops
-_ADD = {False: "aten.add.Tensor", True: "grad.accumulate"}
-_ZERO = {False: "aten.zero.default", True: "grad.zero"}
-
-
 def reductions(func: Function, trait: str) -> list[tuple[Op, Op, Op]]:
     """(reduction, wait, grad.set) of every gradient whose last reduction has ``trait``
     and is waited straight into the hand-over (as ``zero3`` writes them)."""
@@ -68,24 +62,24 @@ def reductions(func: Function, trait: str) -> list[tuple[Op, Op, Op]]:
 
 
 def _accumulate(func: Function, accumulators: dict[str, str], trait: str, last: bool) -> None:
-    """Each gradient is added to its accumulator: in place in the early micro-steps, which
-    communicate nothing; in the last into a fresh sum that is reduced (a state write would
-    have to wait for the reduction to finish reading), and the accumulator is zeroed."""
+    """Each gradient is added to its accumulator in place (``param.add``). The early
+    micro-steps communicate nothing more; in the last the reduction reads the accumulator
+    itself, and the function ends by zeroing every accumulator once its reduction is done
+    reading it (``param.zero``, which the dependency analysis keeps after the wait)."""
     rewriter = Rewriter(func)
     fresh = func.name_maker()
+    zeroes = []
     for start, wait, hand in reductions(func, trait):
         grad, acc_name = start.operands[0], accumulators[hand.symbol]
-        if not last:  # summed in place: the accumulator's storage is the only memory it takes
-            rewriter.insert_before(start, [Op("param.add", [grad], symbol=acc_name)])
+        rewriter.insert_before(start, [Op("param.add", [grad], symbol=acc_name)])
+        if not last:
             for op in (hand, wait, start):  # readers first
                 rewriter.erase(op)
             continue
+        for free in [u for u, _ in grad.uses if u.name == "mem.free" and u.operands == (grad,)]:
+            rewriter.move_before(free, start)  # added: the gradient's memory goes at once
         acc = Value(fresh(grad.name + "_acc"), grad.type)
-        total = Value(fresh(grad.name + "_sum"), grad.type)
-        sharded = isinstance(grad.type, ShardType)
-        read = Op("param.get", [], [acc], symbol=acc_name)
-        rewriter.insert_before(start, [read, Op(_ADD[sharded], [acc, grad], [total])])
-        rewriter.set_operands(start, [total])
-        zero = Value(fresh(grad.name + "_zero"), grad.type)
-        rewriter.insert_after(wait, [Op("mem.free", [total]), Op(_ZERO[sharded], [acc], [zero]),
-                                     Op("param.set", [zero], symbol=acc_name), Op("mem.free", [zero])])
+        rewriter.insert_before(start, [Op("param.get", [], [acc], symbol=acc_name)])
+        rewriter.set_operands(start, [acc])
+        zeroes.append(Op("param.zero", [], symbol=acc_name))
+    rewriter.append(zeroes)

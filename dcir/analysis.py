@@ -80,9 +80,12 @@ def dependency_graph(func: Function) -> nx.DiGraph:
     """The ops of ``func`` as a DAG, nodes numbered by schedule position.
 
     Edges carry ``kind``: ``"data"`` (a result feeds an operand), ``"state"`` (reads and
-    writes of the same symbol keep their order), ``"collective"`` (collectives keep
-    their order on every rank) and ``"free"`` (a ``mem.free`` follows every reader of
-    what it frees or of a view of it, and the wait of every async op that reads it).
+    writes of the same symbol keep their order; a write follows every reader of what a
+    ``param.get`` loaded from the symbol before it, and the wait of every async op reading
+    that: the loaded value is the state's storage, which an in-place write changes),
+    ``"collective"`` (collectives keep their order on every rank) and ``"free"`` (a
+    ``mem.free`` follows every reader of what it frees or of a view of it, and the wait
+    of every async op that reads it).
     Any topological order of this graph is a valid schedule.
     """
     g = nx.DiGraph()
@@ -113,7 +116,8 @@ def dependency_graph(func: Function) -> nx.DiGraph:
         if op.symbol is not None and d is not None:
             if d.has(registry.WRITES_STATE):
                 for r in reads_since_write.pop(op.symbol, ()):
-                    g.add_edge(r, i, kind="state")
+                    loaded = (u for v in func.ops[r].results for u in readers.get(v, ()) if u != i)
+                    g.add_edges_from((a, i, {"kind": "state"}) for a in (r, *loaded) if not g.has_edge(a, i))
                 if op.symbol in last_write:
                     g.add_edge(last_write[op.symbol], i, kind="state")
                 last_write[op.symbol] = i

@@ -152,14 +152,26 @@ def _rule_param_set(op, types, module):
     return []
 
 
-def _rule_param_add(op, types, module):
+def _accumulator(op, module):
+    """The declaration of the gradient accumulator ``op`` updates in place; anything else
+    (a parameter, BatchNorm's running statistics) is written with ``param.set``."""
     decl = module.decls[op.symbol]
     if decl.kind != "buffer" or GRAD_ACC_OF not in decl.attrs:
-        raise TypeRuleError(f"{op.name} adds into a gradient accumulator (a buffer with {GRAD_ACC_OF}); @{op.symbol} "
-                            "is not one: write it with param.set", 0)
+        raise TypeRuleError(f"{op.name} updates a gradient accumulator (a buffer with {GRAD_ACC_OF}) in place; "
+                            f"@{op.symbol} is not one: write it with param.set", 0)
+    return decl
+
+
+def _rule_param_add(op, types, module):
+    decl = _accumulator(op, module)
     t = _full_or_shard(types[0], f"the operand of {op.name}")
     if retyped(t, decl.type.dtype) != decl.type:  # the element type may differ (bf16 into f32)
         raise TypeRuleError(f"@{op.symbol} holds {decl.type}, but the value added is {t}", 0)
+    return []
+
+
+def _rule_param_zero(op, types, module):
+    _accumulator(op, module)
     return []
 
 
@@ -177,15 +189,6 @@ def _over(over: str | None) -> str:
     return f'the mesh dimension "{over}"' if over else "every rank"
 
 
-def _rule_accumulate(op, types, module):
-    for i, t in enumerate(types):
-        _full_or_shard(t, f"operand #{i} of {op.name}", i)
-    if types[0] != types[1]:
-        raise TypeRuleError(f"{op.name} sums values of one type; the accumulator is {types[0]}, the gradient "
-                            f"{types[1]}", 1)
-    return [types[0]]
-
-
 def _rule_take_shard(op, types, module):
     if not isinstance(types[0], TensorType):
         raise TypeRuleError(f"{op.name} splits a full tensor; its operand is {types[0]}", 0)
@@ -194,10 +197,6 @@ def _rule_take_shard(op, types, module):
     if parts is None:
         raise TypeRuleError(f"{op.name} needs the number of shards: give the module a world_size attribute")
     return [ShardType(types[0], parts, group)]
-
-
-def _rule_zero(op, types, module):
-    return [_full_or_shard(types[0], f"the operand of {op.name}")]
 
 
 def _rule_all_gather(op, types, module):
@@ -417,15 +416,12 @@ OPS: dict[str, OpDef] = {d.name: d for d in [
     OpDef("param.add", "Add a gradient into its accumulator's storage, in place (a tensor, or this rank's shard).",
           (1, 1), (0, 0), frozenset({READS_STATE, WRITES_STATE, SIDE_EFFECT}), _rule_param_add, symbol=True,
           example="param.add @fc1.weight.grad_acc(%g)"),
+    OpDef("param.zero", "Zero a gradient accumulator's storage, in place (after the last reduction reading it).",
+          (0, 0), (0, 0), frozenset({WRITES_STATE, SIDE_EFFECT}), _rule_param_zero, symbol=True,
+          example="param.zero @fc1.weight.grad_acc"),
     OpDef("grad.set", "Hand the (reduced) gradient of a trainable parameter to the optimizer.",
           (1, 1), (0, 0), frozenset({SIDE_EFFECT, GRADIENT}), _rule_grad_set, symbol=True,
           example="grad.set @fc1.weight(%grad_shard)"),
-    OpDef("grad.accumulate", "Sum a gradient into a copy of its accumulator (a tensor, or this rank's shard of one).",
-          (2, 2), (1, 1), frozenset({PURE, ALLOCATES}), _rule_accumulate,
-          example="%sum = grad.accumulate(%acc, %g_shard) : shard<f32[16, 8], local=2>"),
-    OpDef("grad.zero", "A zeroed value of an accumulator's type (a tensor, or this rank's shard of one).",
-          (1, 1), (1, 1), frozenset({PURE, ALLOCATES}), _rule_zero,
-          example="%acc_zero = grad.zero(%acc) : shard<f32[16, 8], local=2>"),
     OpDef("comm.all_gather", "Start gathering a shard from every rank into the full tensor.",
           (1, 1), (1, 1), frozenset({ASYNC, COLLECTIVE, GATHERS, ALLOCATES}), _rule_all_gather, _GROUP,
           example="%p = comm.all_gather(%w) : pending<f32[16, 8]>", coalesced="comm.all_gather_coalesced"),

@@ -49,14 +49,15 @@ from dcir.activations import OFFLOAD
 from dcir.analysis import view_bases
 from dcir.buffers import GRAD_ACC_OF, OPTIM_KEY, OPTIM_STATE_OF
 from dcir.diagnostics import DcirError, Diagnostic
-from dcir.ir import Function, Module, Op, ShardType, Source
-from dcir.ops import GATHERS, OPS, REDUCES, SCATTERS, SCHEMA, WAITS, has_trait
+from dcir.ir import Function, Module, Op, ShardType, Source, Value
+from dcir.ops import GATHERS, OPS, REDUCES, SCATTERS, SCHEMA, WAITS, has_trait, views
 from dcir.printer import locate
 from dcir.shapes import call_arguments, torch_dtype
 from dcir.verifier import verify
 from dcir_lowering import copies, state_store
 from dcir_lowering.calls import (OP_INDEX, _grad_set, _item, _rng_get, _rng_set, _state_add, _state_get, _state_set,
-                                 _dequantize, _dequantize_reduce, _quantize, _quantize_rows, _take_shard, _unbox)
+                                 _state_zero, _dequantize, _dequantize_reduce, _quantize, _quantize_rows, _take_shard,
+                                 _unbox)
 from dcir_lowering.program import Program, constants, device_of, gathered_copies
 from dcir_lowering.state_store import OPTIMIZER_STATE, OptimizerStateStore
 from dcir_lowering.stretches import compile_compute, reshaping
@@ -115,6 +116,16 @@ def _scatter_one(full: torch.Tensor) -> torch.Tensor:
     return full.reshape(-1)
 
 
+def _loaded(v: Value) -> bool:
+    """Whether ``v`` is (a view of) what a ``param.get`` read: the state's own storage."""
+    while isinstance(v.owner, Op) and v.owner.name != "param.get":
+        src = views(v.owner).get(v.index)
+        if src is None:
+            return False
+        v = v.owner.operands[src]
+    return isinstance(v.owner, Op)
+
+
 def _lower_collective(module: Module, op: Op, g: fx.Graph, env: dict) -> None:
     """Collectives over a world of one rank, where each has a meaning in one process."""
     if (module.world_size or 1) != 1:
@@ -127,6 +138,8 @@ def _lower_collective(module: Module, op: Op, g: fx.Graph, env: dict) -> None:
             env[r] = g.call_function(_scatter_one, (env[v],))
         else:  # a wait, or an all_reduce over one rank: the value itself
             env[r] = env[v]
+        if has_trait(op, REDUCES) and _loaded(v):  # a result is never the state's storage, which param.zero clears
+            env[r] = g.call_function(torch.ops.aten.clone.default, (env[r],))
 
 
 class _Distributed:
@@ -292,6 +305,8 @@ def _lower_op(module: Module, func: Function, op: Op, g: fx.Graph, env: dict, st
         g.call_function(_state_set, (state, op.symbol, env[op.operands[0]]))
     elif op.name == "param.add":
         g.call_function(_state_add, (state, op.symbol, env[op.operands[0]]))
+    elif op.name == "param.zero":
+        g.call_function(_state_zero, (state, op.symbol))
     elif op.name == "grad.set":
         g.call_function(_grad_set, (grads, op.symbol, env[op.operands[0]]))
     elif op.name == "mem.free":
@@ -305,8 +320,6 @@ def _lower_op(module: Module, func: Function, op: Op, g: fx.Graph, env: dict, st
         env[op.results[0]] = g.call_function(_rng_get, (env[op.operands[0]],))
     elif op.name == "rng.set":
         g.call_function(_rng_set, tuple(env[v] for v in op.operands))
-    elif op.name == "grad.accumulate":
-        env[op.results[0]] = g.call_function(torch.ops.aten.add.Tensor, (env[op.operands[0]], env[op.operands[1]]))
     elif op.name == "mem.quantize":
         rows = (op.attrs["parts"],) if "parts" in op.attrs else ()  # a reduction's: one row per rank
         node = g.call_function(_quantize_rows if rows else _quantize, (env[op.operands[0]], op.attrs["block"], *rows))
@@ -323,8 +336,6 @@ def _lower_op(module: Module, func: Function, op: Op, g: fx.Graph, env: dict, st
             raise _unsupported(module, op, f"{op.name} over more than one rank needs a process group: lower with "
                                            "group= (the Engine does)")
         env[op.results[0]] = g.call_function(_take_shard, (env[op.operands[0]], None))
-    elif op.name == "grad.zero":
-        env[op.results[0]] = g.call_function(torch.ops.aten.zeros_like.default, (env[op.operands[0]],))
     elif op.name == "mem.cast":
         env[op.results[0]] = g.call_function(torch.ops.aten._to_copy.default, (env[op.operands[0]],),
                                              {"dtype": torch_dtype(op.attrs["dtype"].name)})

@@ -37,6 +37,11 @@ def _state_add(state: dict, name: str, value: torch.Tensor) -> None:
         state[name].add_(value)
 
 
+def _state_zero(state: dict, name: str) -> None:
+    with torch.no_grad():
+        state[name].zero_()
+
+
 def _grad_set(grads: dict, name: str, value: torch.Tensor) -> None:
     grads[name] = value
 
@@ -87,7 +92,8 @@ def reads_state(node: fx.Node) -> bool:
 
 
 #: what a lowered graph calls that is state access or the runtime's (``dcir_lowering.stretches``)
-RUNTIME_CALLS = (_state_get, _state_set, _state_add, _grad_set, *state_store.CALLS, _rng_get, _rng_set, _unbox)
+RUNTIME_CALLS = (_state_get, _state_set, _state_add, _state_zero, _grad_set, *state_store.CALLS, _rng_get, _rng_set,
+                 _unbox)
 
 
 def _blockwise(rows: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -285,19 +285,22 @@ def test_missing_state_is_an_error():
         dcir.lower(module, {})
 
 
-def test_early_micro_steps_sum_gradients_into_their_accumulators_in_place():
-    """zero1 under accumulation at world 1, in one process: @backward adds each gradient
-    into its accumulator's own tensor (``param.add``: nothing allocated, nothing copied
-    back); @backward_last hands over the sum and zeroes that same tensor."""
+def test_micro_steps_sum_gradients_into_their_accumulators_in_place():
+    """zero1 under accumulation at world 1, in one process: every micro-step adds each
+    gradient into its accumulator's own tensor (``param.add``: nothing allocated, nothing
+    copied back); @backward_last reduces that tensor, hands over a copy (a reduction over
+    one rank is the value itself) and zeroes the accumulator in place (``param.zero``)."""
     torch.manual_seed(0)
     ref = mlp()
     x = torch.randn(4, 8)
     module = dcir.compile_to_ir(ref, (x,), loss_fn=squared)
     dcir.run_passes(module, "zero1{world_size=1, micro_steps=2}")
     program = dcir.lower(module, state_of(copy.deepcopy(ref)))
-    early = program.graphs["backward"]
-    targets = {getattr(n.target, "__name__", "") for n in early.graph.nodes if n.op == "call_function"}
-    assert "_state_add" in targets and "_state_set" not in targets, sorted(targets)
+    for name, zeroes in (("backward", False), ("backward_last", True)):
+        nodes = program.graphs[name].graph.nodes
+        targets = {getattr(n.target, "__name__", "") for n in nodes if n.op == "call_function"}
+        assert "_state_add" in targets and "_state_set" not in targets, (name, sorted(targets))
+        assert ("_state_zero" in targets) == zeroes, (name, sorted(targets))
     squared(ref(x)).backward()
     accumulators = {name: t for name, t in program.state.items() if name.endswith(".grad_acc")}
     assert len(accumulators) == len(list(ref.parameters()))

@@ -18,7 +18,8 @@ places the casts where they pay:
   always sees fp32 gradients. The cast copy is freed after the reduction's wait; the
   gradient itself right after the cast, when the reduction was its last reader;
 * ``zero1``'s gradient accumulators hold ``reduce_dtype`` when it is wider than
-  ``param_dtype``, so the micro-steps' gradients are summed in it (the add promotes).
+  ``param_dtype``, so the micro-steps' gradients are summed in it (``param.add`` of a
+  bf16 gradient into an fp32 accumulator).
 
 Run it after the ZeRO stage's pass: the casts then sit next to the collectives that
 pass placed. (Run before, it would cast after the gather, which moves fp32 bytes.)
@@ -59,7 +60,7 @@ from dcir.buffers import GRAD_ACC_OF
 from dcir.context import PlanContext
 from dcir.diagnostics import DcirError, Diagnostic
 from dcir.dtypes import is_float, parse_dtype
-from dcir.ir import DTYPE_BYTES, DType, Function, Module, Op, ShardType, TensorType, Value, retyped
+from dcir.ir import DTYPE_BYTES, DType, Function, Module, Op, ShardType, Value, retyped
 from dcir.passes import Pass
 from dcir.passes.free import FreePlacer
 from dcir.rewrite import EDITED, Constraint, Match, P, Rewriter, Rule, apply_rules
@@ -171,19 +172,13 @@ def cast_gradient(m: Match) -> object:
 
 def accumulate_in_reduce_dtype(func: Function, accumulators: set[str], dtype: str, stats: Counter) -> None:
     """zero1's gradient accumulators hold ``dtype`` (fp32: the micro-steps' gradients
-    are summed in fp32, as FSDP2 accumulates them after an fp32 reduction): a read of
-    one, and each compute op on it (the add of a bf16 gradient promotes to fp32, the
-    zero), is retyped. The reduction of the sum then runs in ``dtype`` with no cast."""
-    retyped_values = set()
+    are summed in fp32, as FSDP2 accumulates them after an fp32 reduction): ``param.add``
+    adds a bf16 gradient into one, and each read of one is retyped, so the reduction of
+    the sum runs in ``dtype`` with no cast."""
     for op in func.ops:
-        reads = registry.has_trait(op, registry.LOADS_STATE) and op.symbol in accumulators
-        if not reads and not (registry.has_trait(op, registry.COMPUTE) and retyped_values.intersection(op.operands)):
-            continue
-        for r in op.results:
-            if isinstance(r.type, TensorType) and is_float(r.type.dtype):
-                r.type = retyped(r.type, dtype)
-                retyped_values.add(r)
-        stats["gradient accumulator ops in " + dtype] += 1
+        if registry.has_trait(op, registry.LOADS_STATE) and op.symbol in accumulators:
+            op.results[0].type = retyped(op.results[0].type, dtype)
+            stats["gradient accumulator ops in " + dtype] += 1
 
 
 def _reduction_of(grad: Value) -> tuple[Op, int] | None:

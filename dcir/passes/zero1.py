@@ -10,13 +10,13 @@ reduce-scattered once, in the last micro-step:
 
 * each trainable parameter gets an accumulator of its full size (``buffer
   @w.grad_acc : f32[4, 8] {grad_acc.of = @w}``): ZeRO-1 holds full gradients;
-* ``@backward`` (micro-steps 1 to N-1) adds each gradient into its accumulator, in
-  place (``param.add``), and communicates nothing;
+* every micro-step adds each gradient into its accumulator, in place
+  (``param.add``); ``@backward`` (micro-steps 1 to N-1) communicates nothing more;
 * ``@backward_last`` (micro-step N, which the Engine runs at the accumulation
-  boundary) adds the last gradient to the accumulator, reduce-scatters the sum
-  (average across ranks) where ``zero3`` reduced the gradient, so the reduction
-  still overlaps the rest of the backward, hands the shard to the optimizer and
-  zeroes the accumulator for the next optimizer step.
+  boundary) reduce-scatters the accumulator itself (average across ranks) where
+  ``zero3`` reduced the gradient, so the reduction still overlaps the rest of the
+  backward, hands the shard to the optimizer and ends by zeroing every accumulator
+  in place (``param.zero``) for the next optimizer step.
 
 Before -> after (``micro_steps=4``; the ``zero2`` part is as in ``zero2``)::
 
@@ -30,16 +30,14 @@ Before -> after (``micro_steps=4``; the ``zero2`` part is as in ``zero2``)::
     }
     func @backward_last(...) {
       ...
-      %g_acc = param.get @fc.weight.grad_acc : f32[4, 8]
-      %g_sum = aten.add.Tensor(%g_acc, %g) : f32[4, 8]
-      %g_pending = comm.reduce_scatter(%g_sum) {op = "avg"} : pending<shard<f32[4, 8], 2>>
-      %g_shard = comm.wait(%g_pending) : shard<f32[4, 8], 2>
-      mem.free(%g_sum)
-      %g_zero = aten.zero.default(%g_acc) : f32[4, 8]
-      param.set @fc.weight.grad_acc(%g_zero)
-      mem.free(%g_zero)
-      grad.set @fc.weight(%g_shard)
+      param.add @fc.weight.grad_acc(%g)
       mem.free(%g)
+      %g_acc = param.get @fc.weight.grad_acc : f32[4, 8]
+      %g_pending = comm.reduce_scatter(%g_acc) {op = "avg"} : pending<shard<f32[4, 8], 2>>
+      %g_shard = comm.wait(%g_pending) : shard<f32[4, 8], 2>
+      grad.set @fc.weight(%g_shard)
+      ...
+      param.zero @fc.weight.grad_acc
     }
 """
 

@@ -20,6 +20,7 @@ class Gradients(Checker):
     def function(self, f) -> None:
         self.func = f.name
         self.reductions = {}  # value -> the mesh dimensions it was reduced over ("" : the world), in order
+        self.stored = {}  # symbol -> those of what this function wrote into it (param.add of a reduced shard)
 
     def effects(self, op, d, ok: bool) -> None:
         if d is not None and registry.GRADIENT in d.traits and op.symbol in self.m.decls:
@@ -38,9 +39,13 @@ class Gradients(Checker):
                 self.reductions[r] = self.reductions.get(v, ())
             return
         dims = max((self.reductions.get(v, ()) for v in op.operands), key=len, default=())
+        if registry.LOADS_STATE in d.traits:  # what this function wrote there, read back
+            dims = self.stored.get(op.symbol, ())
         if registry.REDUCES in d.traits:
             group = op.attrs.get("group")
             dims = dims + ((group,) if group is not None else tuple(self.m.mesh) or ("",))
+        if dims and registry.WRITES_STATE in d.traits and op.symbol is not None:
+            self.stored[op.symbol] = max(self.stored.get(op.symbol, ()), dims, key=len)
         if dims:
             for r in op.results:
                 self.reductions[r] = dims

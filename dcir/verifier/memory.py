@@ -1,7 +1,9 @@
 """Memory: nothing reads a value, or any view of its storage, after a ``frees`` op
 released it; nothing is freed twice; nothing is freed while an ``async`` op that reads
 it (a collective, an offload) is in flight, i.e. before that op's pending result is
-waited (which the async checker, ``Pending``, knows)."""
+waited (which the async checker, ``Pending``, knows); and no symbol is written (a
+``param.add``, ``param.zero``) while such an op reads what a ``param.get`` loaded from
+it: the loaded value is the state's own storage."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ class Memory(Checker):
         self.storage = {}  # a view -> the value that owns its storage
         self.freed = {}  # storage owner -> the op that released it
         self.inflight = {}  # storage -> [(async op reading it, its pending result)]
+        self.loaded = {}  # symbol -> the values param.get read from it
 
     def operand(self, op, d, k: int, v) -> bool:
         owner = self.storage.get(v, v)
@@ -34,6 +37,10 @@ class Memory(Checker):
             return
         if registry.FREES in d.traits:
             self._free(op)
+        if registry.WRITES_STATE in d.traits and op.symbol is not None:
+            self._write(op)
+        if registry.LOADS_STATE in d.traits:
+            self.loaded.setdefault(op.symbol, []).extend(op.results)
         if registry.ASYNC in d.traits and op.results:
             per_operand = len(op.results) == len(op.operands)
             for k, v in enumerate(op.operands):
@@ -58,6 +65,15 @@ class Memory(Checker):
                                                      f"it after comm.wait(%{pending.name})",
                                               (self.report.op_note(reader, "the async op starts here"),))
                     break
+
+    def _write(self, op) -> None:
+        for v in self.loaded.get(op.symbol, ()):
+            for reader, pending in self.inflight.get(v, ()):
+                if pending not in self.pending.waited:
+                    self.report.op_error(op, f"{op.name} writes @{op.symbol} while {reader.name} still reads "
+                                             f"%{v.name}, its storage; write it after comm.wait(%{pending.name})",
+                                         (self.report.op_note(reader, "the async op starts here"),))
+                    return
 
     def returned(self, f, k: int, v) -> bool:
         owner = self.storage.get(v, v)
