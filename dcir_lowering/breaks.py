@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib.util
 import io
 import logging
 import os
+import sys
 import tokenize
 import warnings
 from dataclasses import dataclass
@@ -99,12 +101,80 @@ def benign_breaks():
     ``print(x.shape)`` or ``warnings.warn(msg, UserWarning)`` would break the graph
     anyway. Ignoring is what reordering does to a model's calls, said plainly.
 
-    The user's own settings are kept: these are added to them."""
+    Nor does the table of function wrappers the ``kernels`` package keeps, which
+    transformers writes in every attention forward since 5.25 and which Dynamo refuses to
+    write in a checkpointed region (``_PlainKernelFuncs``). The user's own settings are
+    kept: these are added to them."""
     config = torch._dynamo.config
     loggers = {getattr(logging.Logger, name) for name in _LOGGER_METHODS if hasattr(logging.Logger, name)}
     ignored = set(config.ignore_logging_functions) | loggers | {print, warnings.warn}
-    with config.patch(ignore_logging_functions=ignored):
+    with config.patch(ignore_logging_functions=ignored), _plain_kernel_funcs():
         yield
+
+
+#: where the ``kernels`` package (which transformers needs since 5.25) keeps its table of the
+#: function wrappers of the model running now: the module and the name
+_KERNEL_FUNCS = ("kernels._internals.layer.layer", "_ACTIVE_KERNEL_FUNCS")
+
+
+class _PlainKernelFuncs:
+    """Stands in for ``kernels``' table of a model's function wrappers while DCIR traces.
+
+    A module decorated with ``use_kernelized_func`` (transformers' attention, for the
+    rotary embedding) puts its wrappers into the table for the length of its forward
+    (``set``, then ``reset``); under Dynamo that is a write to a global object, which
+    inside an activation-checkpointed region Dynamo refuses ("HOP: Unsafe side effect":
+    eager checkpointing would repeat it when it recomputes), so the step would split into
+    graphs. The table changes what runs only for a function ``kernelize`` replaced;
+    without one each wrapper runs the plain function, as it does with no table. So the
+    stand-in leaves the table unset when no function it is given was replaced (the same
+    code runs), and hands a table that holds a replaced one to ``kernels`` (its kernel
+    runs; in a checkpointed region Dynamo still refuses the write, and the error names it)."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def get(self):
+        return self.real.get()
+
+    def set(self, table):
+        return (self.real.set(table),) if _replaced(table) else None
+
+    def reset(self, token):
+        if token is not None:
+            self.real.reset(token[0])
+
+
+def _replaced(table) -> bool:
+    """Whether ``table`` (id of a function -> (its wrapper, the forward the wrapper runs))
+    holds a function ``kernelize`` replaced; a table laid out otherwise counts as one."""
+    try:
+        return any(forward is not type(wrapper).forward for wrapper, forward in table.values())
+    except (AttributeError, TypeError, ValueError):
+        return True
+
+
+@functools.cache
+def _stand_in(real) -> _PlainKernelFuncs:
+    """One stand-in per table, so what Dynamo guards on is the same object at every call."""
+    return _PlainKernelFuncs(real)
+
+
+@contextlib.contextmanager
+def _plain_kernel_funcs():
+    """``kernels``' table replaced by its stand-in (``_PlainKernelFuncs``), where the
+    package is loaded and has the table."""
+    module = sys.modules.get(_KERNEL_FUNCS[0])
+    real = getattr(module, _KERNEL_FUNCS[1], None)
+    if real is None or isinstance(real, _PlainKernelFuncs) or not all(
+            callable(getattr(real, name, None)) for name in ("get", "set", "reset")):
+        yield
+        return
+    setattr(module, _KERNEL_FUNCS[1], _stand_in(real))
+    try:
+        yield
+    finally:
+        setattr(module, _KERNEL_FUNCS[1], real)
 
 
 def graph_breaks(model: torch.nn.Module, *args, **kwargs) -> GraphBreaks:

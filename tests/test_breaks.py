@@ -4,6 +4,7 @@ whole-graph capture error that lists every break with its line."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import subprocess
 import sys
@@ -14,7 +15,8 @@ import pytest
 import torch
 
 import dcir
-from dcir_lowering.breaks import GraphBreak, breaks_of, notes
+from dcir.activations import RECOMPUTE
+from dcir_lowering.breaks import _KERNEL_FUNCS, GraphBreak, breaks_of, notes
 from dcir_runtime.train import breaks_table
 from zoo import ZOO
 
@@ -84,6 +86,41 @@ class Chatty(torch.nn.Module):
         return h.pow(2).mean()
 
 
+KERNELS = importlib.util.find_spec("kernels") is not None  # what transformers needs since 5.25
+if KERNELS:
+    import kernels
+
+    @kernels.use_kernel_forward_from_hub("DcirTestScale")
+    def scale(h):
+        return h * 2
+
+    @kernels.use_kernelized_func(scale)
+    class Kernelized(torch.nn.Module):
+        """A block calling a hub-kernel function, as transformers' attention calls
+        ``apply_rotary_pos_emb``: its forward sets and resets ``kernels``' table."""
+
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, h):
+            return scale(torch.tanh(self.fc(h)))
+
+
+class Checkpointed(torch.nn.Module):
+    """Two ``Kernelized`` blocks, each recomputed in the backward (non-reentrant
+    checkpointing, as ``gradient_checkpointing_enable()`` sets it up) unless ``plain``."""
+
+    def __init__(self, plain: bool = False):
+        super().__init__()
+        self.blocks, self.plain = torch.nn.ModuleList([Kernelized(), Kernelized()]), plain
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x) if self.plain else torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x.pow(2).mean()
+
+
 def test_an_item_branch_is_listed_with_its_line_and_the_model_is_untouched():
     torch.manual_seed(0)
     model = ItemBranch()
@@ -116,6 +153,37 @@ def test_logging_warnings_and_print_are_not_breaks(capsys):
     found = dcir.graph_breaks(Chatty(), torch.randn(2, 4))
     assert found == [] and found.graphs == 1
     assert "Chatty prints" not in capsys.readouterr().out  # ignored while traced
+
+
+@pytest.mark.skipif(not KERNELS, reason="the kernels package is not installed")
+def test_kernels_function_table_is_not_a_break_under_checkpointing():
+    """``kernels``' table of a model's function wrappers, written in every forward of a
+    block that calls a hub-kernel function, is a write Dynamo refuses inside a
+    checkpointed region; with no function ``kernelize`` replaced it changes nothing that
+    runs, so it is no break, the step is one graph and the blocks are recomputed. The
+    package keeps its own table outside the capture."""
+    table = getattr(sys.modules[_KERNEL_FUNCS[0]], _KERNEL_FUNCS[1])
+    torch.manual_seed(0)
+    model, x = Checkpointed(), torch.randn(3, 4)
+    found = dcir.graph_breaks(model, x)
+    assert found == [] and found.graphs == 1, [str(b) for b in found]
+    module = dcir.compile_to_ir(model, (x,))
+    assert any(RECOMPUTE in op.attrs for op in module.functions["backward"].ops)
+    assert getattr(sys.modules[_KERNEL_FUNCS[0]], _KERNEL_FUNCS[1]) is table
+
+
+@pytest.mark.skipif(not KERNELS, reason="the kernels package is not installed")
+def test_a_function_kernelize_replaced_still_runs_its_kernel():
+    """Where ``kernelize`` replaced a function (here by hand, as it does: the model's
+    private wrapper gets another ``forward``), the captured step runs the replacement,
+    not the plain function."""
+    from types import MethodType
+
+    model = Checkpointed(plain=True)
+    wrapper = model.blocks[1]._kernel_funcs["DcirTestScale"]  # the function's layer name
+    wrapper.forward = MethodType(lambda self, h: torch.sigmoid(h), wrapper)
+    ops = [op.name for op in dcir.compile_to_ir(model, (torch.randn(3, 4),)).functions["forward"].ops]
+    assert ops.count("aten.sigmoid.default") == 1 and ops.count("aten.mul.Tensor") >= 1, ops
 
 
 def test_a_transformers_model_has_no_breaks():
