@@ -114,7 +114,11 @@ row's. Exposed communication is the host time DCIR's ranks spent blocked in
 ``comm.wait`` per step (the slowest rank's), for collectives and, with offload, for host
 copies; the others have no such counter ("n/a"). Sent is the bytes a rank hands to
 collectives per step, as DCIR's runtime counts them (the largest rank's; "n/a" for the
-others), and "x fp32" a bf16 row's step time over its fp32 row's in the same run.
+others); "faults/step" the minor page faults a rank's process took per measured step
+(the most any rank took, median over steps), each a fresh 4 KiB page touched for the
+first time: what glibc's handing large freed blocks back and mapping them anew costs
+(``--malloc``), which no profile of the ops sees; and "x fp32" a bf16 row's step time
+over its fp32 row's in the same run.
 
 ``--malloc keep`` runs every system's processes alike with glibc malloc keeping freed
 memory for reuse (``MALLOC_MMAP_MAX_=0``, no trimming), as a GPU caching allocator
@@ -369,6 +373,7 @@ def summarize(runs: dict[str, list[dict]], ns, allocated: dict[str, dict] | None
             "exposed_comm_s": statistics.median(waits) if waits else None,
             "predicted_s": _median([r.get("predicted_s") for r in results]),
             "sent_bytes_per_step": statistics.median(sent) if sent else None,
+            "minor_faults_per_step": _median([f for r in results for f in r.get("minor_faults") or ()]),
             "first_step_s": _median([r.get("first_step_s") for r in results]),
             "init": results[0].get("init", "real"),  # how this system built the model (floor: always real)
             "allocated_mib": allocated_mib(allocated[system]) if system in allocated else None,
@@ -416,7 +421,8 @@ def table(rows: dict, unavailable: dict) -> str:
     head = (f"{'system':<{w}}{'init':<6}{'step s':>9}{'x floor':>9}{'x fsdp2 speed':>15}{'tok/s/rank':>12}"
             f"{'peak RSS MiB':>14}"
             + (f"{'peak CUDA MiB':>15}" if cuda else "") + f"{'exposed comm s':>16}{'predicted s':>13}"
-            + f"{'sent MiB/step':>15}{'x fp32':>8}{'x fsdp2 RSS':>12}{'start RSS MiB':>15}{'first step s':>14}"
+            + f"{'sent MiB/step':>15}{'faults/step':>13}{'x fp32':>8}{'x fsdp2 RSS':>12}{'start RSS MiB':>15}"
+            + f"{'first step s':>14}"
             + (f"{'alloc MiB':>11}{'x fsdp2 alloc':>15}" if alloc else ""))
     lines = [head, "-" * len(head)]
     for system, r in rows.items():
@@ -427,6 +433,7 @@ def table(rows: dict, unavailable: dict) -> str:
         gpu = f"{r['peak_cuda_mib']:>15,.0f}" if cuda and r.get("peak_cuda_mib") is not None else (
             f"{'n/a':>15}" if cuda else "")
         sent = f"{r['sent_bytes_per_step'] / 2**20:.3f}" if r.get("sent_bytes_per_step") is not None else "n/a"
+        faults = f"{r['minor_faults_per_step']:,.0f}" if r.get("minor_faults_per_step") is not None else "n/a"
         vs32 = f"{r['x_fp32']:.2f}" if r.get("x_fp32") else "-"
         rss = f"{r['x_fsdp2_rss']:.3f}" if r.get("x_fsdp2_rss") else "-"
         first = f"{r['first_step_s']:.1f}" if r.get("first_step_s") is not None else "n/a"
@@ -437,7 +444,7 @@ def table(rows: dict, unavailable: dict) -> str:
                 f"{r['x_fsdp2_allocated']:>15.3f}" if r.get("x_fsdp2_allocated") else f"{'-':>15}")
         lines.append(f"{system:<{w}}{r.get('init', 'real'):<6}{r['step_s']:>9.3f}{x:>9}{speed:>15}"
                      f"{r['tokens_per_s_per_rank']:>12,.0f}{r['peak_rss_mib']:>14,.0f}{gpu}{comm:>16}{pred:>13}"
-                     f"{sent:>15}{vs32:>8}{rss:>12}{start:>15}{first:>14}{held}")
+                     f"{sent:>15}{faults:>13}{vs32:>8}{rss:>12}{start:>15}{first:>14}{held}")
     for system, why in unavailable.items():
         lines.append(f"{system:<{w}}unavailable: {why}")
     base = baselines(rows)

@@ -4,8 +4,8 @@
 benchmark Llama with SYSTEM for warm-up plus measured steps (a DCIR system warms up
 longer while its optimization cycle still profiles, plans or tries a plan: the steps
 measured are those of the program the job keeps; ``warmup_steps``) and writes, from rank 0,
-each measured step's time (the slowest rank's), the peak resident memory of every
-rank and, for DCIR, the host time its ranks spent blocked in ``comm.wait`` (the
+each measured step's time (the slowest rank's) and minor page faults (the most any
+rank took), the peak resident memory of every rank and, for DCIR, the host time its ranks spent blocked in ``comm.wait`` (the
 communication that compute did not hide). With ``--device cuda`` every rank runs on
 the GPU of its ``LOCAL_RANK`` (NCCL), steps are timed after a device synchronize, and
 the peak memory is the CUDA allocator's (``torch.cuda.max_memory_allocated``).
@@ -132,6 +132,12 @@ def synchronize(ns) -> None:
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def minor_faults() -> int:
+    """The page faults this process took without reading from disk: each a fresh page
+    mapped in on first touch (every thread counted)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def reset_peak_rss() -> bool:
@@ -639,7 +645,7 @@ def main() -> None:
         begin = time.perf_counter()
         runner.load(ns.load_checkpoint)
         load_s = time.perf_counter() - begin
-    times, waits, sent, first_step, first_step_time = [], [], [], None, None
+    times, waits, sent, faults, first_step, first_step_time = [], [], [], [], None, None
     step, warmup = 0, ns.warmup
     while step < warmup + ns.steps:
         if step == warmup and hasattr(runner, "settled") and not runner.settled() and warmup < ns.warmup + 100:
@@ -651,12 +657,14 @@ def main() -> None:
         if distributed:
             dist.barrier()
         synchronize(ns)
+        faults0 = minor_faults()
         begin = time.perf_counter()
         with allocations.window() if allocations is not None and step == warmup else contextlib.nullcontext():
             for _ in range(ns.accumulate):
                 runner.micro_step(next(data))
         synchronize(ns)
         elapsed = time.perf_counter() - begin
+        faulted = minor_faults() - faults0
         first_step = first_step if first_step is not None else process_age_s()
         first_step_time = first_step_time if first_step_time is not None else elapsed
         rss_trace(ns, f"step {step}", runner)
@@ -664,6 +672,7 @@ def main() -> None:
         if step >= warmup:
             times.append(elapsed)
             waits.append(waited)
+            faults.append(faulted)
             sent.append(runner.sent_bytes() - sent0 if sent0 is not None else None)
         step += 1
     if ns.rss_trace:
@@ -681,7 +690,7 @@ def main() -> None:
     rss = peak_rss_mib()  # before the accounting below, whose planning is not part of the step
     steps_rss = hwm_rss_mib() if ns.steps and reset else None
     accounted = runner.accounting() if hasattr(runner, "accounting") else None
-    per_rank = {"times": times, "waits": waits, "sent": sent, "peak_rss_mib": rss, "predicted_s": predicted,
+    per_rank = {"times": times, "waits": waits, "sent": sent, "faults": faults, "peak_rss_mib": rss, "predicted_s": predicted,
                 "accounted": accounted, "steps_rss_mib": steps_rss,
                 "first_step_s": first_step, "first_step_time_s": first_step_time, "load_s": load_s,
                 "start_rss_mib": start_rss, "allocated": allocated,
@@ -701,6 +710,7 @@ def main() -> None:
             json.dump({"system": ns.system, "world": world, "step_s": steps, "wait_s": waits,
                        "sent_bytes": [max(r["sent"][i] for r in everyone) if everyone[0]["sent"][i] is not None
                                       else None for i in range(ns.steps)],
+                       "minor_faults": [max(r["faults"][i] for r in everyone) for i in range(ns.steps)],
                        "peak_rss_mib": [r["peak_rss_mib"] for r in everyone],
                        "start_rss_mib": [r["start_rss_mib"] for r in everyone],
                        "peak_cuda_mib": [r["peak_cuda_mib"] for r in everyone],

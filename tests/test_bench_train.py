@@ -22,14 +22,15 @@ TINY = ["--layers", "1", "--hidden", "64", "--seq", "8", "--batch", "1", "--voca
 COLUMNS = {"step_s", "step_s_min", "step_s_max", "measured_steps", "tokens_per_s_per_rank", "peak_rss_mib",
            "start_rss_mib", "peak_cuda_mib", "exposed_comm_s", "predicted_s", "sent_bytes_per_step", "first_step_s",
            "init", "x_floor", "x_fsdp2_speed", "x_fsdp2_rss", "x_fp32", "allocated_mib", "x_fsdp2_allocated",
-           "allocated_program"}
+           "allocated_program", "minor_faults_per_step"}
 
 
-def _result(step_s: list[float], rss=(400.0, 420.0), waits=None, sent=None, first_step_s=20.0) -> dict:
+def _result(step_s: list[float], rss=(400.0, 420.0), waits=None, sent=None, first_step_s=20.0, faults=None) -> dict:
     """One run's JSON as train_worker.py writes it: the slowest rank's time of each
-    measured step, each rank's peak RSS (MiB), ..."""
+    measured step, the most page faults a rank took in it, each rank's peak RSS (MiB), ..."""
     return {"system": "-", "world": len(rss), "step_s": step_s, "wait_s": waits,
-            "sent_bytes": sent or [None] * len(step_s), "peak_rss_mib": list(rss), "start_rss_mib": [100.0] * len(rss),
+            "sent_bytes": sent or [None] * len(step_s), "minor_faults": faults or [0] * len(step_s),
+            "peak_rss_mib": list(rss), "start_rss_mib": [100.0] * len(rss),
             "peak_cuda_mib": [None] * len(rss), "first_step_s": first_step_s, "init": "real", "predicted_s": None}
 
 
@@ -43,9 +44,9 @@ def test_the_report_pools_the_rounds_and_divides_by_each_baseline():
     ns = argparse.Namespace(batch=2, seq=8, accumulate=3)
     runs = {"floor": [_result([1.0, 1.0]), _result([1.0, 9.0])],
             "dcir": [_result([2.0, 2.0, 100.0], rss=(500.0, 600.0), waits=[0.25, 0.5, 0.5], sent=[3 * 2**20] * 3,
-                             first_step_s=20.0),
+                             first_step_s=20.0, faults=[10, 20, 30_000]),
                      _result([3.0, 5.0, 6.0], rss=(550.0, 560.0), waits=[0.5, 1.0, 1.0], sent=[3 * 2**20] * 3,
-                             first_step_s=30.0)],
+                             first_step_s=30.0, faults=[40, 50, 60])],
             "dcir-bf16": [_result([3.0]), _result([3.0])],
             "fsdp2": [_result([8.0], rss=(300.0, 250.0))]}
     rows = bench_train.summarize(runs, ns)
@@ -55,6 +56,7 @@ def test_the_report_pools_the_rounds_and_divides_by_each_baseline():
     assert dcir["tokens_per_s_per_rank"] == 2 * 8 * 3 / 4.0
     assert (dcir["peak_rss_mib"], dcir["exposed_comm_s"], dcir["sent_bytes_per_step"], dcir["first_step_s"]) \
         == (600.0, 0.5, 3 * 2**20, 25.0)
+    assert dcir["minor_faults_per_step"] == 45  # pooled like the steps: the median of all six
     assert (dcir["x_floor"], dcir["x_fsdp2_speed"], dcir["x_fsdp2_rss"]) == (4.0, 2.0, 2.0)
     assert rows["floor"]["x_floor"] == rows["fsdp2"]["x_fsdp2_speed"] == rows["fsdp2"]["x_fsdp2_rss"] == 1.0
     assert rows["dcir-bf16"]["x_fp32"] == 0.75 and all(rows[n]["x_fp32"] is None for n in ("floor", "dcir", "fsdp2"))
@@ -78,7 +80,8 @@ def test_the_report_pools_the_rounds_and_divides_by_each_baseline():
     text = bench_train.table(rows, {"deepspeed": "not installed"}).splitlines()
     assert "sent MiB/step" in text[0] and "x floor" in text[0]
     dcir_line = next(line for line in text if line.startswith("dcir "))
-    assert "3.000" in dcir_line.split() and "4.00" in dcir_line.split()
+    assert "3.000" in dcir_line.split() and "4.00" in dcir_line.split() and "45" in dcir_line.split()
+    assert "faults/step" in text[0]
     assert text[-3].split() == ["deepspeed", "unavailable:", "not", "installed"]  # then the baselines' lines
 
 
@@ -197,6 +200,7 @@ def test_a_tiny_run_writes_the_report_and_the_traces(tmp_path, capfd):
     assert report["workload"]["init"] == "meta" and "deepcompile" in report["unavailable"]
     assert all(set(r) == COLUMNS and r["measured_steps"] == 1 and r["init"] == "meta" for r in rows.values())
     assert all(0 < r["start_rss_mib"] <= r["peak_rss_mib"] and r["first_step_s"] is not None for r in rows.values())
+    assert all(isinstance(r["minor_faults_per_step"], (int, float)) for r in rows.values())  # every worker counts
     # DCIR's runtime counts waits and bytes and predicts its step (it profiled steps 2-4); FSDP2 has no such counter
     dcir, bf16, fsdp2 = rows["dcir"], rows["dcir-bf16"], rows["fsdp2"]
     assert all(r["exposed_comm_s"] is not None and r["predicted_s"] is not None for r in (dcir, bf16))
