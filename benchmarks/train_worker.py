@@ -3,12 +3,13 @@
 ``python train_worker.py SYSTEM OUT.json --layers ... --steps ...`` trains the
 benchmark Llama with SYSTEM for warm-up plus measured steps (a DCIR system warms up
 longer while its optimization cycle still profiles, plans or tries a plan: the steps
-measured are those of the program the job keeps; ``warmup_steps``) and writes, from rank 0,
-each measured step's time (the slowest rank's) and minor page faults (the most any
-rank took), the peak resident memory of every rank and, for DCIR, the host time its ranks spent blocked in ``comm.wait`` (the
-communication that compute did not hide). With ``--device cuda`` every rank runs on
-the GPU of its ``LOCAL_RANK`` (NCCL), steps are timed after a device synchronize, and
-the peak memory is the CUDA allocator's (``torch.cuda.max_memory_allocated``).
+measured are those of the program the job keeps; ``warmup_steps``) and writes, from
+rank 0, each measured step's time (the slowest rank's) and minor page faults (the most
+any rank took), the peak resident memory of every rank and, for DCIR, the host time its
+ranks spent blocked in ``comm.wait`` (the communication that compute did not hide).
+With ``--device cuda`` every rank runs on the GPU of its ``LOCAL_RANK`` (NCCL), steps
+are timed after a device synchronize, and the peak memory is the CUDA allocator's
+(``torch.cuda.max_memory_allocated``).
 
 With ``--init meta`` the sharded systems start without the full model: the Llama is
 built under ``torch.device("meta")``; ``dcir.initialize`` initializes each rank's shards
@@ -690,8 +691,8 @@ def main() -> None:
     rss = peak_rss_mib()  # before the accounting below, whose planning is not part of the step
     steps_rss = hwm_rss_mib() if ns.steps and reset else None
     accounted = runner.accounting() if hasattr(runner, "accounting") else None
-    per_rank = {"times": times, "waits": waits, "sent": sent, "faults": faults, "peak_rss_mib": rss, "predicted_s": predicted,
-                "accounted": accounted, "steps_rss_mib": steps_rss,
+    per_rank = {"times": times, "waits": waits, "sent": sent, "faults": faults, "peak_rss_mib": rss,
+                "predicted_s": predicted, "accounted": accounted, "steps_rss_mib": steps_rss,
                 "first_step_s": first_step, "first_step_time_s": first_step_time, "load_s": load_s,
                 "start_rss_mib": start_rss, "allocated": allocated,
                 "peak_cuda_mib": torch.cuda.max_memory_allocated() / 2**20 if ns.device == "cuda" else None}
